@@ -36,7 +36,7 @@ class RandomTokenDataset(Dataset[Tensor]):
 
 
 class RandomTokenDataModule(pl.LightningDataModule):
-    """Serves :class:`RandomTokenDataset` in fixed-size batches (``drop_last=True``, no shuffling).
+    """Serves :class:`RandomTokenDataset` in order, by default in fixed-size batches (``drop_last``).
 
     Args:
         batch_size: Sequences per batch (per data-parallel replica).
@@ -44,6 +44,7 @@ class RandomTokenDataModule(pl.LightningDataModule):
         seq_len: Tokens per input sequence.
         vocab_size: Token vocabulary size.
         seed: Data seed.
+        drop_last: Drop a last partial batch (pipelines prefer one batch shape).
     """
 
     def __init__(
@@ -53,12 +54,14 @@ class RandomTokenDataModule(pl.LightningDataModule):
         seq_len: int = 16,
         vocab_size: int = 64,
         seed: int = 0,
+        drop_last: bool = True,
     ):
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         self.batch_size = batch_size
+        self.drop_last = drop_last
         self.dataset = RandomTokenDataset(num_samples, seq_len, vocab_size, seed)
 
     def train_dataloader(self) -> DataLoader[Tensor]:
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, drop_last=True)
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, drop_last=self.drop_last)

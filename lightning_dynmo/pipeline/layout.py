@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_dynmo.balancing.baselines import by_parameters, uniform
+from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.placement import Placement
 
 StageStyle = Literal["loop", "v"]
@@ -213,9 +215,10 @@ def initial_placement(
             "one layer. Use a smaller pipeline_size, a single-stage schedule (GPipe, 1F1B) or a deeper model."
         )
     if policy == "uniform":
-        placement = _uniform(num_layers, num_stages)
+        placement = uniform(num_layers, num_stages)
     elif policy == "parameters":
-        placement = _by_parameters(layer_num_params, num_stages)
+        costs = [LayerCost(num_params=n) for n in layer_num_params]
+        placement = by_parameters(costs, num_stages)
     elif isinstance(policy, Placement):
         placement = policy
     else:
@@ -239,19 +242,3 @@ def check_placement(placement: Placement, num_layers: int, num_stages: int) -> N
             "times the stages each rank runs: 1 for GPipe/1F1B, 2 for multi-stage schedules); give one "
             "'|'-separated range per stage."
         )
-
-
-def _uniform(num_layers: int, num_stages: int) -> Placement:
-    try:
-        from lightning_dynmo.balancing.baselines import uniform
-    except ImportError:  # until the balancing baselines land: equal counts, the extra layers go first
-        base, extra = divmod(num_layers, num_stages)
-        return Placement.from_sizes([base + (1 if s < extra else 0) for s in range(num_stages)])
-    return uniform(num_layers, num_stages)
-
-
-def _by_parameters(layer_num_params: Sequence[int], num_stages: int) -> Placement:
-    from lightning_dynmo.balancing.baselines import by_parameters
-    from lightning_dynmo.balancing.costs import LayerCost
-
-    return by_parameters([LayerCost(num_params=n) for n in layer_num_params], num_stages)

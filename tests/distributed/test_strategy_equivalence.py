@@ -45,13 +45,20 @@ class Run:
     clip: float | None = None
     lr_gamma: float = 0.9
     use_sampler: bool = False
+    precision: str = "64-true"
+    # Samples past the last full batch: with them the last batch is smaller (a shape change).
+    extra_samples: int = 0
     # (batch_idx, placement) pairs applied at on_train_batch_start.
     migrations: tuple[tuple[int, str], ...] = field(default_factory=tuple)
 
     @property
     def num_samples(self) -> int:
         replicas = self.world_size // (self.pipeline_size or self.world_size)
-        return self.batch_size * self.steps * self.accumulate * (replicas if self.use_sampler else 1)
+        full = self.batch_size * self.steps * self.accumulate * (replicas if self.use_sampler else 1)
+        return full + self.extra_samples
+
+    def datamodule(self) -> RandomTokenDataModule:
+        return RandomTokenDataModule(self.batch_size, self.num_samples, drop_last=not self.extra_samples)
 
     def model(self) -> DemoGPT:
         return DemoGPT(num_layers=self.num_layers, lr_gamma=self.lr_gamma)
@@ -59,7 +66,7 @@ class Run:
     def trainer_kwargs(self) -> dict[str, Any]:
         return {
             "accelerator": "cpu",
-            "precision": "64-true",
+            "precision": self.precision,
             "max_epochs": 1,
             "logger": False,
             "enable_checkpointing": False,
@@ -80,7 +87,7 @@ class LossRecorder(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
     ) -> None:
-        self.losses.append(trainer.callback_metrics["train_loss"].item())
+        self.losses.append(trainer.progress_bar_metrics["train_loss"])
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
@@ -131,7 +138,7 @@ def fit_worker(rank: int, world_size: int, run: Run, strategy_overrides: dict[st
         **run.trainer_kwargs(),
     )
     model = run.model()
-    trainer.fit(model, RandomTokenDataModule(batch_size=run.batch_size, num_samples=run.num_samples))
+    trainer.fit(model, run.datamodule())
     strategy = trainer.strategy
     assert isinstance(strategy, DynMoStrategy)
     return {
@@ -154,7 +161,7 @@ def fit_pipelined(run: Run, tmp_path: Any, **strategy_overrides: Any) -> list[di
 
 
 def _reference_batches(run: Run) -> DataLoader[Any]:
-    dm = RandomTokenDataModule(batch_size=run.batch_size, num_samples=run.num_samples)
+    dm = run.datamodule()
     if not run.use_sampler:
         return dm.train_dataloader()
     # Replica r trains on Lightning's DistributedSampler shard r; the single-process reference trains on
@@ -191,14 +198,16 @@ def max_param_diff(results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
     return max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
 
 
-def assert_matches_reference(results: list[dict[str, Any]], ref: dict[str, Any], run: Run) -> None:
-    expected_steps = run.steps * run.accumulate
+def assert_matches_reference(
+    results: list[dict[str, Any]], ref: dict[str, Any], run: Run, tol: float = TOL
+) -> None:
+    expected_steps = run.steps * run.accumulate + (1 if run.extra_samples else 0)
     for rank, res in enumerate(results):
         assert len(res["losses"]) == expected_steps, f"rank {rank} logged {len(res['losses'])} losses"
         diff = max(abs(a - b) for a, b in zip(res["losses"], ref["losses"], strict=True))
-        assert diff < TOL, f"rank {rank}: logged losses differ from the reference by {diff:.3e}"
+        assert diff < tol, f"rank {rank}: logged losses differ from the reference by {diff:.3e}"
     worst = max_param_diff(results, ref)
-    assert worst < TOL, f"parameters differ from the reference by up to {worst:.3e}"
+    assert worst < tol, f"parameters differ from the reference by up to {worst:.3e}"
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"])
@@ -268,3 +277,18 @@ def test_two_data_parallel_replicas_of_a_two_stage_pipeline(tmp_path: Any) -> No
     assert [res["stage_index"] for res in results] == [0, 1, 0, 1]
     assert [(res["first"], res["last"]) for res in results] == [(True, False), (False, True)] * 2
     assert_matches_reference(results, reference(run), run)
+
+
+def test_a_smaller_last_batch_rebuilds_the_stages(tmp_path: Any) -> None:
+    run = Run(steps=4, extra_samples=4)  # four batches of 8, then one of 4 (one sample per micro-batch)
+    assert_matches_reference(fit_pipelined(run, tmp_path), reference(run), run)
+
+
+def test_float32_training_follows_the_reference(tmp_path: Any) -> None:
+    # In float32, AdamW magnifies reduction-order noise (shared/notes/feasibility.md section 2), so only
+    # closeness is expected, not 1e-9.
+    run = Run(precision="32-true", steps=6)
+    results = fit_pipelined(run, tmp_path)
+    floats = [v for res in results for v in res["state"].values() if v.is_floating_point()]
+    assert all(v.dtype == torch.float32 for v in floats)
+    assert_matches_reference(results, reference(run), run, tol=1e-3)

@@ -100,6 +100,7 @@ def test_initial_placement_policies() -> None:
     assert str(initial_placement("uniform", 7, 3)) == "0-2|3-4|5-6"
     assert str(initial_placement("0-0|1-3", 4, 2)) == "0-0|1-3"
     assert initial_placement(Placement.from_sizes([1, 3]), 4, 2) == Placement.from_sizes([1, 3])
+    assert str(initial_placement("parameters", 4, 2, [10, 10, 10, 30])) == "0-2|3-3"
 
 
 def test_initial_placement_more_stages_than_layers() -> None:
