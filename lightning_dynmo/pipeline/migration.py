@@ -252,8 +252,7 @@ def pack_unit(
         "module": module,
         "optim": _optimizer_entries(module, optimizers),
     }
-    body = _dumps_checked(name, module, record, registry)
-    specs, payloads = registry.layout()
+    body, specs, payloads = _dumps_checked(name, module, record, registry)
     structure = pickle.dumps({"specs": specs, "body": body}, protocol=pickle.HIGHEST_PROTOCOL)
     return PackedUnit(structure=structure, payloads=payloads)
 
@@ -443,13 +442,16 @@ class _Unpickler(pickle.Unpickler):
         return self.tensors[index]
 
 
-def _dumps_checked(name: str, module: nn.Module, record: Any, registry: _TensorRegistry) -> bytes:
-    """Pickle ``record``; on failure, find the offending attribute and raise a TypeError naming it."""
+def _dumps_checked(
+    name: str, module: nn.Module, record: Any, registry: _TensorRegistry
+) -> tuple[bytes, dict[str, Any], list[torch.Tensor]]:
+    """Pickle ``record`` and lay out its tensors; on failure raise a TypeError naming the attribute."""
     buffer = io.BytesIO()
     try:
         _Pickler(buffer, registry).dump(record)
+        specs, payloads = registry.layout()
     except Exception as err:  # any pickling failure: locate it for a useful message
-        path, culprit = _find_culprit(module)
+        path, culprit = _find_culprit(module, err.obj if isinstance(err, _TravelError) else None)
         what = err.what if isinstance(err, _TravelError) else f"an unpicklable {type(culprit).__name__}"
         fix = (
             err.fix
@@ -459,12 +461,16 @@ def _dumps_checked(name: str, module: nn.Module, record: Any, registry: _TensorR
         )
         where = f"attribute {path!r}" if path else "its optimizer state"
         raise TypeError(f"Cannot migrate unit {name!r}: {where} holds {what} ({err}). Fix: {fix}.") from err
-    return buffer.getvalue()
+    return buffer.getvalue(), specs, payloads
 
 
-def _find_culprit(module: nn.Module) -> tuple[str, Any]:
-    """Walk a module's attributes and return the dotted path of the first one that cannot be pickled."""
-    for path, value in _walk(module, ""):
+def _find_culprit(module: nn.Module, obj: Any) -> tuple[str, Any]:
+    """Dotted path of the attribute holding ``obj``, else of the first attribute that cannot be packed."""
+    attributes = list(_walk(module, ""))
+    for path, value in attributes:
+        if obj is not None and value is obj:
+            return path, value
+    for path, value in attributes:
         probe = _TensorRegistry("probe", None)
         try:
             _Pickler(io.BytesIO(), probe).dump(value)
