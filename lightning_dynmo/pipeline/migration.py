@@ -459,7 +459,11 @@ def _dumps_checked(
             else "make it picklable, keep it outside the module, or delete it before migrating "
             "(forward/backward hooks are stripped automatically; re-register them on the receiving rank)"
         )
-        where = f"attribute {path!r}" if path else "its optimizer state"
+        where = (
+            f"attribute {path!r}"
+            if path
+            else f"the module itself (class {type(module).__qualname__}) or its optimizer state"
+        )
         raise TypeError(f"Cannot migrate unit {name!r}: {where} holds {what} ({err}). Fix: {fix}.") from err
     return buffer.getvalue(), specs, payloads
 

@@ -161,3 +161,13 @@ def test_checkpoint_survives_torch_save(saved_run, tmp_path, float64):
     load_local_state(reloaded, model.units(), [optimizer])
     assert torch.equal(model.layers["1"].fc2.bias, full["model"]["layers.1.fc2.bias"])
     assert model.layers["1"].calls == 2 * SAVE_AT and model.layers["1"].frozen is False
+
+
+def _gather_to_missing_rank(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match=r"dst=5 is not in the process group \(ranks \[0, 1\]\)"):
+        gather_full_state({}, [], dst=5)
+    return "raised"
+
+
+def test_gather_to_a_rank_outside_the_group_is_rejected(tmp_path):
+    assert run_distributed(_gather_to_missing_rank, 2, tmp_path) == ["raised", "raised"]

@@ -177,3 +177,19 @@ def test_mixed_dtype_views_of_one_storage_are_rejected():
 def test_non_module_unit_is_rejected():
     with pytest.raises(TypeError, match=r"local_units\['layers.0'\] must be an nn.Module, got Tensor"):
         pack_unit("layers.0", torch.zeros(2))  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_payloads_travel_on_the_device_and_cpu_state_comes_back_on_cpu():
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    module = nn.Linear(4, 4).to(cuda)
+    opt = torch.optim.Adam(module.parameters())  # Adam keeps `step` on CPU unless capturable/fused
+    module(torch.ones(2, 4, device=cuda)).sum().backward()
+    opt.step()
+    packed = pack_unit("layers.0", module, [opt], device=cuda)
+    assert all(t.device == cuda for t in packed.payloads)
+    copy, entries = unpack_unit(packed.structure, [t.clone() for t in packed.payloads], device=cuda)
+    assert copy.weight.device == cuda and torch.equal(copy.weight, module.weight)
+    state = {e[2]: e[3] for e in entries}["weight"]
+    assert state["step"].device.type == "cpu" and state["exp_avg"].device == cuda
