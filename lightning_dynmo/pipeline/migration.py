@@ -52,6 +52,7 @@ __all__ = [
     "MigrationReport",
     "PackedUnit",
     "UnitMove",
+    "group_ranks",
     "migrate_units",
     "pack_unit",
     "unit_sort_key",
@@ -152,7 +153,12 @@ def migrate_units(
     if not moves:
         return {}, MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
     rank = dist.get_rank()
-    members = _group_ranks(group)
+    members = group_ranks(group)
+    if rank not in members:
+        raise ValueError(
+            f"migrate_units: this rank ({rank}) is not in the process group (ranks {members}). Call it only "
+            "on members of `group`, or pass a group that contains this rank."
+        )
 
     packed: dict[str, PackedUnit] = {}
     local_error: Exception | None = None
@@ -173,8 +179,9 @@ def migrate_units(
     for name, (module, optim_entries) in received.items():
         modules[name] = module
         _insert_into_optimizers(name, module, optim_entries, optimizers)
-    known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
-    _sort_param_groups(known, optimizers)
+    if modules:  # removal keeps the order; only insertion needs sorting
+        known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
+        _sort_param_groups(known, optimizers)
 
     report = MigrationReport(
         moves=moves, bytes_sent=sent_bytes, bytes_received=recv_bytes, seconds=time.perf_counter() - start
@@ -570,7 +577,10 @@ def _check_moves_for_rank(
             )
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """GLOBAL ranks of ``group`` (``None``: the default group; empty for new_group's non-member marker)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group hands to ranks outside the group
+        return []
     if group is None or group == dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))

@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dynmo.pipeline.migration import group_ranks
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -100,7 +102,7 @@ def gather_full_state(
     Raises:
         ValueError: if ``dst`` is not in ``group`` or an optimizer holds a parameter of no unit.
     """
-    members = _group_ranks(group)
+    members = group_ranks(group)
     if dst not in members:
         raise ValueError(
             f"gather_full_state: dst={dst} is not in the process group (ranks {members}). Pass a GLOBAL "
@@ -304,9 +306,3 @@ def _state_for(param: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str
         else:
             state[key] = copy.deepcopy(value)
     return state
-
-
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
-    if group is None or group == dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return list(dist.get_process_group_ranks(group))

@@ -291,3 +291,25 @@ def _bad_input(
 )
 def test_bad_input_fails_on_every_rank(tmp_path, case, error, match, peer_match):
     assert run_distributed(_bad_input, 2, tmp_path, args=(case, error, match, peer_match)) == ["raised"] * 2
+
+
+def _subgroup_move(rank: int, world_size: int) -> Any:
+    """A group of global ranks [1, 2]: moves name GLOBAL ranks; rank 0 is outside the group."""
+    sub = dist.new_group([1, 2])  # every rank calls it; rank 0 gets the non-member marker
+    move = [UnitMove("layers.0", 1, 2)]
+    if rank == 0:
+        with pytest.raises(ValueError, match=r"this rank \(0\) is not in the process group \(ranks \[\]\)"):
+            migrate_units(move, {}, [], device=CPU, group=sub)
+        return "raised"
+    torch.manual_seed(0)
+    block = nn.Linear(2, 2)
+    units = {"layers.0": block} if rank == 1 else {}
+    received, _ = migrate_units(move, units, [], device=CPU, group=sub)
+    return {name: m.weight.clone() for name, m in received.items()}
+
+
+def test_subgroup_moves_use_global_ranks(tmp_path):
+    results = run_distributed(_subgroup_move, 3, tmp_path)
+    torch.manual_seed(0)
+    assert results[0] == "raised" and results[1] == {}
+    assert torch.equal(results[2]["layers.0"], nn.Linear(2, 2).weight.detach())
