@@ -390,8 +390,8 @@ class _TensorRegistry:
                 f"tensors of different dtypes {sorted(map(str, dtypes))} sharing one storage",
                 "give each its own storage (.clone()) before migrating",
             )
-        lo = min(t.storage_offset() for t in tensors)
-        hi = max(t.storage_offset() + _extent(t) for t in tensors)
+        lo = int(min(t.storage_offset() for t in tensors))
+        hi = int(max(t.storage_offset() + _extent(t) for t in tensors))
         flat = torch.as_strided(tensors[0], (hi - lo,), (1,), lo)
         return flat.clone(), lo
 
@@ -579,7 +579,7 @@ def _check_moves_for_rank(
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     """GLOBAL ranks of ``group`` (``None``: the default group; empty for new_group's non-member marker)."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group hands to ranks outside the group
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # type: ignore[comparison-overlap]  # new_group's marker
         return []
     if group is None or group == dist.group.WORLD:
         return list(range(dist.get_world_size()))
