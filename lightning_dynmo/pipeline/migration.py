@@ -52,6 +52,7 @@ __all__ = [
     "MigrationReport",
     "PackedUnit",
     "UnitMove",
+    "group_ranks",
     "migrate_units",
     "pack_unit",
     "unit_sort_key",
@@ -152,7 +153,12 @@ def migrate_units(
     if not moves:
         return {}, MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
     rank = dist.get_rank()
-    members = _group_ranks(group)
+    members = group_ranks(group)
+    if rank not in members:
+        raise ValueError(
+            f"migrate_units: this rank ({rank}) is not in the process group (ranks {members}). Call it only "
+            "on members of `group`, or pass a group that contains this rank."
+        )
 
     packed: dict[str, PackedUnit] = {}
     local_error: Exception | None = None
@@ -173,8 +179,9 @@ def migrate_units(
     for name, (module, optim_entries) in received.items():
         modules[name] = module
         _insert_into_optimizers(name, module, optim_entries, optimizers)
-    known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
-    _sort_param_groups(known, optimizers)
+    if modules:  # removal keeps the order; only insertion needs sorting
+        known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
+        _sort_param_groups(known, optimizers)
 
     report = MigrationReport(
         moves=moves, bytes_sent=sent_bytes, bytes_received=recv_bytes, seconds=time.perf_counter() - start
@@ -252,8 +259,7 @@ def pack_unit(
         "module": module,
         "optim": _optimizer_entries(module, optimizers),
     }
-    body = _dumps_checked(name, module, record, registry)
-    specs, payloads = registry.layout()
+    body, specs, payloads = _dumps_checked(name, module, record, registry)
     structure = pickle.dumps({"specs": specs, "body": body}, protocol=pickle.HIGHEST_PROTOCOL)
     return PackedUnit(structure=structure, payloads=payloads)
 
@@ -384,8 +390,8 @@ class _TensorRegistry:
                 f"tensors of different dtypes {sorted(map(str, dtypes))} sharing one storage",
                 "give each its own storage (.clone()) before migrating",
             )
-        lo = min(t.storage_offset() for t in tensors)
-        hi = max(t.storage_offset() + _extent(t) for t in tensors)
+        lo = int(min(t.storage_offset() for t in tensors))
+        hi = int(max(t.storage_offset() + _extent(t) for t in tensors))
         flat = torch.as_strided(tensors[0], (hi - lo,), (1,), lo)
         return flat.clone(), lo
 
@@ -443,13 +449,16 @@ class _Unpickler(pickle.Unpickler):
         return self.tensors[index]
 
 
-def _dumps_checked(name: str, module: nn.Module, record: Any, registry: _TensorRegistry) -> bytes:
-    """Pickle ``record``; on failure, find the offending attribute and raise a TypeError naming it."""
+def _dumps_checked(
+    name: str, module: nn.Module, record: Any, registry: _TensorRegistry
+) -> tuple[bytes, dict[str, Any], list[torch.Tensor]]:
+    """Pickle ``record`` and lay out its tensors; on failure raise a TypeError naming the attribute."""
     buffer = io.BytesIO()
     try:
         _Pickler(buffer, registry).dump(record)
+        specs, payloads = registry.layout()
     except Exception as err:  # any pickling failure: locate it for a useful message
-        path, culprit = _find_culprit(module)
+        path, culprit = _find_culprit(module, err.obj if isinstance(err, _TravelError) else None)
         what = err.what if isinstance(err, _TravelError) else f"an unpicklable {type(culprit).__name__}"
         fix = (
             err.fix
@@ -457,14 +466,22 @@ def _dumps_checked(name: str, module: nn.Module, record: Any, registry: _TensorR
             else "make it picklable, keep it outside the module, or delete it before migrating "
             "(forward/backward hooks are stripped automatically; re-register them on the receiving rank)"
         )
-        where = f"attribute {path!r}" if path else "its optimizer state"
+        where = (
+            f"attribute {path!r}"
+            if path
+            else f"the module itself (class {type(module).__qualname__}) or its optimizer state"
+        )
         raise TypeError(f"Cannot migrate unit {name!r}: {where} holds {what} ({err}). Fix: {fix}.") from err
-    return buffer.getvalue()
+    return buffer.getvalue(), specs, payloads
 
 
-def _find_culprit(module: nn.Module) -> tuple[str, Any]:
-    """Walk a module's attributes and return the dotted path of the first one that cannot be pickled."""
-    for path, value in _walk(module, ""):
+def _find_culprit(module: nn.Module, obj: Any) -> tuple[str, Any]:
+    """Dotted path of the attribute holding ``obj``, else of the first attribute that cannot be packed."""
+    attributes = list(_walk(module, ""))
+    for path, value in attributes:
+        if obj is not None and value is obj:
+            return path, value
+    for path, value in attributes:
         probe = _TensorRegistry("probe", None)
         try:
             _Pickler(io.BytesIO(), probe).dump(value)
@@ -560,7 +577,10 @@ def _check_moves_for_rank(
             )
 
 
-def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """GLOBAL ranks of ``group`` (``None``: the default group; empty for new_group's non-member marker)."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # type: ignore[comparison-overlap]  # new_group's marker
+        return []
     if group is None or group == dist.group.WORLD:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))

@@ -36,6 +36,7 @@ __all__ = ["run_distributed"]
 _GRACE_AFTER_FAILURE_S = 3.0
 # After a rank process died without reporting, how long its queued message may still take to arrive.
 _GRACE_AFTER_DEATH_S = 1.0
+_MISSING = "no result"
 
 
 def run_distributed(
@@ -80,10 +81,11 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    outcomes: dict[int, tuple[bool, Any]] = {}
     try:
         outcomes = _collect(procs, results, timeout_s)
     finally:
-        _stop(procs)
+        _stop(procs, reported={r for r, (ok, msg) in outcomes.items() if ok or not _is_missing(msg)})
     failures = {r: msg for r, (ok, msg) in outcomes.items() if not ok}
     if failures:
         raise AssertionError(_describe(failures, world_size))
@@ -152,13 +154,20 @@ def _collect(
         if rank not in outcomes:
             state = "still running (killed)" if p.is_alive() else f"exited with code {p.exitcode}"
             why = "after another rank failed" if first_failure is not None else f"after {timeout_s} s"
-            outcomes[rank] = (False, f"no result {why}; process {state}")
+            outcomes[rank] = (False, f"{_MISSING} {why}; process {state}")
     return outcomes
 
 
-def _stop(procs: list[mp.process.BaseProcess]) -> None:
-    for p in procs:
-        p.join(timeout=2.0)
+def _is_missing(message: Any) -> bool:
+    return isinstance(message, str) and message.startswith(_MISSING)
+
+
+def _stop(procs: list[mp.process.BaseProcess], reported: set[int]) -> None:
+    """Ranks that reported get a shared 2 s to exit on their own; the others (hung) are killed at once."""
+    deadline = time.monotonic() + 2.0
+    for rank, p in enumerate(procs):
+        if rank in reported:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()

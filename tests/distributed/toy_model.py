@@ -215,7 +215,7 @@ def reference_step(
     for mids, mtarget in zip(ids.chunk(MICROBATCHES), target.chunk(MICROBATCHES), strict=True):
         loss = loss_fn(model(mids), mtarget) / MICROBATCHES
         loss.backward()
-        total += float(loss) * MICROBATCHES
+        total += float(loss.detach()) * MICROBATCHES
     optimizer.step()
     return total / MICROBATCHES
 
