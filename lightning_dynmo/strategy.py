@@ -25,8 +25,9 @@ per rank, so a placement then has ``2 * pipeline_size`` stages, mapped "loop" (s
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -50,6 +51,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -57,13 +59,23 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
 from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract
+from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.layout import (
+    PlannedMove,
     RankGrid,
     check_placement,
     initial_placement,
     unit_moves,
     unit_owners,
+)
+from lightning_dynmo.pipeline.release import (
+    ReleaseEvent,
+    active_ranks_of,
+    build_repacked_groups,
+    plan_repack,
+    repack_moves,
 )
 from lightning_dynmo.pipeline.schedule import (
     BuiltPipeline,
@@ -71,6 +83,7 @@ from lightning_dynmo.pipeline.schedule import (
     resolve_schedule,
     run_schedule_step,
 )
+from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -111,6 +124,10 @@ class DynMoStrategy(ParallelStrategy):
         precision_plugin: Set by the Trainer.
         loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
             disables logging.
+        on_release: Called on every rank with a :class:`~lightning_dynmo.pipeline.release.ReleaseEvent`
+            when :meth:`apply_placement` re-packs the pipeline onto fewer ranks (e.g. to hand the
+            released ranks to a job manager). Lightning callbacks that define
+            ``on_dynmo_ranks_released(trainer, pl_module, event)`` are called too.
     """
 
     strategy_name = "dynmo"
@@ -131,6 +148,7 @@ class DynMoStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         loss_log_name: str | None = "train_loss",
+        on_release: Callable[[ReleaseEvent], Any] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -151,6 +169,14 @@ class DynMoStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._loss_log_name = loss_log_name
+        if on_release is not None and not callable(on_release):
+            raise TypeError(
+                f"on_release={on_release!r} is not callable; pass a function taking one ReleaseEvent, e.g. "
+                "on_release=lambda event: print(event.released_ranks), or None."
+            )
+        self._on_release = on_release
+        self._released = False
+        self._saved_optimizer_states: list[Any] | None = None
         self.num_nodes = 1
         # Filled in by set_world_ranks / setup_environment / setup.
         self._grid: RankGrid | None = None
@@ -243,6 +269,11 @@ class DynMoStrategy(ParallelStrategy):
     def active_ranks(self) -> tuple[int, ...]:
         """The global ranks taking part in training; collectives of this strategy run over them."""
         return self._active_ranks
+
+    @property
+    def is_released(self) -> bool:
+        """Whether this rank was released by a re-pack (it no longer trains; see :meth:`apply_placement`)."""
+        return self._released
 
     @property
     def num_microbatches(self) -> int:
@@ -421,8 +452,17 @@ class DynMoStrategy(ParallelStrategy):
 
         Every moved unit travels with its parameters, gradients, buffers, ``requires_grad`` flags,
         plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
-        the split works (several layers at once, moves between non-neighbouring stages); the number of
-        stages stays the same.
+        the split works (several layers at once, moves between non-neighbouring stages).
+
+        Re-pack and release: with FEWER stages than now, the layers are packed onto the lowest pipeline
+        ranks of each data-parallel replica (global rank 0 always stays), a new pipeline group is built
+        among them, and the other ranks are released: they free their modules and optimizer state,
+        their Trainer leaves ``fit`` cleanly (``trainer.should_stop``; the epoch loop ends at the next
+        ``on_train_batch_start``), and from then on this strategy's collectives, checkpoint gathering
+        and training steps are no-ops there, while on the active ranks they run over the active ranks
+        only. The release is logged (global rank 0) and announced to ``on_release`` and to callbacks
+        defining ``on_dynmo_ranks_released(trainer, pl_module, event)``. More stages than now is an
+        error (released ranks do not come back).
 
         Args:
             new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.
@@ -431,14 +471,22 @@ class DynMoStrategy(ParallelStrategy):
             This rank's :class:`~lightning_dynmo.pipeline.migration.MigrationReport`.
 
         Raises:
-            ValueError: if ranks passed different placements, or ``new`` does not fit the model or the
-                number of stages.
+            ValueError: if ranks passed different placements, or ``new`` does not fit the model or has
+                more stages than now.
+            RuntimeError: if this rank was released, or a peer was lost during the transfer.
         """
-        from lightning_dynmo.pipeline.migration import MigrationReport, UnitMove, migrate_units
+        from lightning_dynmo.pipeline.migration import MigrationReport
 
+        if self._released:
+            raise RuntimeError(
+                f"apply_placement was called on rank {self.global_rank}, which a re-pack released; only the "
+                f"active ranks {list(self._active_ranks)} take part. Check strategy.is_released first."
+            )
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         self._check_same_on_all_ranks(str(target))
+        if target.num_stages < self.placement.num_stages:
+            return self._repack(target)
         check_placement(target, spec.num_layers, self._num_stages_of_run())
         old = self.placement
         if target == old:
@@ -446,19 +494,217 @@ class DynMoStrategy(ParallelStrategy):
         planned = unit_moves(
             old, target, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
         )
-        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
-        received, report = migrate_units(
-            moves, self._local_units(), self.optimizers, device=self.root_device, group=self._active_group
-        )
-        for move in moves:
-            if move.src == self.global_rank:
-                self._detach_unit(move.name)
-        for unit, module in received.items():
-            self._attach_unit(unit, module)
+        report = self._migrate(planned, f"migration {old} -> {target}")
         self._placement = target
         self._rebuild_pipeline()
-        log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(moves))
+        log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
         return report
+
+    def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
+        from lightning_dynmo.pipeline.migration import MigrationReport, UnitMove, migrate_units
+
+        # Replicas move the same unit names, and one migrate_units call moves each unit at most once:
+        # one call per replica, each collective over all active ranks (moves stay inside a replica).
+        grid, context = self._require_grid(), self._comm_context()
+        reports = []
+        for replica in range(grid.data_parallel_size):
+            moves = [
+                UnitMove(m.unit, m.src, m.dst) for m in planned if grid.data_parallel_rank(m.src) == replica
+            ]
+            with communication_guard(what, context):
+                received, report = migrate_units(
+                    moves,
+                    self._local_units(),
+                    self.optimizers,
+                    device=self.root_device,
+                    group=self._active_group,
+                )
+            reports.append(report)
+            for move in moves:
+                if move.src == self.global_rank:
+                    self._detach_unit(move.name)
+            for unit, module in received.items():
+                self._attach_unit(unit, module)
+        return MigrationReport(
+            moves=tuple(move for r in reports for move in r.moves),
+            bytes_sent=sum(r.bytes_sent for r in reports),
+            bytes_received=sum(r.bytes_received for r in reports),
+            seconds=sum(r.seconds for r in reports),
+        )
+
+    # -- re-pack and release (phase 2) ----------------------------------------------------------------
+
+    def _repack(self, target: Placement) -> MigrationReport:
+        spec, old, old_grid = self._require_spec(), self.placement, self._require_grid()
+        check_placement(target, spec.num_layers, target.num_stages)
+        new_grid = plan_repack(old_grid, old, target, self._schedule.stages_per_rank)
+        planned = repack_moves(
+            old, target, old_grid, new_grid, self._schedule.style, spec.first_parts, spec.last_parts
+        )
+        report = self._migrate(planned, f"re-pack {old} -> {target}")
+        old_active = self._active_ranks
+        self._grid, self._placement = new_grid, target
+        self._active_ranks = active_ranks_of(new_grid)
+        trainer = self._trainer()
+        event = ReleaseEvent(
+            released_ranks=tuple(r for r in old_active if r not in self._active_ranks),
+            active_ranks=self._active_ranks,
+            old_placement=str(old),
+            new_placement=str(target),
+            global_step=trainer.global_step if trainer is not None else 0,
+        )
+        if self.global_rank in self._active_ranks:
+            # Only members build the new groups; the data-parallel groups of kept positions are unchanged.
+            self._pipeline_group, self._active_group = build_repacked_groups(
+                new_grid, self.global_rank, self._timeout
+            )
+            self._rebuild_pipeline()
+        else:
+            self._release()
+        self._route_sigterm_broadcast()
+        self._announce_release(event)
+        return report
+
+    def _release(self) -> None:
+        for unit in list(self._local_units()):
+            self._detach_unit(unit)
+        for optimizer in self.optimizers:
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["params"] = []
+        self._pipe = None
+        self._pipeline_group = self._active_group = self._data_parallel_group = None
+        self._released = True
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+        trainer = self._trainer()
+        if trainer is not None:
+            # Leave fit at the next batch boundary; min_epochs/min_steps must not hold a released rank back.
+            trainer.should_stop = True
+            trainer.fit_loop.min_epochs = 0
+            trainer.fit_loop.epoch_loop.min_steps = 0
+
+    def _route_sigterm_broadcast(self) -> None:
+        # Lightning's epoch loop broadcasts a SIGTERM flag over WORLD before every batch; after a release
+        # WORLD includes ranks that have left, so the flag goes over the active ranks (or nowhere).
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        loop = trainer.fit_loop.epoch_loop
+
+        def broadcast_sigterm() -> None:
+            if self._released:
+                return
+            flag = torch.tensor([int(getattr(trainer, "received_sigterm", False))], device=self.root_device)
+            try:
+                dist.broadcast(flag, src=self._active_ranks[0], group=self._active_group)
+            except RuntimeError:
+                flag.zero_()  # as Lightning does: a failed peer surfaces in the next pipeline step instead
+            if flag.item() == 1:
+                raise SIGTERMException()
+
+        loop._broadcast_sigterm_tensor = broadcast_sigterm  # type: ignore[method-assign]
+
+    def _announce_release(self, event: ReleaseEvent) -> None:
+        if self.is_global_zero:
+            log.info(event.describe())
+        if self._released:
+            log.info(
+                "rank %d: released by the re-pack %s -> %s; freeing its modules and leaving fit.",
+                self.global_rank,
+                event.old_placement,
+                event.new_placement,
+            )
+        if self._on_release is not None:
+            self._on_release(event)
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_dynmo_ranks_released", None)
+            if callable(hook):
+                hook(trainer, self._module(), event)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._released:
+            trainer = self._trainer()
+            if trainer is not None:
+                trainer.should_stop = True
+            raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
+
+    def _trainer(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return getattr(module, "_trainer", None) if module is not None else None
+
+    def _comm_context(self) -> CommContext:
+        grid, placement = self._require_grid(), self.placement
+        peers = describe_peers(self.global_rank, self._active_ranks, grid, placement, self._schedule.style)
+        return CommContext(self.global_rank, self.stage_indices, peers, self._timeout)
+
+    # -- placement-independent checkpoints (phase 2) ---------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Each rank loads only the units it owns, so the model must be cut first.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state, keyed as in the single-process model, on global rank 0 (``{}`` elsewhere).
+
+        Collective over replica 0's pipeline; it also gathers the optimizer state returned by
+        :meth:`optimizer_state`. Other replicas and released ranks return ``{}`` without communicating.
+        """
+        self._saved_optimizer_states = None
+        if self._released or self.data_parallel_rank != 0:
+            return {}
+        dst = self._require_grid().pipeline_ranks(0)[0]
+        optimizers = list(self.optimizers)
+        with communication_guard("checkpoint gathering", self._comm_context()):
+            full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
+        if full is None:
+            return {}
+        self._saved_optimizer_states = list(full["optimizer"])
+        return full["model"]
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This optimizer's state keyed by parameter name, gathered by :meth:`lightning_module_state_dict`."""
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        if self._saved_optimizer_states is None:
+            return {}
+        index = next(k for k, opt in enumerate(self.optimizers) if opt is raw)
+        return self._saved_optimizer_states[index]  # type: ignore[no-any-return]
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = layout_record(
+                str(self.placement),
+                self.pipeline_size,
+                self.data_parallel_size,
+                self.schedule_name,
+                self._active_ranks,
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._saved_optimizer_states = None
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the units this rank owns under its current placement from a DynMo checkpoint."""
+        full = full_state_from_checkpoint(checkpoint, with_optimizer=False)
+        load_local_state(full, self._local_units(), [])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizer state of the parameters this rank owns, by parameter name."""
+        full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
+        load_local_state(full, self._local_units(), list(self.optimizers))
 
     def _check_same_on_all_ranks(self, text: str) -> None:
         gathered: list[Any] = [None] * len(self._active_ranks)
@@ -492,6 +738,10 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self._released:
+            # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
+            zero = torch.zeros((), device=self.root_device)
+            return pipeline_grads.loss_carrying_grads(zero, [], [])
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
         inputs, target = module.pipeline_batch(batch)
@@ -499,11 +749,13 @@ class DynMoStrategy(ParallelStrategy):
         params = list(module.parameters())
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
-        with self.precision_plugin.train_step_context():
+        context = self._comm_context()
+        with self.precision_plugin.train_step_context(), communication_guard("a schedule step", context):
             losses = run_schedule_step(self._require_pipe(), inputs, target)
         step_grads = pipeline_grads.take_grads(params)
         pipeline_grads.restore_grads(params, accumulated)
-        loss = self._global_loss(losses, params)
+        with communication_guard("the loss reduction", context):
+            loss = self._global_loss(losses, params)
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
@@ -590,12 +842,12 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if _distributed_is_initialized() and not self._released:
             dist.barrier(group=self._active_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self._active_group)
@@ -605,16 +857,20 @@ class DynMoStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
+        if isinstance(tensor, Tensor) and not self._released:
             return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._released:
+            return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
         return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._released:
+            return decision
         votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
         return bool(votes == len(self._active_ranks)) if all else bool(votes)
 
