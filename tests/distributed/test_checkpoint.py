@@ -1,0 +1,172 @@
+"""Placement-independent checkpoints: save under one layout, resume under another, continue exactly.
+
+The uninterrupted run is the single-process reference trained for two epochs (the pipelined run equals
+it within 1e-9, see ``test_strategy_equivalence.py``). A pipelined run trains epoch 1 and saves at the
+epoch's end (``ModelCheckpoint`` or ``trainer.save_checkpoint``); a second run resumes from that file with
+another placement, another pipeline size, or after a re-pack, and trains epoch 2. Its losses and final
+parameters must equal the reference's epoch 2 in float64 (1e-9).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dynmo.demos import DemoGPT
+from lightning_dynmo.strategy import DynMoStrategy
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_strategy_equivalence import (
+    TOL,
+    ForcePlacement,
+    LossRecorder,
+    Run,
+    make_strategy,
+    max_param_diff,
+    reference,
+)
+
+pytestmark = pytest.mark.distributed
+
+
+@dataclass(frozen=True)
+class EpochRun(Run):
+    """A :class:`Run` over ``epochs`` epochs of ``steps`` batches each (the same batches every epoch)."""
+
+    epochs: int = 2
+    checkpoint_callback: bool = False
+    # Negative control: resume the weights but not the optimizer state.
+    skip_optimizer_restore: bool = False
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        return {
+            **super().trainer_kwargs(),
+            "max_epochs": self.epochs,
+            "enable_checkpointing": self.checkpoint_callback,
+        }
+
+
+class WeightsOnlyResume(DynMoStrategy):
+    """Negative control: resumes parameters but leaves the optimizer state empty."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+
+def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: bool) -> dict[str, Any]:
+    """Train ``run``; without ``resume`` save ``ckpt`` at the end, with it start from ``ckpt``."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    recorder = LossRecorder()
+    callbacks: list[pl.Callback] = [recorder, ForcePlacement(dict(run.migrations))]
+    if run.checkpoint_callback:
+        callbacks.append(ModelCheckpoint(dirpath=ckpt.parent, filename=ckpt.stem, save_top_k=1))
+    strategy = make_strategy(
+        run, strategy_cls=WeightsOnlyResume if run.skip_optimizer_restore else DynMoStrategy
+    )
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=strategy,
+        use_distributed_sampler=run.use_sampler,
+        callbacks=callbacks,
+        **run.trainer_kwargs(),
+    )
+    model = run.model()
+    trainer.fit(model, run.datamodule(), ckpt_path=ckpt if resume else None)
+    if not resume and not run.checkpoint_callback:
+        trainer.save_checkpoint(ckpt)
+    return {
+        "losses": recorder.losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "released": strategy.is_released,
+        "placement": str(strategy.placement),
+    }
+
+
+def train(run: EpochRun, tmp_path: Path, ckpt: Path, resume: bool) -> list[dict[str, Any]]:
+    return run_distributed(ckpt_worker, run.world_size, tmp_path, timeout_s=120, args=(run, ckpt, resume))
+
+
+def assert_continues_exactly(resumed: list[dict[str, Any]], run: EpochRun) -> None:
+    ref = reference(replace(run, epochs=2, migrations=(), checkpoint_callback=False))
+    expected = ref["losses"][run.steps :]
+    assert len(expected) == run.steps
+    active = [res for res in resumed if not res["released"]]
+    for res in active:
+        assert len(res["losses"]) == run.steps, "the resumed run must train exactly the second epoch"
+        diff = max(abs(a - b) for a, b in zip(res["losses"], expected, strict=True))
+        assert diff < TOL, f"resumed losses differ from the uninterrupted run by {diff:.3e}"
+    worst = max_param_diff(active, ref)
+    assert worst < TOL, f"final parameters differ from the uninterrupted run by {worst:.3e}"
+
+
+SAVE_RUN = EpochRun(num_layers=6, placement="0-2|3-5", steps=4, epochs=1, checkpoint_callback=True)
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Epoch 1 trained on 2 stages at "0-2|3-5", saved by ModelCheckpoint at the epoch's end."""
+    tmp = tmp_path_factory.mktemp("saved")
+    ckpt = tmp / "epoch1.ckpt"
+    train(SAVE_RUN, tmp, ckpt, resume=False)
+    assert ckpt.exists()
+    return ckpt
+
+
+def test_checkpoint_is_the_whole_single_process_model(saved_checkpoint: Path) -> None:
+    ckpt = torch.load(saved_checkpoint, weights_only=False)
+    assert ckpt["dynmo"]["placement"] == "0-2|3-5" and ckpt["dynmo"]["pipeline_size"] == 2
+    # Plain single-device Lightning/torch loads the weights: keys equal the single-process model's.
+    model = DemoGPT(num_layers=6, lr_gamma=0.9).double()  # the run trained in 64-true precision
+    model.load_state_dict(ckpt["state_dict"], strict=True)
+    ref = reference(replace(SAVE_RUN, checkpoint_callback=False))
+    worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst < TOL
+    # Optimizer state is keyed by parameter name, for every parameter of every stage.
+    (opt,) = ckpt["optimizer_states"]
+    assert set(opt["state"]) == {name for name, _ in model.named_parameters()}
+    assert all(s["step"].item() == SAVE_RUN.steps for s in opt["state"].values())
+
+
+@pytest.mark.parametrize(("world_size", "placement"), [(2, "0-4|5-5"), (2, "0-2|3-5"), (1, "0-5")])
+def test_resume_with_another_placement_or_pipeline_size_continues_exactly(
+    world_size: int, placement: str, saved_checkpoint: Path, tmp_path: Path
+) -> None:
+    run = replace(SAVE_RUN, world_size=world_size, placement=placement, epochs=2, checkpoint_callback=False)
+    resumed = train(run, tmp_path, saved_checkpoint, resume=True)
+    assert all(res["placement"] == placement for res in resumed)
+    assert_continues_exactly(resumed, run)
+
+
+def test_resume_after_a_repack_continues_exactly(tmp_path: Path) -> None:
+    # 4 stages, re-packed to 2 at batch 2 of epoch 1 (ranks 2 and 3 leave), saved at the end of epoch 1
+    # by trainer.save_checkpoint on every rank (a no-op on the released ones); resumed on 2 ranks.
+    ckpt = tmp_path / "after_repack.ckpt"
+    first = EpochRun(
+        world_size=4,
+        num_layers=8,
+        placement="0-1|2-3|4-5|6-7",
+        migrations=((2, "0-2|3-7"),),
+        steps=4,
+        epochs=1,
+    )
+    saved = train(first, tmp_path, ckpt, resume=False)
+    assert [res["released"] for res in saved] == [False, False, True, True]
+    assert torch.load(ckpt, weights_only=False)["dynmo"]["placement"] == "0-2|3-7"
+    run = replace(first, world_size=2, placement="0-3|4-7", migrations=(), epochs=2)
+    assert_continues_exactly(train(run, tmp_path, ckpt, resume=True), run)
+
+
+def test_resume_without_optimizer_state_is_detected(saved_checkpoint: Path, tmp_path: Path) -> None:
+    # The exactness check above must be able to fail: without the saved AdamW moments it does.
+    run = replace(
+        SAVE_RUN, placement="0-4|5-5", epochs=2, checkpoint_callback=False, skip_optimizer_restore=True
+    )
+    with pytest.raises(AssertionError, match="resumed losses differ from the uninterrupted run"):
+        assert_continues_exactly(train(run, tmp_path, saved_checkpoint, resume=True), run)
