@@ -10,6 +10,7 @@ must come well within ``timeout + 30 s``.
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +53,10 @@ def faulty_worker(rank: int, world_size: int, mode: str, timeout_s: float) -> No
     trainer.fit(run.model(), run.datamodule())
 
 
-@pytest.mark.parametrize(("mode", "transport_error"), [("die", "Connection closed"), ("stall", "Timed out")])
+@pytest.mark.parametrize(
+    ("mode", "transport_error"),
+    [("die", r"Connection (closed|reset) by peer"), ("stall", r"Timed out waiting 4000ms")],
+)
 def test_survivor_fails_within_the_timeout_naming_the_lost_peer(
     mode: str, transport_error: str, tmp_path: Path
 ) -> None:
@@ -65,5 +69,5 @@ def test_survivor_fails_within_the_timeout_naming_the_lost_peer(
     rank0 = report.split("----- rank 0 -----")[1].split("----- rank 1 -----")[0]
     assert "RuntimeError: DynMo: rank 0 (stage 0) lost contact with a peer during a schedule step" in rank0
     assert "It exchanges data with: stage 1 on global rank 1." in rank0
-    assert transport_error in rank0, rank0[-2000:]
+    assert re.search(transport_error, rank0), rank0[-2000:]
     assert elapsed < timeout_s + 30, f"the survivor took {elapsed:.1f} s to fail"
