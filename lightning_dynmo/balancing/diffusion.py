@@ -88,7 +88,7 @@ def diffuse(
     current: Placement | str,
     by: str = "time",
     memory_capacity_bytes: MemoryCapacity = None,
-    max_rounds: int = 20,
+    max_rounds: int = 5,
     tolerance: float = 0.0,
     refine_bottleneck: bool = True,
 ) -> DiffusionResult:
@@ -99,7 +99,8 @@ def diffuse(
         current: The placement in use (or its string form).
         by: ``"time"`` or ``"params"``.
         memory_capacity_bytes: ``None``, one capacity for all stages, or one per stage of ``current``.
-        max_rounds: Upper bound on rounds, >= 1.
+        max_rounds: Upper bound on variance-descent rounds, >= 1 (5, as in the reference code; the
+            bottleneck phase that follows has no round limit, it stops when no cascade helps).
         tolerance: Stop once ``imbalance(stage loads) <= tolerance`` (``(max - min) / mean``, >= 0).
         refine_bottleneck: Run the bottleneck phase after variance descent stops (see module doc).
 
@@ -234,26 +235,39 @@ class _State:
         self._refresh(lo, hi)
 
     def relieve_bottleneck(self) -> bool:
-        """Apply a cascade from a bottleneck stage; False if none lowers the bottleneck."""
+        """Apply a cascade from a bottleneck stage; False if none lowers the bottleneck.
+
+        Of the two directions the shorter cascade wins (fewer layers to migrate), then the one that
+        lowers the variance more; the second direction is only explored as far as the first reached.
+        """
         peak = float(np.max(self.loads))
+        stages = self.model.num_stages
         for src in np.flatnonzero(self.loads == peak):
-            options = [self._cascade(int(src), direction, peak) for direction in (+1, -1)]
-            found = [o for o in options if o is not None]
-            if found:
-                _, self.bounds, lo, hi = min(found)
+            best = self._cascade(int(src), +1, peak, stages)
+            reach = stages if best is None else best[3] - best[2]
+            other = self._cascade(int(src), -1, peak, reach)
+            if other is not None and (best is None or (other[3] - other[2], other[0]) < (reach, best[0])):
+                best = other
+            if best is not None:
+                _, self.bounds, lo, hi = best
                 self._refresh(lo, hi)
                 return True
         return False
 
-    def _cascade(self, src: int, direction: int, peak: float) -> tuple[float, list[int], int, int] | None:
-        """(sum of squares, boundaries, first and last changed stage) of the cascade from ``src``."""
+    def _cascade(
+        self, src: int, direction: int, peak: float, max_length: int
+    ) -> tuple[float, list[int], int, int] | None:
+        """(sum of squares, boundaries, first and last changed stage) of the cascade from ``src``.
+
+        ``None`` if no stage within ``max_length`` stages of ``src`` can absorb the cascade.
+        """
         stages, caps = self.model.num_stages, self.model.caps
         w, m = self.prefix_w, self.prefix_m
         bounds = list(self.bounds)
         loads, mems = self.loads.tolist(), self.mems.tolist()
         ss = float(np.sum(self.loads**2))
         k = src
-        while 0 <= k + direction < stages:
+        while 0 <= k + direction < stages and abs(k + direction - src) <= max_length:
             # Stage k hands on the fewest boundary layers that bring it strictly below the peak; it
             # keeps at least one layer, and an intermediate stage keeps what it just received.
             a, b = bounds[k], bounds[k + 1]
