@@ -1,7 +1,11 @@
 """lightning_dynmo: keep pipeline-parallel training of dynamic LLMs balanced while it trains.
 
-The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`. They are imported
-lazily so that ``lightning_dynmo.balancing`` (pure Python) can be used without torch or lightning.
+The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`.
+
+``import lightning_dynmo`` registers the strategy under the name ``"dynmo"`` (so
+``Trainer(strategy="dynmo")`` works) whenever torch and lightning are installed. The pure balancing core,
+``lightning_dynmo.balancing``, needs neither: without them only the registration is skipped, and the
+public classes are still resolved lazily on first access.
 """
 
 from __future__ import annotations
@@ -19,6 +23,18 @@ _LAZY = {
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def _register_strategy() -> None:
+    try:
+        importlib.import_module("lightning_dynmo.strategy")
+    except ModuleNotFoundError as err:
+        # Only a missing torch/lightning is expected here (balancing-only installs); anything else is a bug.
+        if (err.name or "").split(".")[0] not in {"torch", "lightning"}:
+            raise
+
+
+_register_strategy()
 
 
 def __getattr__(name: str) -> Any:

@@ -60,13 +60,16 @@ def run_distributed(
         The list of per-rank return values, index = rank.
 
     Raises:
-        ValueError: if ``world_size`` < 1 or ``timeout_s`` <= 0.
+        ValueError: if ``world_size`` < 1, ``timeout_s`` <= 0 or ``tmp_path`` is not a directory.
         AssertionError: if any rank raised, died or did not finish in time; shows every rank's story.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    if not Path(tmp_path).is_dir():
+        # gloo's file store would wait for the file forever instead of failing.
+        raise ValueError(f"tmp_path={str(tmp_path)!r} is not an existing directory; create it first.")
     store = Path(tmp_path) / f"store-{uuid.uuid4().hex}"
     ctx = mp.get_context("fork")
     results: mp.Queue[tuple[int, bool, bytes]] = ctx.Queue()

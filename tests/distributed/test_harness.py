@@ -64,3 +64,8 @@ def test_bad_arguments_are_rejected(tmp_path):
         run_distributed(_rank_info, 0, tmp_path)
     with pytest.raises(ValueError, match=r"timeout_s must be > 0, got -1"):
         run_distributed(_rank_info, 1, tmp_path, timeout_s=-1)
+
+
+def test_missing_store_directory_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"is not an existing directory; create it first"):
+        run_distributed(_rank_info, 2, tmp_path / "missing", args=(0,))

@@ -8,7 +8,7 @@ import builtins, sys
 _real_import = builtins.__import__
 def _blocked(name, *args, **kwargs):
     if name.split(".")[0] in {"torch", "lightning", "pytorch_lightning", "torchmetrics", "hydra"}:
-        raise ImportError(f"blocked import of {name}")
+        raise ModuleNotFoundError(f"blocked import of {name}", name=name)
     return _real_import(name, *args, **kwargs)
 builtins.__import__ = _blocked
 import lightning_dynmo.balancing as b
@@ -32,3 +32,14 @@ def test_blocker_really_blocks_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "blocked import of torch" in out.stderr
+
+
+def test_importing_the_package_registers_the_strategy_name():
+    code = (
+        "import lightning_dynmo\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "print('dynmo' in StrategyRegistry)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
