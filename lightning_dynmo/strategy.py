@@ -485,6 +485,14 @@ class DynMoStrategy(ParallelStrategy):
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         self._check_same_on_all_ranks(str(target))
+        if target.num_stages > self.placement.num_stages:
+            raise ValueError(
+                f"placement {target} has {target.num_stages} stages but the pipeline runs "
+                f"{self.placement.num_stages} on the active ranks {list(self._active_ranks)}; "
+                "apply_placement keeps or reduces the number of stages (re-pack) but never grows it, "
+                "because released ranks have left the job. To train on more stages, save a checkpoint "
+                "and resume it with more devices: DynMo checkpoints load at any placement."
+            )
         if target.num_stages < self.placement.num_stages:
             return self._repack(target)
         check_placement(target, spec.num_layers, self._num_stages_of_run())

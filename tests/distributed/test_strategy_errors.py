@@ -101,6 +101,12 @@ def test_apply_placement_with_different_placements_per_rank(tmp_path: Any) -> No
         _raise_as_on_every_rank(case, tmp_path)
 
 
+def test_apply_placement_cannot_grow_the_pipeline(tmp_path: Any) -> None:
+    case = {"per_rank": ["0-0|1-1|2-3", "0-0|1-1|2-3"]}
+    with pytest.raises(ValueError, match=r"has 3 stages but the pipeline runs 2 .* never grows it"):
+        _raise_as_on_every_rank(case, tmp_path)
+
+
 def test_batch_not_divisible_into_microbatches(tmp_path: Any) -> None:
     case = {"batch_size": 6, "strategy": {"num_microbatches": 4}}
     with pytest.raises(ValueError, match="a batch of 6 samples cannot be cut into num_microbatches=4"):
