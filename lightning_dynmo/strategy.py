@@ -57,7 +57,8 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
-from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract
+from lightning_dynmo.pipeline.contract import ModelSpec, call_step_end_hook, check_model_contract
+from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, global_mean_loss
 from lightning_dynmo.pipeline.layout import (
     RankGrid,
     check_placement,
@@ -111,6 +112,10 @@ class DynMoStrategy(ParallelStrategy):
         precision_plugin: Set by the Trainer.
         loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
             disables logging.
+        val_loss_log_name: Name under which the pipelined validation loss is logged (per epoch, on every
+            rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
+            it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.evaluation`.
+        test_loss_log_name: The same for ``Trainer.test``.
     """
 
     strategy_name = "dynmo"
@@ -131,6 +136,8 @@ class DynMoStrategy(ParallelStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         loss_log_name: str | None = "train_loss",
+        val_loss_log_name: str | None = "val_loss",
+        test_loss_log_name: str | None = "test_loss",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -151,6 +158,12 @@ class DynMoStrategy(ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._loss_log_name = loss_log_name
+        self._eval_log_names = {
+            "validate": _check_log_name("val_loss_log_name", val_loss_log_name),
+            "test": _check_log_name("test_loss_log_name", test_loss_log_name),
+        }
+        self._evaluator: PipelineEvaluator | None = None
+        self._cut_module: nn.Module | None = None
         self.num_nodes = 1
         # Filled in by set_world_ranks / setup_environment / setup.
         self._grid: RankGrid | None = None
@@ -340,9 +353,12 @@ class DynMoStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         module = self._module()
-        self._spec = check_model_contract(module)
-        self._placement = self._resolve_placement(self._spec, module)
-        self._keep_only_local_units()
+        # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
+        if module is not self._cut_module:
+            self._spec = check_model_contract(module)
+            self._placement = self._resolve_placement(self._spec, module)
+            self._keep_only_local_units()
+            self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
@@ -506,6 +522,7 @@ class DynMoStrategy(ParallelStrategy):
         loss = self._global_loss(losses, params)
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
+        call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
     def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
@@ -577,14 +594,57 @@ class DynMoStrategy(ParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    # -- evaluation (validate / test / predict) ---------------------------------------------------------
+
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One forward-only pipeline step; logs and returns the batch's mean loss on every rank.
+
+        The model's own ``validation_step`` is not called (it would see a partial model); Lightning's
+        ``on_validation_batch_end`` hooks receive the returned loss.
+        """
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step("validate", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Like :meth:`validation_step`, for ``Trainer.test`` (logged as ``test_loss_log_name``)."""
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step("test", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            "DynMoStrategy pipelines training only; validation_step would run on a partial model. Validate "
-            "with a "
-            "separate single-device Trainer on a checkpoint, or drop val_dataloader / set "
-            "limit_val_batches=0."
+            "DynMoStrategy does not support Trainer.predict yet: the outputs of a pipelined model exist "
+            "only on the last stage. Predict on a single device instead: save a checkpoint "
+            "(trainer.save_checkpoint), load it into the whole model (YourModel.load_from_checkpoint) and "
+            "run Trainer(devices=1).predict(model, dataloaders)."
         )
+
+    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = module.pipeline_batch(batch)
+        if self._evaluator is None:
+            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+        losses = self._evaluator.step(
+            self._require_pipe(),
+            inputs,
+            target,
+            loss_fn=module.pipeline_loss,
+            device=self.root_device,
+            group=self._pipeline_group,
+        )
+        params = list(module.parameters())
+        dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
+        loss, num_samples = global_mean_loss(
+            losses, int(inputs.shape[0]), group=self._active_group, device=self.root_device, dtype=dtype
+        )
+        name = self._eval_log_names[phase]
+        if name is not None:
+            # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
+            module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
+        return loss
 
     # -- collectives over the active ranks ------------------------------------------------------------------
 
@@ -653,6 +713,14 @@ def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1{' or None' if allow_none else ''}.")
+
+
+def _check_log_name(name: str, value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ValueError(
+        f"{name}={value!r} must be a non-empty metric name such as 'val_loss', or None to not log it."
+    )
 
 
 def _check_placement_arg(placement: Any) -> str | Placement:
