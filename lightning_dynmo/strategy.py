@@ -11,7 +11,12 @@ One schedule step replaces the LightningModule's ``training_step``: the strategy
 true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
 gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
 stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
-data-parallel group when Lightning would sync (not inside an accumulation window).
+data-parallel group when Lightning would sync (not inside an accumulation window). After each step the
+model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on every rank (user logging).
+
+``validation_step`` / ``test_step`` run a forward-only pipeline step (see
+:mod:`lightning_dynmo.pipeline.evaluation`) and log the batch's mean loss, the same on every rank, as
+``val_loss`` / ``test_loss``; ``predict_step`` raises (pipelined prediction is not supported yet).
 
 Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
 Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules

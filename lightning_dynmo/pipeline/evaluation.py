@@ -200,7 +200,7 @@ class PipelineEvaluator:
         device: torch.device,
         group: dist.ProcessGroup | None,
     ) -> _PipelineSchedule:
-        num_stages = source.schedule._num_stages
+        num_stages = source.schedule._num_stages  # type: ignore[attr-defined]
         stages = [
             PipelineStage(module, index, num_stages, device, group=group)
             for module, index in zip(source.modules, source.stage_indices, strict=True)
