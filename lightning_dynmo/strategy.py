@@ -11,7 +11,12 @@ One schedule step replaces the LightningModule's ``training_step``: the strategy
 true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
 gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
 stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
-data-parallel group when Lightning would sync (not inside an accumulation window).
+data-parallel group when Lightning would sync (not inside an accumulation window). After each step the
+model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on every rank (user logging).
+
+``validation_step`` / ``test_step`` run a forward-only pipeline step (see
+:mod:`lightning_dynmo.pipeline.evaluation`) and log the batch's mean loss, the same on every rank, as
+``val_loss`` / ``test_loss``; ``predict_step`` raises (pipelined prediction is not supported yet).
 
 Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
 Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules
@@ -60,7 +65,8 @@ from typing_extensions import override
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
-from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract
+from lightning_dynmo.pipeline.contract import ModelSpec, call_step_end_hook, check_model_contract
+from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, global_mean_loss
 from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.layout import (
     PlannedMove,
@@ -128,6 +134,10 @@ class DynMoStrategy(ParallelStrategy):
             when :meth:`apply_placement` re-packs the pipeline onto fewer ranks (e.g. to hand the
             released ranks to a job manager). Lightning callbacks that define
             ``on_dynmo_ranks_released(trainer, pl_module, event)`` are called too.
+        val_loss_log_name: Name under which the pipelined validation loss is logged (per epoch, on every
+            rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
+            it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.evaluation`.
+        test_loss_log_name: The same for ``Trainer.test``.
     """
 
     strategy_name = "dynmo"
@@ -149,6 +159,8 @@ class DynMoStrategy(ParallelStrategy):
         precision_plugin: Any = None,
         loss_log_name: str | None = "train_loss",
         on_release: Callable[[ReleaseEvent], Any] | None = None,
+        val_loss_log_name: str | None = "val_loss",
+        test_loss_log_name: str | None = "test_loss",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -177,6 +189,12 @@ class DynMoStrategy(ParallelStrategy):
         self._on_release = on_release
         self._released = False
         self._saved_optimizer_states: list[Any] | None = None
+        self._eval_log_names = {
+            "validate": _check_log_name("val_loss_log_name", val_loss_log_name),
+            "test": _check_log_name("test_loss_log_name", test_loss_log_name),
+        }
+        self._evaluator: PipelineEvaluator | None = None
+        self._cut_module: nn.Module | None = None
         self.num_nodes = 1
         # Filled in by set_world_ranks / setup_environment / setup.
         self._grid: RankGrid | None = None
@@ -371,9 +389,12 @@ class DynMoStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         module = self._module()
-        self._spec = check_model_contract(module)
-        self._placement = self._resolve_placement(self._spec, module)
-        self._keep_only_local_units()
+        # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
+        if module is not self._cut_module:
+            self._spec = check_model_contract(module)
+            self._placement = self._resolve_placement(self._spec, module)
+            self._keep_only_local_units()
+            self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
@@ -766,6 +787,7 @@ class DynMoStrategy(ParallelStrategy):
             loss = self._global_loss(losses, params)
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
+        call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
     def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
@@ -837,14 +859,64 @@ class DynMoStrategy(ParallelStrategy):
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
+    # -- evaluation (validate / test / predict) ---------------------------------------------------------
+
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One forward-only pipeline step; logs and returns the batch's mean loss on every rank.
+
+        The model's own ``validation_step`` is not called (it would see a partial model); Lightning's
+        ``on_validation_batch_end`` hooks receive the returned loss.
+        """
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step("validate", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Like :meth:`validation_step`, for ``Trainer.test`` (logged as ``test_loss_log_name``)."""
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step("test", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
-            "DynMoStrategy pipelines training only; validation_step would run on a partial model. Validate "
-            "with a "
-            "separate single-device Trainer on a checkpoint, or drop val_dataloader / set "
-            "limit_val_batches=0."
+            "DynMoStrategy does not support Trainer.predict yet: the outputs of a pipelined model exist "
+            "only on the last stage. Predict on a single device instead: save a checkpoint "
+            "(trainer.save_checkpoint), load it into the whole model (YourModel.load_from_checkpoint) and "
+            "run Trainer(devices=1).predict(model, dataloaders)."
         )
+
+    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        if self._released:
+            raise RuntimeError(
+                f"rank {self.global_rank} was released by a re-pack and holds no part of the model, so it "
+                f"cannot {phase}; run evaluation on the active ranks {list(self._active_ranks)} (check "
+                "strategy.is_released) or on a single device from a checkpoint."
+            )
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = module.pipeline_batch(batch)
+        if self._evaluator is None:
+            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+        with communication_guard(f"a {phase} step", self._comm_context()):
+            losses = self._evaluator.step(
+                self._require_pipe(),
+                inputs,
+                target,
+                loss_fn=module.pipeline_loss,
+                device=self.root_device,
+                group=self._pipeline_group,
+            )
+            params = list(module.parameters())
+            dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
+            loss, num_samples = global_mean_loss(
+                losses, int(inputs.shape[0]), group=self._active_group, device=self.root_device, dtype=dtype
+            )
+        name = self._eval_log_names[phase]
+        if name is not None:
+            # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
+            module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
+        return loss
 
     # -- collectives over the active ranks ------------------------------------------------------------------
 
@@ -917,6 +989,14 @@ def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be an integer >= 1{' or None' if allow_none else ''}.")
+
+
+def _check_log_name(name: str, value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise ValueError(
+        f"{name}={value!r} must be a non-empty metric name such as 'val_loss', or None to not log it."
+    )
 
 
 def _check_placement_arg(placement: Any) -> str | Placement:

@@ -155,6 +155,19 @@ class DemoGPT(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        # The single-process counterpart of DynMoStrategy's pipelined validation (same name, same value).
+        return self._evaluation_loss(batch, "val_loss")
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self._evaluation_loss(batch, "test_loss")
+
+    def _evaluation_loss(self, batch: Tensor, name: str) -> Tensor:
+        inputs, target = self.pipeline_batch(batch)
+        loss = self.pipeline_loss(self(inputs), target)
+        self.log(name, loss, prog_bar=True, batch_size=inputs.shape[0])
+        return loss
+
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
         if self.config.lr_gamma >= 1.0:

@@ -20,11 +20,21 @@ A pipelined model is a chain ``first parts -> layers "0" .. "n-1" -> last parts 
     Runs the last parts on the last block's output.
 ``pipeline_loss(output, target) -> loss``
     A mean-reduced scalar loss of one micro-batch (the schedule averages over micro-batches).
+``on_pipeline_step_end(loss, batch, batch_idx) -> None`` (optional hook)
+    Called on every rank after each pipelined training step, with the step's true loss (the mean
+    over all micro-batches and data-parallel replicas, detached, the same on every rank), the
+    dataloader batch and its index. It runs where ``training_step`` would, so ``self.log(...)``
+    works exactly as there (e.g. ``self.log("train_ppl", loss.exp())``). Per-layer state is only on
+    the rank that owns the layer: log it with ``sync_dist=True`` or from that rank's values only.
 
 The strategy deletes what a rank does not own (blocks from ``layers``, parts set to ``None``) before
-``configure_optimizers`` runs, so optimizers see local parameters only; ``training_step`` is not called
-under :class:`~lightning_dynmo.DynMoStrategy` (one schedule step replaces it), which lets the same
-module train single-process with its own ``training_step`` as the reference.
+``configure_optimizers`` runs, so optimizers see local parameters only; ``training_step``,
+``validation_step`` and ``test_step`` are not called under :class:`~lightning_dynmo.DynMoStrategy`
+(one schedule step replaces each of them), which lets the same module train and validate
+single-process with its own steps as the reference. The strategy logs the losses itself (names set by
+its ``*_log_name`` arguments); for anything else log in ``on_pipeline_step_end`` (training) or in
+Lightning's ``on_validation_batch_end`` / ``on_test_batch_end`` hooks, whose ``outputs`` is the
+batch's mean loss.
 """
 
 from __future__ import annotations
@@ -32,9 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 REQUIRED_METHODS = ("pipeline_batch", "pipeline_loss")
+#: The optional hook called after every pipelined training step (see the module docstring).
+STEP_END_HOOK = "on_pipeline_step_end"
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,20 @@ def check_model_contract(model: nn.Module) -> ModelSpec:
             "`pipeline_last(hidden)` "
             "when it declares first/last parts. See lightning_dynmo.pipeline.contract."
         )
+    hook = getattr(model, STEP_END_HOOK, None)
+    if hook is not None and not callable(hook):
+        raise TypeError(
+            f"{name}.{STEP_END_HOOK} is {hook!r}, not a method; define it as "
+            f"`def {STEP_END_HOOK}(self, loss, batch, batch_idx) -> None` or remove the attribute."
+        )
     return ModelSpec(num_layers=len(keys), first_parts=first, last_parts=last)
+
+
+def call_step_end_hook(model: nn.Module, loss: Tensor, batch: Any, batch_idx: int) -> None:
+    """Call the model's ``on_pipeline_step_end(loss, batch, batch_idx)`` if it defines one."""
+    hook = getattr(model, STEP_END_HOOK, None)
+    if hook is not None:
+        hook(loss, batch, batch_idx)
 
 
 def _parts(model: nn.Module, attr: str) -> tuple[str, ...]:
