@@ -1,10 +1,39 @@
 """Pure-Python balancing core: layer costs in, placements out.
 
 Nothing in this package imports torch or lightning (a test enforces it), so it can be read, tested
-exhaustively and reused on its own.
+exhaustively and reused on its own. Reading order: ``costs`` and ``placement`` (the contracts),
+``baselines`` (static splits), ``partition`` (exact min-max, built on ``stage_model`` and
+``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``moves``
+(what migration executes), ``metrics`` (imbalance and the pipeline simulator).
 """
 
+from lightning_dynmo.balancing.baselines import by_parameters, uniform
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
+from lightning_dynmo.balancing.diffusion import DiffusionResult, diffuse
+from lightning_dynmo.balancing.metrics import SCHEDULES, PipelineSimulation, imbalance, simulate_pipeline
+from lightning_dynmo.balancing.moves import LayerMove, plan_moves
+from lightning_dynmo.balancing.partition import PartitionResult, partition, solve_partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.repack import RepackResult, repack
 
-__all__ = ["COST_VIEWS", "LayerCost", "Placement", "layer_weights"]
+__all__ = [
+    "COST_VIEWS",
+    "SCHEDULES",
+    "DiffusionResult",
+    "LayerCost",
+    "LayerMove",
+    "PartitionResult",
+    "PipelineSimulation",
+    "Placement",
+    "RepackResult",
+    "by_parameters",
+    "diffuse",
+    "imbalance",
+    "layer_weights",
+    "partition",
+    "plan_moves",
+    "repack",
+    "simulate_pipeline",
+    "solve_partition",
+    "uniform",
+]

@@ -1,0 +1,215 @@
+"""Exact min-max contiguous partition of layers over pipeline stages.
+
+Read in this order: :func:`partition` (the entry point most code wants), :func:`solve_partition` (the
+same search, returning the optimal bottleneck and per-stage loads too), then ``_search`` (the exact
+search) and ``_memory_error`` (what we say when nothing fits).
+
+The search: the optimal bottleneck is one of the loads a stage can have. We keep a lower bound ``lo``
+(never above the optimum) and an achieved bottleneck ``hi`` (a real placement's heaviest stage), probe
+the midpoint, and snap: a feasible probe returns a placement whose heaviest stage becomes the new ``hi``;
+an infeasible one lifts ``lo`` to the smallest achievable load above the midpoint
+(:func:`feasibility.next_candidate`). The two meet on the optimum in a few dozen probes, with no
+epsilon: the answer is an achieved placement and nothing cheaper exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing import feasibility
+from lightning_dynmo.balancing._checks import MemoryCapacity, check_num_stages, memory_caps
+from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.stage_model import StageModel
+
+log = logging.getLogger(__name__)
+
+_MAX_PROBES = 400  # the search needs ~2 log2(n) probes; this only guards against a rounding loop
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """An optimal placement and what it costs.
+
+    Attributes:
+        placement: The placement minimising the heaviest stage.
+        bottleneck: The heaviest stage's load (the optimum), extras and communication included.
+        stage_loads: Every stage's load under the same model.
+        stage_memory_bytes: Every stage's memory, extras included.
+    """
+
+    placement: Placement
+    bottleneck: float
+    stage_loads: tuple[float, ...]
+    stage_memory_bytes: tuple[float, ...]
+
+
+def partition(
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    by: str = "time",
+    memory_capacity_bytes: MemoryCapacity = None,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: float | Sequence[float] | None = None,
+) -> Placement:
+    """The placement over ``num_stages`` stages whose heaviest stage is as light as possible.
+
+    Args:
+        costs: One record per layer, in layer order.
+        num_stages: Number of stages, ``1 <= num_stages <= len(costs)``; every stage gets >= 1 layer.
+        by: ``"time"`` (forward + backward seconds) or ``"params"`` (parameter count).
+        memory_capacity_bytes: ``None`` (unlimited), one capacity for every stage, or one per stage.
+            A stage's memory (its layers' ``memory_bytes`` plus any extra it holds) must fit.
+        first_stage_extra: Fixed cost pinned to stage 0, e.g. the embedding. Its weight under ``by``
+            adds to stage 0's load and its ``memory_bytes`` to stage 0's memory.
+        last_stage_extra: Same for the last stage (final norm, head, loss).
+        comm_time_s: Activation send time, only with ``by="time"``. One number (every boundary costs
+            the same) or one number per layer: entry ``i`` is the time to send layer ``i``'s output to
+            the next stage. It is paid only where a stage ends (not by the last stage), and it is added
+            to the *sending* stage's load, which is busy until the send completes.
+
+    Returns:
+        The optimal placement; ties are broken towards the earliest-ending stages.
+
+    Raises:
+        ValueError: on bad input, or if no placement fits memory (the message gives the smallest
+            possible overflow in bytes and the stage that overflows).
+    """
+    return solve_partition(
+        costs, num_stages, by, memory_capacity_bytes, first_stage_extra, last_stage_extra, comm_time_s
+    ).placement
+
+
+def solve_partition(
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    by: str = "time",
+    memory_capacity_bytes: MemoryCapacity = None,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: float | Sequence[float] | None = None,
+) -> PartitionResult:
+    """Like :func:`partition`, but also return the optimal bottleneck, stage loads and memory."""
+    model = build_model(
+        costs, num_stages, by, memory_capacity_bytes, first_stage_extra, last_stage_extra, comm_time_s
+    )
+    placement = _search(model)
+    loads = model.loads(placement)
+    return PartitionResult(placement, max(loads), loads, model.memories(placement))
+
+
+def build_model(
+    costs: Sequence[LayerCost],
+    num_stages: int,
+    by: str = "time",
+    memory_capacity_bytes: MemoryCapacity = None,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: float | Sequence[float] | None = None,
+) -> StageModel:
+    """Validate the arguments of :func:`partition` and build its :class:`StageModel`."""
+    check_costs(costs)
+    check_view(by)
+    check_num_stages(num_stages, len(costs))
+    caps = memory_caps(memory_capacity_bytes, num_stages)
+    for name, extra in (("first_stage_extra", first_stage_extra), ("last_stage_extra", last_stage_extra)):
+        if extra is not None and not isinstance(extra, LayerCost):
+            raise ValueError(
+                f"{name}={extra!r} must be a LayerCost (or None); describe the pinned part's time, "
+                "parameters and memory with LayerCost(...)."
+            )
+    comm = _comm_per_layer(comm_time_s, len(costs), by)
+    return StageModel.build(costs, num_stages, by, caps, first_stage_extra, last_stage_extra, comm)
+
+
+def _comm_per_layer(
+    comm_time_s: float | Sequence[float] | None, num_layers: int, by: str
+) -> list[float] | None:
+    if comm_time_s is None:
+        return None
+    if by != "time":
+        raise ValueError(
+            f"comm_time_s={comm_time_s!r} is given with by={by!r}; communication time only adds to time "
+            "loads, so use by='time' or drop comm_time_s."
+        )
+    if isinstance(comm_time_s, (int, float)) and not isinstance(comm_time_s, bool):
+        values = [float(comm_time_s)] * num_layers
+    elif isinstance(comm_time_s, Sequence) and not isinstance(comm_time_s, str):
+        if len(comm_time_s) != num_layers:
+            raise ValueError(
+                f"comm_time_s has {len(comm_time_s)} entries but there are {num_layers} layers; give one "
+                "send time per layer (entry i = sending layer i's output), or a single number."
+            )
+        values = [float(v) if not isinstance(v, bool) else math.nan for v in comm_time_s]
+    else:
+        raise ValueError(f"comm_time_s={comm_time_s!r} must be None, a number of seconds, or one per layer.")
+    bad = [v for v in values if math.isnan(v) or math.isinf(v) or v < 0]
+    if bad:
+        raise ValueError(
+            f"comm_time_s contains {bad[0]!r}; send times must be finite numbers >= 0 (seconds)."
+        )
+    return values
+
+
+def _search(model: StageModel) -> Placement:
+    """The exact min-max search described in the module docstring."""
+    bounds = feasibility.probe(model, math.inf)
+    if bounds is None:
+        raise _memory_error(model)
+    best = Placement(bounds)
+    hi = max(model.loads(best))
+    n, stages = model.num_layers, model.num_stages
+    total = float(model.prefix_load[-1]) + sum(model.extra_load)
+    lo = max(total / stages, float(max(model.prefix_load[1:] - model.prefix_load[:-1])) if n else 0.0)
+    lo = min(lo, hi)
+    for _ in range(_MAX_PROBES):
+        if lo >= hi:
+            return best
+        mid = lo + (hi - lo) / 2
+        if not lo < mid < hi:
+            mid = lo
+        bounds = feasibility.probe(model, mid)
+        if bounds is None:
+            lo = feasibility.next_candidate(model, mid)
+        else:
+            best = Placement(bounds)
+            hi = max(model.loads(best))
+    log.warning("partition search stopped after %d probes; returning the best placement found", _MAX_PROBES)
+    return best
+
+
+def _memory_error(model: StageModel) -> ValueError:
+    """Find the placement with the smallest worst-stage overflow and describe it."""
+
+    def relaxed(allowance: float) -> tuple[int, ...] | None:
+        caps = tuple(c + allowance for c in model.caps)
+        return feasibility.probe(dataclasses.replace(model, caps=caps), math.inf)
+
+    # Bisect the allowance added to every capacity: infeasible at lo, feasible at hi.
+    lo, hi = 0.0, float(model.prefix_memory[-1]) + sum(model.extra_memory)
+    best = relaxed(hi)
+    assert best is not None, "any placement fits when every stage may hold all the memory"
+    while hi - lo > max(1.0, 1e-9 * hi):
+        mid = lo + (hi - lo) / 2
+        found = relaxed(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    placement = Placement(best)
+    over, stage = model.overflow(placement)
+    return ValueError(
+        f"memory_capacity_bytes={_caps_text(model.caps)} cannot be met with {model.num_stages} stages: the "
+        f"best placement {placement} still overflows stage {stage} by {over:.0f} bytes "
+        f"(needs {model.memories(placement)[stage]:.0f}, has {model.caps[stage]:.0f}). Raise the capacity, "
+        "use more stages, or shrink the layers' memory."
+    )
+
+
+def _caps_text(caps: tuple[float, ...]) -> str:
+    return f"{caps[0]:.0f}" if len(set(caps)) == 1 else "[" + ", ".join(f"{c:.0f}" for c in caps) + "]"

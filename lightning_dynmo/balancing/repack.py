@@ -1,0 +1,156 @@
+"""Re-packing: consolidate the layers onto fewer stages so the rest can be released (paper 3.4, Alg. 4).
+
+Read :func:`repack` first, then :class:`RepackResult`.
+
+Differences from the paper's first-fit (Algorithm 4), and why:
+
+* Kept stages are always the *lowest* current stage indices ``0..k-1`` and the released ones the
+  highest ``k..S-1``, so rank 0 (which usually holds the embedding and logs) stays active and the
+  kept stages keep their memory capacities (``memory_capacity_bytes[:k]``).
+* Instead of merging neighbours first-fit, each candidate stage count ``k`` is solved exactly with
+  :func:`partition` under the kept stages' memory caps, so the re-packed placement is the best balanced
+  one, not merely the first that fits, and no layer is ever left on a stage it does not fit.
+* The predicted step time is the *bottleneck* (the heaviest stage's load): in the steady state of a
+  pipeline every micro-batch waits for the slowest stage. Fewer stages also shrink the fill/drain
+  bubble, so this prediction is conservative for re-packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing._checks import MemoryCapacity, check_fraction, check_placement, memory_caps
+from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
+from lightning_dynmo.balancing.partition import PartitionResult, solve_partition
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.stage_model import StageModel
+
+
+@dataclass(frozen=True)
+class RepackResult:
+    """What :func:`repack` decided.
+
+    Attributes:
+        placement: The re-packed placement over ``num_stages`` stages (or ``current`` unchanged when no
+            smaller pipeline meets ``max_slowdown``).
+        released_stages: Current stage indices no longer used: ``num_stages .. current.num_stages - 1``.
+        bottleneck: Heaviest stage load of ``placement``.
+        previous_bottleneck: Heaviest stage load of ``current``.
+    """
+
+    placement: Placement
+    released_stages: tuple[int, ...]
+    bottleneck: float
+    previous_bottleneck: float
+
+    @property
+    def num_stages(self) -> int:
+        """Stages kept."""
+        return self.placement.num_stages
+
+    @property
+    def predicted_slowdown(self) -> float:
+        """``bottleneck / previous_bottleneck - 1`` (0 when both are 0)."""
+        if self.previous_bottleneck == 0:
+            return 0.0
+        return self.bottleneck / self.previous_bottleneck - 1.0
+
+
+def repack(
+    costs: Sequence[LayerCost],
+    current: Placement | str,
+    memory_capacity_bytes: MemoryCapacity,
+    target_num_stages: int | None = None,
+    max_slowdown: float = 0.05,
+    by: str = "time",
+) -> RepackResult:
+    """Move all layers onto the first ``k`` current stages and release the others.
+
+    Args:
+        costs: One record per layer, in layer order.
+        current: The placement in use (or its string form).
+        memory_capacity_bytes: One capacity for every stage or one per *current* stage (kept stage
+            ``s`` keeps capacity ``memory_capacity_bytes[s]``); ``None`` means unlimited.
+        target_num_stages: Reach exactly this many stages (``1 .. current.num_stages``) or raise.
+            Without it, choose the fewest stages whose bottleneck stays within ``max_slowdown``.
+        max_slowdown: Allowed relative growth of the bottleneck when no target is given (>= 0).
+        by: ``"time"`` or ``"params"`` (the view both the bottleneck and the balance use).
+
+    Returns:
+        A :class:`RepackResult`; with no target and no smaller pipeline within ``max_slowdown`` it
+        keeps ``current`` and releases nothing.
+
+    Raises:
+        ValueError: on bad input, or if ``target_num_stages`` stages cannot hold the layers' memory
+            (the message says which stage overflows and by how much).
+    """
+    check_costs(costs)
+    check_view(by)
+    placement = check_placement(current, len(costs))
+    slowdown = check_fraction(max_slowdown, "max_slowdown")
+    stages = placement.num_stages
+    caps = memory_caps(memory_capacity_bytes, stages)
+    previous = max(StageModel.build(costs, stages, by, caps).loads(placement))
+    if target_num_stages is not None:
+        if (
+            not isinstance(target_num_stages, int)
+            or isinstance(target_num_stages, bool)
+            or not (1 <= target_num_stages <= stages)
+        ):
+            raise ValueError(
+                f"target_num_stages={target_num_stages!r} must be an integer in 1..{stages} (the current "
+                "number of stages); re-packing only removes stages."
+            )
+        try:
+            solved = solve_partition(costs, target_num_stages, by, list(caps[:target_num_stages]))
+        except ValueError as err:
+            raise ValueError(
+                f"target_num_stages={target_num_stages} cannot be reached: the layers do not fit in memory "
+                f"on the first {target_num_stages} stages. {err}"
+            ) from None
+        return _result(solved, stages, previous)
+    best = _fewest_within(costs, caps, by, previous * (1.0 + slowdown), stages - 1)
+    if best is None:
+        return RepackResult(placement, (), previous, previous)
+    return _result(best, stages, previous)
+
+
+def _fewest_within(
+    costs: Sequence[LayerCost], caps: tuple[float, ...], by: str, limit: float, most: int
+) -> PartitionResult | None:
+    """The optimal partition with the fewest stages in ``1..most`` whose bottleneck is <= ``limit``.
+
+    With one capacity for all stages, feasibility is monotone in the stage count (a stage of two or
+    more layers can always be split without raising any load or memory), so a binary search needs
+    only O(log S) exact partitions. With per-stage capacities adding a stage shifts which capacity
+    applies where, so we scan the counts upwards instead.
+    """
+    if len(set(caps)) > 1:
+        for k in range(1, most + 1):
+            solved = _try(costs, k, by, caps)
+            if solved is not None and solved.bottleneck <= limit:
+                return solved
+        return None
+    lo, hi = 1, most
+    best: PartitionResult | None = None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        solved = _try(costs, k, by, caps)
+        if solved is not None and solved.bottleneck <= limit:
+            best, hi = solved, k - 1
+        else:
+            lo = k + 1
+    return best
+
+
+def _try(costs: Sequence[LayerCost], k: int, by: str, caps: tuple[float, ...]) -> PartitionResult | None:
+    try:
+        return solve_partition(costs, k, by, list(caps[:k]))
+    except ValueError:
+        return None  # the first k stages cannot hold the layers' memory
+
+
+def _result(solved: PartitionResult, stages: int, previous: float) -> RepackResult:
+    kept = solved.placement.num_stages
+    return RepackResult(solved.placement, tuple(range(kept, stages)), solved.bottleneck, previous)
