@@ -9,6 +9,7 @@ with :meth:`ProfileResult.layer_costs`. Hooks exist only while a window is open.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -35,7 +36,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """What one layer cost, averaged over the profiled steps.
+    """What one layer cost per training step: the median over the profiled steps.
+
+    The median, not the mean: a step in which the OS or a neighbour process pre-empted us should not
+    move layers.
 
     Attributes:
         fwd_time_s: Forward seconds per training step (all micro-batches).
@@ -60,7 +64,7 @@ class ProfileResult:
 
     Attributes:
         layers: One :class:`LayerProfile` per owned layer, by global layer index.
-        num_steps: Steps averaged over.
+        num_steps: Steps measured.
         step_time_s: Mean wall (CPU) or device (CUDA) seconds per profiled step on this rank.
         hook_time_s: Mean CPU seconds per step spent inside the profiler's own hooks (its overhead).
         peak: The stage's measured peak memory over the window.
@@ -101,7 +105,7 @@ class LayerProfiler:
         layers: The rank's layers by global index (``strategy.local_layers``).
         warmup_steps: Steps run with hooks on but not recorded (the first step after a rebuild also
             runs the pipeline's shape inference, which must not be counted).
-        profile_steps: Steps averaged over.
+        profile_steps: Steps measured (per-layer figures are their median).
         device: The stage's device; ``cuda`` uses CUDA events and the CUDA peak-memory counter.
         optimizer: Read for per-layer optimizer-state bytes (optional).
         stages: This rank's ``PipelineStage`` objects; let deferred weight-gradient passes (zero-bubble
@@ -206,7 +210,7 @@ class LayerProfiler:
         return self.done
 
     def result(self) -> ProfileResult:
-        """Averages over the recorded steps; raises if the window is not complete."""
+        """The window's per-layer medians and mean step time; raises if the window is not complete."""
         if not self.done:
             raise RuntimeError(
                 f"profiling window incomplete: {len(self._recorded)} of {self.profile_steps} steps recorded."
@@ -229,9 +233,9 @@ class LayerProfiler:
         params, grads, optim = static_memory(self._layers[index], self._optimizer)
         saved, output = self._meter.per_microbatch(index)
         return LayerProfile(
-            fwd_time_s=sum(s.fwd_time_s for s in steps) / n,
-            bwd_time_s=sum(s.bwd_time_s for s in steps) / n,
-            bwd_weight_time_s=sum(s.bwd_weight_time_s for s in steps) / n,
+            fwd_time_s=statistics.median(s.fwd_time_s for s in steps),
+            bwd_time_s=statistics.median(s.bwd_time_s for s in steps),
+            bwd_weight_time_s=statistics.median(s.bwd_weight_time_s for s in steps),
             microbatches_per_step=sum(s.num_calls for s in steps) / n,
             num_params=count_nonzero_params(self._layers[index]),
             memory=LayerMemory(
