@@ -3,9 +3,10 @@
 Read in this order: :func:`probe` (dispatch), :func:`next_candidate` (the smallest stage load above a
 failed bound, which lets the search jump between achievable values), then the two probes.
 
-* ``_probe_greedy`` is the fast path, used when no communication time is given and all middle stages
-  share one memory capacity. Then the positions where stage ``s`` can end form an interval
-  ``[s, G_s]``, so one greedy jump per stage decides feasibility: O(S log n) per probe.
+* ``_probe_greedy`` is the fast path, used when no communication time is given, all middle stages
+  share one memory capacity and every single layer fits a middle stage. Then the positions where
+  stage ``s`` can end form an interval ``[s, G_s]``, so one greedy jump per stage decides
+  feasibility: O(S log n) per probe.
 * ``_probe_dp`` is the safe path for everything else (per-boundary communication time, heterogeneous
   per-stage capacities). It is a reachability DP over (stage, boundary position) with the bound fixed,
   vectorised over positions with numpy: O(S n) per probe.
@@ -30,7 +31,14 @@ IntArray = npt.NDArray[np.int64]
 def probe(model: StageModel, bound: float) -> tuple[int, ...] | None:
     """Boundaries of a placement whose every stage load is <= ``bound`` and fits memory, or ``None``."""
     if use_greedy(model):
-        return _probe_greedy(model, bound)
+        if model.num_stages <= 2:
+            return _probe_greedy(model, bound)
+        max_load, max_memory = _largest_layer(model)
+        if max_load > bound:
+            return None  # that layer exceeds the bound on any stage (extras only add)
+        if max_memory + model.extra_memory[1] <= model.caps[1]:
+            return _probe_greedy(model, bound)
+        # A layer too big for a middle stage may still fit the first or last one: no interval structure.
     return _probe_dp(model, bound)
 
 
@@ -156,8 +164,6 @@ def _probe_greedy(model: StageModel, bound: float) -> tuple[int, ...] | None:
     if stages == 1:
         fits = model.load(0, n, 0) <= bound and model.memory(0, n, 0) <= model.caps[0]
         return (0, n) if fits else None
-    if stages > 2 and not _every_layer_fits_middle(model, bound):
-        return None  # a layer that fits no middle stage alone fits no stage at all (extras only add)
     reach_end = [0] * stages  # reach_end[s]: stage s can start anywhere in [s, reach_end[s]]
     reach_end[1] = _max_end(model, 0, 0, bound)
     if reach_end[1] < 1:
@@ -175,14 +181,13 @@ def _probe_greedy(model: StageModel, bound: float) -> tuple[int, ...] | None:
     return tuple(bounds)
 
 
-def _every_layer_fits_middle(model: StageModel, bound: float) -> bool:
-    """Whether every single layer fits a middle stage; the greedy's interval argument needs it."""
-    cached: tuple[float, float] | None = model.__dict__.get("_single_max")
+def _largest_layer(model: StageModel) -> tuple[float, float]:
+    """The largest single-layer load and memory (cached on the model)."""
+    cached: tuple[float, float] | None = model.__dict__.get("_largest_layer")
     if cached is None:
         cached = (float(np.max(np.diff(model.prefix_load))), float(np.max(np.diff(model.prefix_memory))))
-        object.__setattr__(model, "_single_max", cached)
-    fits_load = cached[0] + model.extra_load[1] <= bound
-    return fits_load and cached[1] + model.extra_memory[1] <= model.caps[1]
+        object.__setattr__(model, "_largest_layer", cached)
+    return cached
 
 
 def _end_candidates(model: StageModel) -> tuple[FloatArray, FloatArray]:

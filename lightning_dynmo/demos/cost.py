@@ -1,0 +1,51 @@
+"""Emulated layer cost: sleep in forward and backward, using no CPU.
+
+Sleeping keeps pipeline timings meaningful even with more processes than cores (measured in
+``shared/notes/feasibility.md`` section 6), so balance can be benchmarked on a small machine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fwd_s: float, bwd_s: float) -> Tensor:
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+class EmulatedCost(torch.nn.Module):
+    """Identity whose forward sleeps ``fwd_ms`` and whose backward sleeps ``bwd_ms`` (default 2x).
+
+    The values are plain attributes, so they can be changed during training (a dynamic model) and
+    travel with the layer when it migrates.
+
+    Args:
+        fwd_ms: Forward sleep per call, milliseconds (>= 0).
+        bwd_ms: Backward sleep per call, milliseconds; ``None`` means ``2 * fwd_ms``.
+    """
+
+    def __init__(self, fwd_ms: float = 0.0, bwd_ms: float | None = None):
+        super().__init__()
+        bwd = 2.0 * fwd_ms if bwd_ms is None else bwd_ms
+        if fwd_ms < 0 or bwd < 0:
+            raise ValueError(f"fwd_ms={fwd_ms}, bwd_ms={bwd_ms}: emulated costs must be >= 0 milliseconds.")
+        self.fwd_ms = float(fwd_ms)
+        self.bwd_ms = float(bwd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fwd_ms == 0.0 and self.bwd_ms == 0.0:
+            return x
+        return _Sleep.apply(x, self.fwd_ms / 1e3, self.bwd_ms / 1e3)

@@ -1,0 +1,1 @@
+"""Pipeline package: stages, schedules and layer migration on torch.distributed."""

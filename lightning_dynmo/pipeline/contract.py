@@ -1,0 +1,108 @@
+"""The model contract: what a LightningModule exposes so DynMo can cut it into pipeline stages.
+
+A pipelined model is a chain ``first parts -> layers "0" .. "n-1" -> last parts -> loss``:
+
+``layers: nn.ModuleDict``
+    The blocks, keyed by their global index as a string (``"0"`` .. ``"n-1"``). Each block maps one
+    activation tensor to one activation tensor of the same kind (that tensor is what crosses a stage
+    boundary). Keys are stable: ``layers.7`` keeps its name whichever rank owns it, so checkpoints
+    and optimizer state are placement independent.
+``pipeline_first_parts: tuple[str, ...]`` (optional, default ``()``)
+    Names of the submodule attributes only the first stage uses (e.g. ``("tok_emb", "pos_emb")``).
+``pipeline_last_parts: tuple[str, ...]`` (optional, default ``()``)
+    Names of the submodule attributes only the last stage uses (e.g. ``("ln_f", "head")``).
+``pipeline_batch(batch) -> (inputs, target)``
+    Splits a dataloader batch into the first stage's input tensor and the last stage's target
+    tensor; both are cut into micro-batches along dim 0.
+``pipeline_first(inputs) -> hidden`` (required when there are first parts)
+    Runs the first parts on the inputs.
+``pipeline_last(hidden) -> output`` (required when there are last parts)
+    Runs the last parts on the last block's output.
+``pipeline_loss(output, target) -> loss``
+    A mean-reduced scalar loss of one micro-batch (the schedule averages over micro-batches).
+
+The strategy deletes what a rank does not own (blocks from ``layers``, parts set to ``None``) before
+``configure_optimizers`` runs, so optimizers see local parameters only; ``training_step`` is not called
+under :class:`~lightning_dynmo.DynMoStrategy` (one schedule step replaces it), which lets the same
+module train single-process with its own ``training_step`` as the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+REQUIRED_METHODS = ("pipeline_batch", "pipeline_loss")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the strategy needs to know about a contract-abiding model.
+
+    Attributes:
+        num_layers: Number of blocks in ``layers``.
+        first_parts: First-stage part attribute names.
+        last_parts: Last-stage part attribute names.
+    """
+
+    num_layers: int
+    first_parts: tuple[str, ...]
+    last_parts: tuple[str, ...]
+
+
+def check_model_contract(model: nn.Module) -> ModelSpec:
+    """Validate ``model`` against the contract (see the module docstring) and describe it.
+
+    Raises:
+        TypeError: naming the missing or malformed piece and what to add.
+    """
+    name = type(model).__name__
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError(
+            f"{name} has no `layers: nn.ModuleDict` (found {type(layers).__name__}). DynMoStrategy needs the "
+            "pipelined blocks as `self.layers = nn.ModuleDict({str(i): block_i for i in range(n)})`, keyed "
+            "by "
+            "global index."
+        )
+    keys = list(layers.keys())
+    if keys != [str(i) for i in range(len(keys))] or not keys:
+        raise TypeError(
+            f"{name}.layers has keys {keys[:8]!r}; they must be '0', '1', ..., 'n-1' in order (at least one "
+            "block). Build it as nn.ModuleDict({str(i): block for i, block in enumerate(blocks)})."
+        )
+    first = _parts(model, "pipeline_first_parts")
+    last = _parts(model, "pipeline_last_parts")
+    needed = list(REQUIRED_METHODS)
+    needed += ["pipeline_first"] if first else []
+    needed += ["pipeline_last"] if last else []
+    missing = [m for m in needed if not callable(getattr(model, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} is missing {missing}: DynMoStrategy needs `pipeline_batch(batch) -> (inputs, target)`, "
+            "`pipeline_loss(output, target) -> scalar`, and `pipeline_first(inputs)` / "
+            "`pipeline_last(hidden)` "
+            "when it declares first/last parts. See lightning_dynmo.pipeline.contract."
+        )
+    return ModelSpec(num_layers=len(keys), first_parts=first, last_parts=last)
+
+
+def _parts(model: nn.Module, attr: str) -> tuple[str, ...]:
+    names: Any = getattr(model, attr, ())
+    ok = isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
+    if not ok:
+        raise TypeError(
+            f"{type(model).__name__}.{attr} is {names!r}; it must be a tuple of submodule attribute names, "
+            f"e.g. {attr} = ('tok_emb', 'pos_emb')."
+        )
+    for part in names:
+        if part == "layers" or not isinstance(getattr(model, part, None), nn.Module):
+            raise TypeError(
+                f"{type(model).__name__}.{attr} names {part!r}, which is not a submodule of the model "
+                f"(found {type(getattr(model, part, None)).__name__}). List only nn.Module attributes other "
+                "than "
+                "`layers`."
+            )
+    return tuple(names)

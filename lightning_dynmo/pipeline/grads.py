@@ -1,0 +1,125 @@
+"""Gradients of a pipeline step, handed to Lightning's automatic optimization, and reduced across ranks.
+
+A schedule step computes forward *and* backward inside ``training_step``, but Lightning then runs
+``zero_grad`` (first batch of an accumulation window) and ``backward(loss)``. To keep Lightning's
+semantics exactly, the step's gradients are taken out of ``.grad`` (leaving any accumulated ones in
+place) and re-injected by the returned loss: :func:`loss_carrying_grads` returns a tensor whose value
+is the loss and whose backward adds ``grad_output * g`` to each parameter. So accumulation, the loss
+normalisation by ``accumulate_grad_batches`` and precision-plugin loss scaling all act on the
+pipeline's gradients exactly as they would on an ordinary backward.
+
+:func:`all_reduce_mean` averages gradients over a data-parallel group and :func:`clip_grad_norm`
+clips by the norm over all stages (the per-rank norms are combined over the pipeline group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+def take_grads(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
+    """Detach every ``.grad`` from ``params`` and return them (``None`` where there was none)."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def restore_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]) -> None:
+    """Put back gradients taken by :func:`take_grads`."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+
+
+class _CarryGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        # grad_output is 1 (or 1/accumulate_grad_batches, or an AMP loss scale): scale like autograd would.
+        scaled = [None if g is None else g * grad_output.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (None, None, *scaled)
+
+
+def loss_carrying_grads(
+    loss: Tensor, params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]
+) -> Tensor:
+    """A tensor equal to ``loss`` whose backward adds ``grads`` (times the incoming gradient) to ``params``.
+
+    If no parameter takes a gradient (a fully frozen stage), the result still supports ``backward()``
+    so Lightning's loop runs unchanged; it then changes no ``.grad``.
+    """
+    pairs = [(p, g) for p, g in zip(params, grads, strict=True) if p.requires_grad]
+    if not pairs:
+        anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        return _CarryGrads.apply(loss, [None], anchor)
+    return _CarryGrads.apply(loss, [g for _, g in pairs], *(p for p, _ in pairs))
+
+
+def _flat_groups(tensors: Sequence[Tensor]) -> dict[tuple[torch.dtype, torch.device], list[Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup | None, size: int) -> None:
+    """Average ``tensors`` in place over ``group`` (``size`` members), one collective per dtype."""
+    if size == 1 or not tensors:
+        return
+    for same in _flat_groups(tensors).values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(size)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def clip_grad_norm(
+    params: Sequence[Tensor],
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+) -> Tensor:
+    """Clip gradients by their total norm over every rank of ``group`` (e.g. all pipeline stages).
+
+    Matches :func:`torch.nn.utils.clip_grad_norm_` on the union of all ranks' parameters: each rank's
+    local norm is combined over ``group`` (sum of ``norm**p``, or max for ``inf``), then every rank
+    scales its own gradients by the same factor. With ``group=None`` only local gradients count.
+
+    Returns:
+        The total (global) norm.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad if p.grad is not None]
+    norm_type = float(norm_type)
+    # Combine in float64 so ranks without gradients (frozen stages) agree on the collective's dtype.
+    local = (
+        torch.nn.utils.get_total_norm(grads, norm_type).double()
+        if grads
+        else torch.zeros((), dtype=torch.float64)
+    )
+    total = local
+    if group is not None:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            total = local**norm_type
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+            total = total ** (1.0 / norm_type)
+    if grads:
+        total = total.to(grads[0].dtype)
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
+    return total

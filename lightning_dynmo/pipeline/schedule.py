@@ -1,0 +1,196 @@
+"""Build this rank's pipeline: stage modules, torch ``PipelineStage`` objects and one schedule.
+
+Read in this order: :func:`resolve_schedule` (a schedule name -> class, stages per rank and stage
+layout), :class:`StageModule` (the ``nn.Module`` one stage runs: first parts, owned blocks in global
+order, last parts), :func:`build_pipeline` (everything one rank needs for a placement) and
+:func:`run_schedule_step` (one forward + backward over all micro-batches).
+
+Building is cheap (about a millisecond), so after a migration or a batch-shape change the whole
+pipeline is rebuilt instead of being patched in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    ScheduleDualPipeV,
+    ScheduleZBVZeroBubble,
+    _PipelineSchedule,
+    get_schedule_class,
+)
+
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.pipeline.contract import ModelSpec
+from lightning_dynmo.pipeline.layout import StageStyle, stages_of_pipeline_rank
+
+log = logging.getLogger(__name__)
+
+#: The schedule names DynMo accepts (torch's names, matched case-insensitively).
+SCHEDULE_NAMES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+_V_STYLE = (ScheduleZBVZeroBubble, ScheduleDualPipeV)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A resolved schedule name.
+
+    Attributes:
+        name: The canonical name (one of :data:`SCHEDULE_NAMES`).
+        cls: torch's schedule class.
+        stages_per_rank: 1 for single-stage schedules (GPipe, 1F1B), 2 for multi-stage ones: a
+            placement then has ``pipeline_size * 2`` (virtual) stages.
+        style: How stages map onto ranks (:func:`~lightning_dynmo.pipeline.layout.stage_to_pipeline_rank`).
+    """
+
+    name: str
+    cls: type[_PipelineSchedule]
+    stages_per_rank: int
+    style: StageStyle
+
+
+def resolve_schedule(name: str) -> ScheduleSpec:
+    """Resolve a schedule name, case-insensitively.
+
+    Raises:
+        ValueError: if ``name`` is not one of :data:`SCHEDULE_NAMES`.
+    """
+    canonical = {n.lower(): n for n in SCHEDULE_NAMES}.get(str(name).lower())
+    if canonical is None:
+        raise ValueError(f"schedule={name!r} is not a pipeline schedule; use one of {list(SCHEDULE_NAMES)}.")
+    cls = get_schedule_class(canonical)
+    multi = issubclass(cls, PipelineScheduleMulti)
+    style: StageStyle = "v" if issubclass(cls, _V_STYLE) else "loop"
+    return ScheduleSpec(canonical, cls, 2 if multi else 1, style)
+
+
+class StageModule(nn.Module):
+    """What one pipeline stage runs: first parts (stage 0), its blocks in global order, last parts.
+
+    The blocks and parts are the model's own module objects, registered here too so that
+    ``parameters()`` is exactly this stage's parameters; the model itself is held unregistered,
+    only to call its ``pipeline_first`` / ``pipeline_last``.
+    """
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, layer_ids: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._first, self._last = first and bool(spec.first_parts), last and bool(spec.last_parts)
+        self.first = nn.ModuleDict({n: getattr(model, n) for n in spec.first_parts} if self._first else {})
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        self.last = nn.ModuleDict({n: getattr(model, n) for n in spec.last_parts} if self._last else {})
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._first:
+            x = self._model.pipeline_first(x)
+        for block in self.layers.values():
+            x = block(x)
+        if self._last:
+            x = self._model.pipeline_last(x)
+        return x
+
+
+@dataclass
+class BuiltPipeline:
+    """One rank's share of a pipeline for one placement.
+
+    Attributes:
+        stage_indices: The placement stages this rank runs, in increasing order.
+        modules: One :class:`StageModule` per stage index.
+        schedule: The torch schedule driving them.
+        has_first: Whether this rank runs stage 0 (it feeds the inputs).
+        has_last: Whether this rank runs the last stage (it computes the loss).
+    """
+
+    stage_indices: tuple[int, ...]
+    modules: list[StageModule]
+    schedule: _PipelineSchedule
+    has_first: bool
+    has_last: bool
+
+
+def build_pipeline(
+    model: nn.Module,
+    spec: ModelSpec,
+    placement: Placement,
+    schedule: ScheduleSpec,
+    *,
+    pipeline_rank: int,
+    pipeline_size: int,
+    num_microbatches: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> BuiltPipeline:
+    """Build this rank's stages and schedule for ``placement``.
+
+    The model must already hold exactly the units this rank owns under ``placement``.
+
+    Raises:
+        ValueError: if the schedule rejects ``num_microbatches`` (the message says which counts work).
+    """
+    indices = stages_of_pipeline_rank(pipeline_rank, placement.num_stages, pipeline_size, schedule.style)
+    last_stage = placement.num_stages - 1
+    modules = [StageModule(model, spec, placement.layers_of(s), s == 0, s == last_stage) for s in indices]
+    stages = [
+        PipelineStage(m, s, placement.num_stages, device, group=group)
+        for m, s in zip(modules, indices, strict=True)
+    ]
+    loss_fn = model.pipeline_loss
+    try:
+        if schedule.stages_per_rank == 1:
+            built = schedule.cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)  # type: ignore[call-arg]
+        else:
+            built = schedule.cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)  # type: ignore[call-arg]
+    except ValueError as err:
+        raise ValueError(
+            f"num_microbatches={num_microbatches} is rejected by schedule {schedule.name!r} with "
+            f"{placement.num_stages} stages over {pipeline_size} ranks: {err} Pick a num_microbatches the "
+            "schedule accepts (1F1B and DualPipeV need at least one per stage)."
+        ) from err
+    _check_stage_map(built, schedule, placement, pipeline_size)
+    return BuiltPipeline(indices, modules, built, 0 in indices, last_stage in indices)
+
+
+def _check_stage_map(built: Any, schedule: ScheduleSpec, placement: Placement, pipeline_size: int) -> None:
+    # Our stage -> rank layout must be the one the schedule itself assumes, or p2p pairs up wrongly.
+    mapping = getattr(built, "stage_index_to_group_rank", None)
+    if mapping is None:
+        return
+    for s in range(placement.num_stages):
+        expected = stages_of_pipeline_rank(mapping[s], placement.num_stages, pipeline_size, schedule.style)
+        assert s in expected, f"schedule {schedule.name} maps stage {s} to rank {mapping[s]}, not ours"
+
+
+def run_schedule_step(pipe: BuiltPipeline, inputs: Tensor | None, target: Tensor | None) -> list[Tensor]:
+    """Run one schedule step (forward and backward of every micro-batch) on this rank.
+
+    Gradients are accumulated into the stage parameters' ``.grad`` (averaged over micro-batches).
+
+    Returns:
+        The per-micro-batch losses on the rank running the last stage, ``[]`` elsewhere.
+    """
+    losses: list[Tensor] = []
+    args = (inputs,) if pipe.has_first else ()
+    pipe.schedule.step(
+        *args,
+        target=target if pipe.has_last else None,
+        losses=losses if pipe.has_last else None,
+        return_outputs=False,
+    )
+    return losses

@@ -1,0 +1,676 @@
+"""DynMoStrategy: pipeline-parallel training inside Lightning, with live re-placement of layers.
+
+Read in this order: the constructor (what a user configures), ``setup_environment`` (process groups
+of the ``data_parallel x pipeline`` grid), ``setup`` (cut the model to this rank's units, then build
+optimizers and the pipeline), ``training_step`` / ``backward`` (one torch schedule step per training
+step, its gradients handed to Lightning's automatic optimization), ``apply_placement`` (move layers
+between ranks at a step boundary) and the collectives over the active ranks.
+
+One schedule step replaces the LightningModule's ``training_step``: the strategy splits the batch with
+``pipeline_batch``, runs forward and backward of every micro-batch through torch's schedule, logs the
+true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
+gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
+stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
+data-parallel group when Lightning would sync (not inside an accumulation window).
+
+Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
+Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run two *virtual* stages
+per rank, so a placement then has ``2 * pipeline_size`` stages, mapped "loop" (stage ``s`` on rank
+``s % pipeline_size``) or "V" (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2P - 1 - r``).
+
+``import lightning_dynmo.strategy`` registers the strategy as ``"dynmo"`` so
+``Trainer(strategy="dynmo")`` works.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract
+from lightning_dynmo.pipeline.layout import (
+    RankGrid,
+    check_placement,
+    initial_placement,
+    unit_moves,
+    unit_owners,
+)
+from lightning_dynmo.pipeline.schedule import (
+    BuiltPipeline,
+    build_pipeline,
+    resolve_schedule,
+    run_schedule_step,
+)
+
+if TYPE_CHECKING:
+    from lightning_dynmo.pipeline.migration import MigrationReport
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_PLACEMENT_POLICIES = ("uniform", "parameters")
+
+
+class DynMoStrategy(ParallelStrategy):
+    """Pipeline-parallel (optionally x data-parallel) training on ``torch.distributed.pipelining``.
+
+    The LightningModule must follow the model contract of :mod:`lightning_dynmo.pipeline.contract`.
+
+    Args:
+        pipeline_size: Ranks per pipeline. ``None`` (default) makes every device a stage; otherwise it
+            must divide the world size, and the world runs ``world_size // pipeline_size`` data-parallel
+            replicas of the pipeline.
+        schedule: One of torch's schedule names (case-insensitive): ``"GPipe"``, ``"1F1B"``,
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
+            ``"DualPipeV"``. Multi-stage schedules run two virtual stages per rank.
+        num_microbatches: Micro-batches per training step; the batch size must be a multiple of it.
+            Some schedules need more (1F1B and DualPipeV: at least one per stage).
+        placement: The initial split of layers over stages: ``"uniform"`` (equal layer counts),
+            ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
+            a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
+            (twice that for multi-stage schedules).
+        timeout: Timeout of the process groups' collectives.
+        start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
+            (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer.
+        cluster_environment: Set by the Trainer (Lightning, torchrun or SLURM environments).
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer.
+        loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
+            disables logging.
+    """
+
+    strategy_name = "dynmo"
+
+    def __init__(
+        self,
+        *,
+        pipeline_size: int | None = None,
+        schedule: str = "1F1B",
+        num_microbatches: int = 4,
+        placement: str | Placement = "uniform",
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        loss_log_name: str | None = "train_loss",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        _check_positive_int("pipeline_size", pipeline_size, allow_none=True)
+        _check_positive_int("num_microbatches", num_microbatches)
+        if start_method not in _START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}.")
+        self._schedule = resolve_schedule(schedule)
+        self._placement_arg = _check_placement_arg(placement)
+        self._pipeline_size_arg = pipeline_size
+        self._num_microbatches = num_microbatches
+        self._timeout = timeout
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._loss_log_name = loss_log_name
+        self.num_nodes = 1
+        # Filled in by set_world_ranks / setup_environment / setup.
+        self._grid: RankGrid | None = None
+        self._active_ranks: tuple[int, ...] = ()
+        self._active_group: dist.ProcessGroup | None = None
+        self._pipeline_group: dist.ProcessGroup | None = None
+        self._data_parallel_group: dist.ProcessGroup | None = None
+        self._spec: ModelSpec | None = None
+        self._placement: Placement | None = None
+        self._pipe: BuiltPipeline | None = None
+        self._batch_shape: tuple[tuple[int, ...], ...] | None = None
+        self._sync_blocked = False
+
+    # -- the surface callbacks use ------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """The current placement (set up in ``setup``)."""
+        if self._placement is None:
+            raise RuntimeError(
+                "DynMoStrategy.placement is only known after Trainer.fit has set up the model."
+            )
+        return self._placement
+
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline."""
+        return self._require_grid().pipeline_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of pipeline replicas."""
+        return self._require_grid().data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica this rank belongs to."""
+        return self._require_grid().data_parallel_rank(self.global_rank)
+
+    @property
+    def stage_index(self) -> int | None:
+        """This rank's position in its pipeline (0 .. pipeline_size - 1); ``None`` once released.
+
+        With single-stage schedules it is also the placement stage the rank runs; with multi-stage
+        schedules see :attr:`stage_indices`.
+        """
+        return (
+            self._require_grid().pipeline_rank(self.global_rank)
+            if self.global_rank in self._active_ranks
+            else None
+        )
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """The placement stages this rank runs (one, or two virtual stages), in increasing order."""
+        return self._pipe.stage_indices if self._pipe is not None else ()
+
+    @property
+    def num_stages(self) -> int:
+        """Number of placement stages (``pipeline_size`` times the stages each rank runs)."""
+        return self.placement.num_stages
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0 (it feeds the inputs)."""
+        return self._pipe is not None and self._pipe.has_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (it computes the loss)."""
+        return self._pipe is not None and self._pipe.has_last
+
+    @property
+    def local_layers(self) -> Mapping[int, nn.Module]:
+        """The blocks this rank owns, by global index, in index order."""
+        layers = self._layers()
+        return {int(k): layers[k] for k in layers}
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's pipeline (ranks in pipeline order)."""
+        return self._pipeline_group
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group of ranks holding the same stage in every replica (``None`` without data parallelism)."""
+        return self._data_parallel_group
+
+    @property
+    def active_ranks(self) -> tuple[int, ...]:
+        """The global ranks taking part in training; collectives of this strategy run over them."""
+        return self._active_ranks
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per training step."""
+        return self._num_microbatches
+
+    @property
+    def schedule_name(self) -> str:
+        """The canonical name of the pipeline schedule."""
+        return self._schedule.name
+
+    # -- Lightning plumbing ---------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always true: Lightning then syncs ``sync_dist`` logs and injects samplers."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All stages of one replica must see the same batch: shard by replica, never by global rank.
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The torch.distributed backend in use."""
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Set ranks from the cluster environment and check ``pipeline_size`` against the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
+        self._grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._build_groups()
+
+    def _build_groups(self) -> None:
+        grid = self._require_grid()
+        me = self.global_rank
+        self._active_ranks = tuple(range(grid.world_size))
+        self._active_group = dist.group.WORLD
+        # new_group is collective over WORLD: every rank creates every group, in the same order.
+        for replica in range(grid.data_parallel_size):
+            ranks = grid.pipeline_ranks(replica)
+            group = dist.new_group(list(ranks), timeout=self._timeout)
+            if me in ranks:
+                self._pipeline_group = group
+        self._data_parallel_group = None
+        if grid.data_parallel_size > 1:
+            for prank in range(grid.pipeline_size):
+                ranks = grid.data_parallel_ranks(prank)
+                group = dist.new_group(list(ranks), timeout=self._timeout)
+                if me in ranks:
+                    self._data_parallel_group = group
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        module = self._module()
+        self._spec = check_model_contract(module)
+        self._placement = self._resolve_placement(self._spec, module)
+        self._keep_only_local_units()
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._route_clipping_through_pipeline()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._rebuild_pipeline()
+        log.info(
+            "rank %d: placement %s, schedule %s, stages %s, layers %s",
+            self.global_rank,
+            self._placement,
+            self.schedule_name,
+            self.stage_indices,
+            sorted(self.local_layers),
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- placement and units --------------------------------------------------------------------------
+
+    def _resolve_placement(self, spec: ModelSpec, module: nn.Module) -> Placement:
+        layers = module.layers
+        sizes = [sum(p.numel() for p in layers[str(i)].parameters()) for i in range(spec.num_layers)]
+        return initial_placement(self._placement_arg, spec.num_layers, self._num_stages_of_run(), sizes)
+
+    def _num_stages_of_run(self) -> int:
+        return self.pipeline_size * self._schedule.stages_per_rank
+
+    def _owners(self, placement: Placement) -> dict[tuple[int, str], int]:
+        spec = self._require_spec()
+        return unit_owners(
+            placement, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
+        )
+
+    def _local_units(self) -> dict[str, nn.Module]:
+        module, spec = self._module(), self._require_spec()
+        units = {f"layers.{k}": m for k, m in self._layers().items()}
+        for name in (*spec.first_parts, *spec.last_parts):
+            part = getattr(module, name, None)
+            if part is not None:
+                units[name] = part
+        return units
+
+    def _keep_only_local_units(self) -> None:
+        owners = self._owners(self.placement)
+        replica = self.data_parallel_rank
+        for unit in list(self._local_units()):
+            if owners[(replica, unit)] != self.global_rank:
+                self._detach_unit(unit)
+
+    def _detach_unit(self, unit: str) -> None:
+        prefix, _, index = unit.partition(".")
+        if prefix == "layers" and index.isdigit():
+            del self._layers()[index]
+        else:
+            setattr(self._module(), unit, None)
+
+    def _attach_unit(self, unit: str, module: nn.Module) -> None:
+        prefix, _, index = unit.partition(".")
+        if prefix == "layers" and index.isdigit():
+            layers = self._layers()
+            # Keep the ModuleDict in global index order: a stage runs its blocks in that order.
+            items = sorted([*layers.items(), (index, module)], key=lambda kv: int(kv[0]))
+            layers.clear()
+            layers.update(items)
+        else:
+            setattr(self._module(), unit, module)
+
+    def apply_placement(self, new: Placement | str) -> MigrationReport:
+        """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
+
+        Every moved unit travels with its parameters, gradients, buffers, ``requires_grad`` flags,
+        plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
+        the split works (several layers at once, moves between non-neighbouring stages); the number of
+        stages stays the same.
+
+        Args:
+            new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.
+
+        Returns:
+            This rank's :class:`~lightning_dynmo.pipeline.migration.MigrationReport`.
+
+        Raises:
+            ValueError: if ranks passed different placements, or ``new`` does not fit the model or the
+                number of stages.
+        """
+        from lightning_dynmo.pipeline.migration import MigrationReport, UnitMove, migrate_units
+
+        spec = self._require_spec()
+        target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
+        self._check_same_on_all_ranks(str(target))
+        check_placement(target, spec.num_layers, self._num_stages_of_run())
+        old = self.placement
+        if target == old:
+            return MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
+        planned = unit_moves(
+            old, target, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
+        )
+        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
+        received, report = migrate_units(
+            moves, self._local_units(), self.optimizers, device=self.root_device, group=self._active_group
+        )
+        for move in moves:
+            if move.src == self.global_rank:
+                self._detach_unit(move.name)
+        for unit, module in received.items():
+            self._attach_unit(unit, module)
+        self._placement = target
+        self._rebuild_pipeline()
+        log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(moves))
+        return report
+
+    def _check_same_on_all_ranks(self, text: str) -> None:
+        gathered: list[Any] = [None] * len(self._active_ranks)
+        dist.all_gather_object(gathered, text, group=self._active_group)
+        if len(set(gathered)) != 1:
+            per_rank = ", ".join(
+                f"rank {r}: {p!r}" for r, p in zip(self._active_ranks, gathered, strict=True)
+            )
+            raise ValueError(
+                f"apply_placement was called with different placements on different ranks ({per_rank}); "
+                "decide "
+                "the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
+                "applying it."
+            )
+
+    def _rebuild_pipeline(self) -> None:
+        self._pipe = build_pipeline(
+            self._module(),
+            self._require_spec(),
+            self.placement,
+            self._schedule,
+            pipeline_rank=self._require_grid().pipeline_rank(self.global_rank),
+            pipeline_size=self.pipeline_size,
+            num_microbatches=self._num_microbatches,
+            device=self.root_device,
+            group=self._pipeline_group,
+        )
+        self._batch_shape = None
+
+    # -- one training step ------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target = module.pipeline_batch(batch)
+        self._check_batch_shape(inputs, target)
+        params = list(module.parameters())
+        # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
+        accumulated = pipeline_grads.take_grads(params)
+        with self.precision_plugin.train_step_context():
+            losses = run_schedule_step(self._require_pipe(), inputs, target)
+        step_grads = pipeline_grads.take_grads(params)
+        pipeline_grads.restore_grads(params, accumulated)
+        loss = self._global_loss(losses, params)
+        if self._loss_log_name is not None:
+            module.log(self._loss_log_name, loss, prog_bar=True)
+        return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
+
+    def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
+        n = self._num_microbatches
+        if inputs.shape[0] % n != 0 or target.shape[0] % n != 0:
+            raise ValueError(
+                f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
+                "micro-batches; "
+                f"use a batch size that is a multiple of {n} and drop_last=True in the DataLoader."
+            )
+        shape = (tuple(inputs.shape), tuple(target.shape))
+        if self._batch_shape is not None and shape != self._batch_shape:
+            # The schedule caches activation shapes from its first step; a new shape needs new stages.
+            log.info(
+                "rank %d: batch shape changed %s -> %s, rebuilding stages",
+                self.global_rank,
+                self._batch_shape,
+                shape,
+            )
+            self._rebuild_pipeline()
+        self._batch_shape = shape
+
+    def _global_loss(self, losses: list[Tensor], params: list[nn.Parameter]) -> Tensor:
+        # One collective: each replica's last stage contributes its mean loss, the sum is averaged.
+        local = torch.stack([x.detach() for x in losses]).mean() if losses else None
+        value = (
+            local.double()
+            if local is not None
+            else torch.zeros((), dtype=torch.float64, device=self.root_device)
+        )
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._active_group)
+        dtype = (
+            local.dtype if local is not None else (params[0].dtype if params else torch.get_default_dtype())
+        )
+        return (value / self.data_parallel_size).to(dtype)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if not self._sync_blocked:
+            self._sync_data_parallel_grads()
+        return out
+
+    def _sync_data_parallel_grads(self) -> None:
+        if self._data_parallel_group is None:
+            return
+        grads = [p.grad for p in self._module().parameters() if p.grad is not None]
+        pipeline_grads.all_reduce_mean(grads, self._data_parallel_group, self.data_parallel_size)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Inside an accumulation window gradients stay local; they are averaged at the window's end."""
+        self._sync_blocked = True
+        try:
+            yield None
+        finally:
+            self._sync_blocked = False
+
+    def _route_clipping_through_pipeline(self) -> None:
+        # Lightning clips through the precision plugin on local parameters only; the norm must cover
+        # every stage. Data-parallel replicas hold identical gradients by then: the pipeline group suffices.
+        plugin = self.precision_plugin
+        self.precision_plugin = plugin  # pin the instance the Trainer uses
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            params = list(plugin.main_params(optimizer))
+            pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "DynMoStrategy pipelines training only; validation_step would run on a partial model. Validate "
+            "with a "
+            "separate single-device Trainer on a checkpoint, or drop val_dataloader / set "
+            "limit_val_batches=0."
+        )
+
+    # -- collectives over the active ranks ------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier(group=self._active_group)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._active_group)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        return bool(votes == len(self._active_ranks)) if all else bool(votes)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
+        return self.lightning_module
+
+    def _layers(self) -> nn.ModuleDict:
+        layers = self._module().layers
+        assert isinstance(layers, nn.ModuleDict)
+        return layers
+
+    def _require_grid(self) -> RankGrid:
+        if self._grid is None:
+            raise RuntimeError(
+                "DynMoStrategy's rank layout is only known once the Trainer has set up the processes."
+            )
+        return self._grid
+
+    def _require_spec(self) -> ModelSpec:
+        if self._spec is None:
+            raise RuntimeError("DynMoStrategy has not checked the model yet; this is known after setup().")
+        return self._spec
+
+    def _require_pipe(self) -> BuiltPipeline:
+        if self._pipe is None:
+            raise RuntimeError("DynMoStrategy has no pipeline yet; it is built in setup().")
+        return self._pipe
+
+
+def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an integer >= 1{' or None' if allow_none else ''}.")
+
+
+def _check_placement_arg(placement: Any) -> str | Placement:
+    if isinstance(placement, Placement) or placement in _PLACEMENT_POLICIES:
+        return placement  # type: ignore[no-any-return]
+    if not isinstance(placement, str):
+        raise ValueError(
+            f"placement={placement!r} must be 'uniform', 'parameters', a placement string like '0-3|4-7' or "
+            "a "
+            "Placement."
+        )
+    Placement.from_string(placement)  # malformed strings fail here, before any process starts
+    return placement
+
+
+StrategyRegistry.register(
+    "dynmo",
+    DynMoStrategy,
+    description="DynMo pipeline-parallel strategy (torch.distributed.pipelining)",
+    override=True,
+)

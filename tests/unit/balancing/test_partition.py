@@ -1,0 +1,159 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dynmo.balancing import LayerCost, Placement, partition, solve_partition
+from lightning_dynmo.balancing.feasibility import use_greedy
+from lightning_dynmo.balancing.partition import build_model
+
+from .brute import assert_fits, assert_valid, brute_optimum, direct_loads
+from .strategies import layer, problems
+
+SETTINGS = settings(max_examples=150, deadline=None)
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@SETTINGS
+@given(problems(), st.sampled_from(["time", "params"]))
+def test_partition_is_exactly_optimal(problem, by):
+    costs, stages = problem
+    result = solve_partition(costs, stages, by=by)
+    assert_valid(result.placement, len(costs), stages)
+    assert _close(result.bottleneck, brute_optimum(costs, stages, by))
+    assert _close(result.bottleneck, max(direct_loads(costs, result.placement, by)))
+
+
+@SETTINGS
+@given(problems(), st.data())
+def test_partition_with_memory_caps_is_optimal_or_says_why(problem, data):
+    costs, stages = problem
+    per_stage = data.draw(st.booleans())
+    if per_stage:
+        caps = data.draw(st.lists(st.integers(0, 60), min_size=stages, max_size=stages))
+    else:
+        caps = data.draw(st.integers(0, 60))
+    expected = brute_optimum(costs, stages, caps=caps)
+    if expected is None:
+        with pytest.raises(ValueError, match=r"cannot be met .* overflows stage"):
+            partition(costs, stages, memory_capacity_bytes=caps)
+        return
+    result = solve_partition(costs, stages, memory_capacity_bytes=caps)
+    assert_valid(result.placement, len(costs), stages)
+    assert_fits(costs, result.placement, caps)
+    assert _close(result.bottleneck, expected)
+
+
+@SETTINGS
+@given(problems(), st.none() | layer, st.none() | layer, st.none() | st.integers(0, 80))
+def test_partition_with_pinned_extras_is_optimal(problem, first, last, cap):
+    costs, stages = problem
+    expected = brute_optimum(costs, stages, caps=cap, first=first, last=last)
+    if expected is None:
+        with pytest.raises(ValueError, match="cannot be met"):
+            partition(
+                costs, stages, memory_capacity_bytes=cap, first_stage_extra=first, last_stage_extra=last
+            )
+        return
+    result = solve_partition(
+        costs, stages, memory_capacity_bytes=cap, first_stage_extra=first, last_stage_extra=last
+    )
+    assert _close(result.bottleneck, expected)
+    assert _close(result.bottleneck, max(direct_loads(costs, result.placement, "time", first, last)))
+
+
+@SETTINGS
+@given(problems(), st.data())
+def test_partition_with_communication_time_is_optimal(problem, data):
+    costs, stages = problem
+    comm = data.draw(st.lists(st.floats(0.0, 5.0), min_size=len(costs), max_size=len(costs)))
+    result = solve_partition(costs, stages, comm_time_s=comm)
+    assert _close(result.bottleneck, brute_optimum(costs, stages, comm=comm))
+    assert _close(result.bottleneck, max(direct_loads(costs, result.placement, comm=comm)))
+
+
+def test_probe_paths_are_chosen_as_documented():
+    costs = [LayerCost(fwd_time_s=1.0, memory_bytes=1)] * 6
+    assert use_greedy(build_model(costs, 3))
+    assert use_greedy(build_model(costs, 3, memory_capacity_bytes=[9, 4, 9]))  # one middle stage
+    assert not use_greedy(build_model(costs, 4, memory_capacity_bytes=[9, 4, 5, 9]))
+    assert not use_greedy(build_model(costs, 3, comm_time_s=0.5))
+
+
+def test_scalar_communication_time_is_paid_by_every_sending_stage():
+    costs = [LayerCost(fwd_time_s=1.0)] * 4
+    result = solve_partition(costs, 2, comm_time_s=1.0)
+    # 2|2 costs 2 + 1 (send) vs 2: bottleneck 3; 1|3 costs 1 + 1 vs 3: also 3; the earliest tie wins.
+    assert result.bottleneck == 3.0
+    assert result.stage_loads[-1] == max(result.stage_loads) or result.stage_loads[0] == 3.0
+
+
+def test_known_counterexample_to_deepspeed_dp_is_solved_exactly():
+    # partition_balanced (DeepSpeed, current) returns sums [20, 4, 3, 5] here; the optimum is 19.
+    costs = [LayerCost(fwd_time_s=w) for w in [1, 19, 4, 3, 5, 0]]
+    assert solve_partition(costs, 4).bottleneck == 19.0
+
+
+def test_memory_error_reports_overflow_and_stage():
+    costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 4
+    with pytest.raises(ValueError, match=r"overflows stage \d by 10 bytes \(needs 30, has 20\)"):
+        partition(costs, 2, memory_capacity_bytes=[20, 20], first_stage_extra=LayerCost(memory_bytes=10))
+
+
+def test_all_zero_costs_give_a_valid_placement():
+    result = solve_partition([LayerCost()] * 5, 3)
+    assert_valid(result.placement, 5, 3)
+    assert result.bottleneck == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_stages": 0}, r"num_stages=0 must be >= 1"),
+        ({"num_stages": 5}, r"num_stages=5 exceeds the number of layers \(4\)"),
+        ({"num_stages": 2.0}, r"num_stages=2.0 must be an integer"),
+        ({"by": "flops"}, r"by='flops' is not a cost view"),
+        ({"memory_capacity_bytes": -1}, r"memory_capacity_bytes=-1 must be a number >= 0"),
+        ({"memory_capacity_bytes": math.nan}, r"memory_capacity_bytes=nan must be a number >= 0"),
+        ({"memory_capacity_bytes": [1, 2, 3]}, r"memory_capacity_bytes has 3 entries but there are 2 stages"),
+        ({"memory_capacity_bytes": 5}, r"memory_capacity_bytes=5 cannot be met with 2 stages"),
+        ({"first_stage_extra": 3.0}, r"first_stage_extra=3.0 must be a LayerCost"),
+        ({"comm_time_s": [1.0]}, r"comm_time_s has 1 entries but there are 4 layers"),
+        ({"comm_time_s": -1.0}, r"comm_time_s contains -1.0"),
+        ({"comm_time_s": 1.0, "by": "params"}, r"comm_time_s=1.0 is given with by='params'"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_clear_message(kwargs, match):
+    costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 4
+    args = {"num_stages": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        partition(costs, **args)
+
+
+@pytest.mark.parametrize(
+    ("costs", "match"),
+    [
+        ([], r"costs is empty"),
+        ([1.0, 2.0], r"costs\[0\] is a float, not a LayerCost"),
+    ],
+)
+def test_bad_costs_are_rejected(costs, match):
+    with pytest.raises(ValueError, match=match):
+        partition(costs, 1)
+
+
+@pytest.mark.parametrize("field", ["fwd_time_s", "bwd_time_s", "memory_bytes"])
+@pytest.mark.parametrize("value", [-1.0, math.nan])
+def test_negative_or_nan_costs_are_rejected(field, value):
+    with pytest.raises(ValueError, match=rf"LayerCost.{field} must be a finite number >= 0, got {value}"):
+        LayerCost(**{field: value})
+
+
+def test_ties_break_towards_earliest_ending_stages_and_result_is_a_placement():
+    placement = partition([LayerCost(fwd_time_s=1.0)] * 4, 2)
+    assert isinstance(placement, Placement)
+    assert str(placement) == "0-1|2-3"
