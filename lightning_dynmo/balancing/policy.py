@@ -179,7 +179,7 @@ class RebalanceTrigger:
         record = RebalanceRecord(step, self._measured_s + extra_cost_s)
         self._history.append(record)
         self._measured_s = 0.0
-        self._pending_event = False
+        # A pending event stays pending: it came after the profile this rebalance used.
         self._window.imbalances.clear()  # what was measured before the rebalance is stale
         self._window.savings_s.clear()
         return record

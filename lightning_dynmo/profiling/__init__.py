@@ -4,6 +4,7 @@
 - :func:`gather_layer_costs`: all ranks' records, identical on every rank of the pipeline group.
 - :func:`measure_boundary_comm_s`: time to send each stage boundary's activation.
 - :func:`inflight_microbatches`: how many micro-batches' activations a stage holds under a schedule.
+- :class:`StageBusyTimer`: the cheap always-on per-rank busy time that feeds automatic triggering.
 """
 
 from lightning_dynmo.profiling.comm import measure_boundary_comm_s
@@ -16,6 +17,7 @@ from lightning_dynmo.profiling.memory import (
     optimizer_state_bytes,
 )
 from lightning_dynmo.profiling.profiler import LayerProfile, LayerProfiler, ProfileResult
+from lightning_dynmo.profiling.stage_timer import StageBusyTimer
 
 __all__ = [
     "LayerMemory",
@@ -24,6 +26,7 @@ __all__ = [
     "LayerTimer",
     "PeakMemory",
     "ProfileResult",
+    "StageBusyTimer",
     "StepLayerTime",
     "gather_layer_costs",
     "inflight_microbatches",

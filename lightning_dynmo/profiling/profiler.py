@@ -110,6 +110,9 @@ class LayerProfiler:
         optimizer: Read for per-layer optimizer-state bytes (optional).
         stages: This rank's ``PipelineStage`` objects; let deferred weight-gradient passes (zero-bubble
             schedules) be timed. Without them, such passes are not seen and backward is undercounted.
+        microbatches_per_step: If given, a step in which a layer ran more forward calls than this
+            (the first step of a freshly built pipeline also runs shape inference on micro-batch 0)
+            has its times scaled down to this many calls.
 
     Example::
 
@@ -129,6 +132,7 @@ class LayerProfiler:
         device: torch.device | str = "cpu",
         optimizer: torch.optim.Optimizer | None = None,
         stages: Sequence[Any] = (),
+        microbatches_per_step: int | None = None,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 (0 disables warm-up).")
@@ -136,12 +140,15 @@ class LayerProfiler:
             raise ValueError(f"profile_steps={profile_steps} must be >= 1 to measure anything.")
         if not layers:
             raise ValueError("layers is empty; pass the layers this rank owns, by global index.")
+        if microbatches_per_step is not None and microbatches_per_step < 1:
+            raise ValueError(f"microbatches_per_step={microbatches_per_step} must be >= 1 or None.")
         self._layers = dict(layers)
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self._device = torch.device(device)
         self._optimizer = optimizer
         self._stages = tuple(stages)
+        self._microbatches = microbatches_per_step
         self._clock = StepClock(self._device)
         self._timer = LayerTimer(self._layers, self._clock)
         self._meter = ActivationMeter(self._layers)
@@ -228,8 +235,15 @@ class LayerProfiler:
         log.debug("profiled %d layers over %d steps: %s", len(layers), n, result)
         return result
 
+    def _normalised(self, t: StepLayerTime) -> StepLayerTime:
+        m = self._microbatches
+        if m is None or t.num_calls <= m:
+            return t
+        scale = m / t.num_calls
+        return StepLayerTime(t.fwd_time_s * scale, t.bwd_time_s * scale, t.bwd_weight_time_s * scale, m)
+
     def _layer_profile(self, index: int, n: int) -> LayerProfile:
-        steps = [r[index] for r in self._recorded]
+        steps = [self._normalised(r[index]) for r in self._recorded]
         params, grads, optim = static_memory(self._layers[index], self._optimizer)
         saved, output = self._meter.per_microbatch(index)
         return LayerProfile(

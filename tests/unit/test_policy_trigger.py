@@ -172,6 +172,15 @@ def test_state_dict_round_trip():
     assert restored.check(100) is None  # on_events is off in AUTO, so no event was pending
 
 
+def test_an_event_during_a_rebalance_triggers_another():
+    trigger = RebalanceTrigger(TriggerConfig())
+    trigger.notify_event()
+    assert trigger.check(1) == "event"
+    trigger.notify_event()  # arrives while the first rebalance is profiling
+    trigger.record_rebalance(3)
+    assert trigger.check(4) == "event"
+
+
 def test_state_dict_keeps_a_pending_event():
     trigger = RebalanceTrigger(TriggerConfig())
     trigger.notify_event()

@@ -201,3 +201,8 @@ def test_misuse_of_the_step_protocol_is_reported():
     with pytest.raises(RuntimeError, match=r"attach\(\) called twice"):
         profiler.start()
     profiler.stop()
+
+
+def test_bad_microbatch_count_is_rejected():
+    with pytest.raises(ValueError, match=r"microbatches_per_step=0 must be >= 1 or None"):
+        LayerProfiler(_layers(), microbatches_per_step=0)
