@@ -18,7 +18,8 @@ How a layer's time is taken (one record per forward call, i.e. per micro-batch):
 
 Hooks are attached by :meth:`LayerTimer.attach` and removed by :meth:`LayerTimer.detach`, including
 tensor hooks on pipeline receive buffers (they are leaves that outlive a step, so they are removed at
-every step end). The migration engine refuses to move modules that still carry hooks.
+every step end). The migration engine refuses to move modules that still carry hooks. Method wrappers
+on stages are undone last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_dynmo.profiling.clock import Mark, StepClock
 
 _WEIGHT_PASS_METHOD = "backward_weight_one_chunk"
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class LayerTimer:
         self._states: dict[int, _LayerState] = {i: _LayerState() for i in self._layers}
         self._module_handles: list[RemovableHandle] = []
         self._step_handles: list[RemovableHandle] = []
-        self._patched: list[Any] = []
+        self._patched: list[tuple[Any, Any]] = []  # (stage, what its instance dict held before)
         self._in_weight_pass = False
         self._weight_pass_last: Mark | None = None
         self.hook_time_s = 0.0  # CPU seconds spent inside our own hooks since the last begin_step
@@ -124,9 +126,12 @@ class LayerTimer:
             handle.remove()
         self._module_handles.clear()
         self._step_handles.clear()
-        for stage in self._patched:
-            # The wrapper lives in the instance dict; deleting it uncovers the class method again.
-            vars(stage).pop(_WEIGHT_PASS_METHOD, None)
+        for stage, previous in reversed(self._patched):
+            # Put back whatever the instance had before (another timer's wrapper, or nothing).
+            if previous is _MISSING:
+                vars(stage).pop(_WEIGHT_PASS_METHOD, None)
+            else:
+                setattr(stage, _WEIGHT_PASS_METHOD, previous)
         self._patched.clear()
 
     def begin_step(self) -> None:
@@ -219,13 +224,13 @@ class LayerTimer:
 
     def _wrap_weight_pass(self, stage: Any) -> None:
         original = getattr(stage, _WEIGHT_PASS_METHOD)
+        self._patched.append((stage, vars(stage).get(_WEIGHT_PASS_METHOD, _MISSING)))
 
         def timed_weight_pass(*args: Any, **kwargs: Any) -> Any:
             with self.weight_pass():
                 return original(*args, **kwargs)
 
         setattr(stage, _WEIGHT_PASS_METHOD, timed_weight_pass)
-        self._patched.append(stage)
 
     @contextmanager
     def weight_pass(self) -> Iterator[None]:

@@ -18,6 +18,7 @@ from typing import Any
 from lightning_dynmo.profiling.clock import Mark, StepClock
 
 CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+_MISSING = object()
 
 
 class StageBusyTimer:
@@ -31,6 +32,7 @@ class StageBusyTimer:
     def __init__(self, clock: StepClock) -> None:
         self._clock = clock
         self._stages: tuple[Any, ...] = ()
+        self._saved: list[tuple[Any, str, Any]] = []  # (stage, method name, what the instance held before)
         self._intervals: list[tuple[Mark, Mark]] = []
         self._valid = False
 
@@ -49,15 +51,19 @@ class StageBusyTimer:
         for stage in stages:
             for name in CHUNK_METHODS:
                 if hasattr(stage, name):
+                    self._saved.append((stage, name, vars(stage).get(name, _MISSING)))
                     setattr(stage, name, self._timed(getattr(stage, name)))
         self._stages = tuple(stages)
         self._valid = False  # the current step (if any) started on other stages
 
     def unwatch(self) -> None:
         """Restore the wrapped stages' own methods."""
-        for stage in self._stages:
-            for name in CHUNK_METHODS:
+        for stage, name, previous in reversed(self._saved):
+            if previous is _MISSING:
                 vars(stage).pop(name, None)
+            else:
+                setattr(stage, name, previous)
+        self._saved.clear()
         self._stages = ()
 
     def begin_step(self) -> None:

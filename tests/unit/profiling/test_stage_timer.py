@@ -92,3 +92,22 @@ def test_extra_shape_inference_calls_are_scaled_away():
         profiler.end_step()
     assert plain.result().layers[0].microbatches_per_step == 3
     assert scaled.result().layers[0].microbatches_per_step == 2
+
+
+def test_busy_timer_and_profiler_wrappers_nest():
+    # The busy timer wraps the stage first, a profiling window wraps the weight pass on top; when the
+    # window closes, the busy timer's wrapper must still be in place.
+    clock = FakeClock()
+    stage = FakeStage(clock, 1.0, 1.0)
+    stage.backward_weight_one_chunk = lambda chunk: None  # an instance-level method, like a patched one
+    original = stage.backward_weight_one_chunk
+    timer = StageBusyTimer(clock)
+    timer.watch([stage])
+    busy_wrapper = stage.backward_weight_one_chunk
+    profiler = LayerProfiler({0: Block(16)}, warmup_steps=0, profile_steps=1, stages=[stage])
+    profiler.start()
+    assert stage.backward_weight_one_chunk is not busy_wrapper
+    profiler.stop()
+    assert stage.backward_weight_one_chunk is busy_wrapper
+    timer.unwatch()
+    assert stage.backward_weight_one_chunk is original
