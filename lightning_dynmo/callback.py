@@ -221,12 +221,15 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         if strategy.stage_index is None:
             return  # a released rank takes no part
-        if self._pending is not None:
+        just_applied = self._pending is not None
+        if just_applied:
             self._apply_pending(trainer)
         assert self._busy is not None
         self._busy.watch(_pipeline_stages(strategy))  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
-        if self._profiler is None and self._pending is None and step != self._last_checked_step:
+        # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks have
+        # agreed on its cost, at this step's end), so it is not asked now.
+        if self._profiler is None and not just_applied and step != self._last_checked_step:
             self._last_checked_step = step
             reason = self._trigger.check(step)
             if reason is not None:
@@ -429,8 +432,8 @@ class DynMoCallback(Callback):
         self._follow_measured_gain(trainer, step_max)
         if (rows[:, _BUSY] >= 0).all():
             stage_busy = _busy_per_pipeline_rank(rows[:, _BUSY].tolist(), strategy)
-            if self.triggers.auto:
-                self._trigger.observe(stage_busy)
+            if self.triggers.auto and self._profiler is None and self._pending is None:
+                self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, stage_busy, step_max)
 
     def _exchange_events(self, strategy: Any) -> None:

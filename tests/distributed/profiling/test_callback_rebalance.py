@@ -19,14 +19,14 @@ import pytest
 from lightning_dynmo.balancing import partition
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.events import notify_dynamism
+from lightning_dynmo.events import DynamismEvent, notify_dynamism
 from lightning_dynmo.profiling import module_has_hooks
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_strategy_equivalence import TOL, LossRecorder, Run, make_strategy, reference
 
 pytestmark = pytest.mark.distributed
 
-RUN = Run(num_layers=8, steps=10)
+RUN = Run(num_layers=8, steps=12)
 CHANGE_AT, SLEEP_MS = 2, 5.0
 
 
@@ -44,10 +44,14 @@ class PruneFirstHalf(pl.Callback):
             notify_dynamism("pruned", layers=changed, step=trainer.global_step, detail="emulated")
 
 
-def fit_with_callback(rank: int, world_size: int, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+def fit_with_callback(
+    rank: int, world_size: int, callback_kwargs: dict[str, Any], restore: dict[str, Any] | None = None
+) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     recorder, dynmo = LossRecorder(), DynMoCallback(**callback_kwargs)
+    if restore is not None:
+        dynmo.load_state_dict(restore)
     trainer = pl.Trainer(
         devices=world_size,
         strategy=make_strategy(RUN),
@@ -70,7 +74,8 @@ def fit_with_callback(rank: int, world_size: int, callback_kwargs: dict[str, Any
 
 
 def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
-    kwargs = {"balancer": "partition", "cost": "time", "profile_warmup_steps": 1, "profile_steps": 2}
+    # every_n_steps=7 adds a second window after the migration: the received layers get profiled too.
+    kwargs = {"balancer": "partition", "cost": "time", "every_n_steps": 7, "profile_steps": 2}
     results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
     first = results[0]
     costs = first["costs"]
@@ -79,8 +84,9 @@ def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
     for r in results:
         assert r["placement"] == "0-5|6-7"
         assert not r["hooks_left"]
-        [rebalance] = r["rebalances"]
+        rebalance, again = r["rebalances"]
         assert rebalance["reason"] == "event" and rebalance["applied"]
+        assert again["reason"] == "period" and not again["applied"] and again["old"] == "0-5|6-7"
         assert (rebalance["old"], rebalance["new"]) == ("0-3|4-7", "0-5|6-7")
         assert rebalance["step"] == CHANGE_AT + 1 + 3  # event seen after step 2, 3 profiled steps
         assert rebalance["predicted_gain"] > 0.2
@@ -96,3 +102,40 @@ def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
     merged = {**results[0]["state"], **results[1]["state"]}
     worst = max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
     assert worst < TOL
+
+
+def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
+    kwargs = {
+        "on_events": False,
+        "auto": True,
+        "auto_threshold": 0.5,
+        "auto_patience_steps": 2,
+        "auto_horizon_steps": 100,
+        "auto_cooldown_steps": 100,
+        "rebalance_cost_prior_s": 0.05,
+        "profile_steps": 2,
+    }
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
+    for r in results:
+        [rebalance] = r["rebalances"]
+        assert rebalance["reason"] == "auto"
+        # fires only once the change has been seen for auto_patience_steps steps
+        assert rebalance["step"] >= CHANGE_AT + 2
+        assert r["placement"] == "0-5|6-7" == str(partition(r["costs"], 2))
+
+
+def test_a_restored_callback_reapplies_its_placement(tmp_path: Any) -> None:
+    # Resume path without checkpoint files (the strategy does not write placement-independent
+    # checkpoints yet): a callback loaded from a state_dict puts its placement back when training starts.
+    saved = DynMoCallback()
+    saved.placement = "0-5|6-7"
+    saved.events = [DynamismEvent("pruned", (0, 1, 2, 3), 2, "emulated")]
+    state = saved.state_dict()
+    kwargs = {"on_events": False}
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs, state))
+    for r in results:
+        assert r["placement"] == "0-5|6-7"
+        assert r["state_dict"]["placement"] == "0-5|6-7"
+        # the restored history, then this run's own event (recorded even with on_events=False)
+        assert r["events"][:1] == saved.events
+        assert [e.step for e in r["events"][1:]] == [CHANGE_AT]
