@@ -80,9 +80,10 @@ class DynMoCallback(Callback):
         max_slowdown: With ``repack``, the largest accepted predicted step-time increase (fraction).
         memory_capacity_bytes: Per-stage memory cap for the balancer: one number or one per stage.
             ``None`` uses the device's total memory on GPU and no cap on CPU.
-        profile_warmup_steps: Steps profiled but not counted at the start of a window (the first step
-            after a rebuilt pipeline also infers shapes).
-        profile_steps: Steps measured per window; layer costs are their per-layer medians.
+        profile_warmup_steps: Steps profiled but not counted at the start of a window; ``None``: 1, or
+            0 with ``every_step`` (the extra shape-inference pass of a rebuilt pipeline is scaled away).
+        profile_steps: Steps measured per window, layer costs being their per-layer medians; ``None``:
+            3, or 1 with ``every_step`` (a window per step: profile, decide, migrate, repeat).
         min_gain: A new placement is applied only if predicted at least this much faster (fraction).
         auto_threshold: See ``auto``.
         auto_patience_steps: See ``auto``.
@@ -116,8 +117,8 @@ class DynMoCallback(Callback):
         target_num_stages: int | None = None,
         max_slowdown: float = 0.05,
         memory_capacity_bytes: float | Sequence[float] | None = None,
-        profile_warmup_steps: int = 1,
-        profile_steps: int = 3,
+        profile_warmup_steps: int | None = None,
+        profile_steps: int | None = None,
         min_gain: float = 0.02,
         auto_threshold: float = 0.10,
         auto_patience_steps: int = 5,
@@ -128,6 +129,10 @@ class DynMoCallback(Callback):
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if profile_warmup_steps is None:
+            profile_warmup_steps = 0 if every_step else 1
+        if profile_steps is None:
+            profile_steps = 1 if every_step else 3
         if not isinstance(profile_warmup_steps, int) or profile_warmup_steps < 0:
             raise ValueError(f"profile_warmup_steps={profile_warmup_steps!r} must be an integer >= 0.")
         if not isinstance(profile_steps, int) or profile_steps < 1:
@@ -173,6 +178,7 @@ class DynMoCallback(Callback):
         self._window_reason = ""
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
+        self._window_step_s = 0.0
         self._cost_to_share = 0.0
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
@@ -227,12 +233,12 @@ class DynMoCallback(Callback):
         assert self._busy is not None
         self._busy.watch(_pipeline_stages(strategy))  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
-        # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks have
-        # agreed on its cost, at this step's end), so it is not asked now.
-        if self._profiler is None and not just_applied and step != self._last_checked_step:
+        if self._profiler is None and step != self._last_checked_step:
             self._last_checked_step = step
             reason = self._trigger.check(step)
-            if reason is not None:
+            # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
+            # agree on its cost, at this step's end): its auto cooldown would not hold yet.
+            if reason is not None and not (just_applied and reason == "auto"):
                 self._open_window(trainer, reason)
         self._busy.begin_step()
         if self._profiler is not None:
@@ -315,6 +321,7 @@ class DynMoCallback(Callback):
         )
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
+        self._window_step_s = result.step_time_s
         decision = self._decide_once(strategy, costs, placement, comm)
         self._pending = decision
         self._pending_costs = {
@@ -331,7 +338,13 @@ class DynMoCallback(Callback):
         if strategy.global_rank == source:
             try:
                 outcome = decide(
-                    costs, placement, self.balance, strategy.num_microbatches, strategy.schedule_name, comm
+                    costs,
+                    placement,
+                    self.balance,
+                    strategy.num_microbatches,
+                    strategy.schedule_name,
+                    comm,
+                    stage_workers=_stage_workers(strategy, placement),
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -382,8 +395,11 @@ class DynMoCallback(Callback):
         }
         self.rebalances.append(record)
         self._log_decision(trainer, decision, record)
-        if decision.apply and self._recent_step_s:
-            self._after = {"record": record, "before_s": statistics.median(self._recent_step_s), "steps": []}
+        # "Before" is the median hook-free step before the window, or (when windows follow each other,
+        # as with every_step) the window's own mean step.
+        before_s = statistics.median(self._recent_step_s) if self._recent_step_s else self._window_step_s
+        if decision.apply and before_s > 0:
+            self._after = {"record": record, "before_s": before_s, "steps": []}
 
     def _log_decision(self, trainer: pl.Trainer, decision: RebalanceDecision, record: dict[str, Any]) -> None:
         what = "rebalance" if decision.apply else "kept placement"
@@ -500,6 +516,19 @@ def _pipeline_stages(strategy: Any) -> list[Any]:
         stage = getattr(schedule, "_stage", None)
         stages = [stage] if stage is not None else []
     return list(stages)
+
+
+def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
+    """The pipeline rank of every placement stage when ranks run several (virtual) stages, else None."""
+    if placement.num_stages == strategy.pipeline_size:
+        return None
+    from lightning_dynmo.pipeline.layout import stage_to_pipeline_rank
+
+    style = strategy._schedule.style
+    return [
+        stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
+        for s in range(placement.num_stages)
+    ]
 
 
 def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:

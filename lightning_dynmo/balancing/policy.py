@@ -453,6 +453,7 @@ def decide(
     num_microbatches: int,
     schedule: str,
     comm_time_s: Sequence[float] | None = None,
+    stage_workers: Sequence[int] | None = None,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
@@ -463,6 +464,9 @@ def decide(
         num_microbatches: Micro-batches per step.
         schedule: The pipelining schedule name.
         comm_time_s: Per layer, seconds to send its output across a stage boundary (optional).
+        stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
+            stage. The simulator and the balancers see stages as separate workers; with this, a
+            same-size proposal must also cut the heaviest *worker's* load by ``min_gain``.
 
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
@@ -475,6 +479,11 @@ def decide(
         )
     if comm_time_s is not None and len(comm_time_s) != len(costs):
         raise ValueError(f"comm_time_s has {len(comm_time_s)} entries; give one per layer ({len(costs)}).")
+    if stage_workers is not None and len(stage_workers) != current.num_stages:
+        raise ValueError(
+            f"stage_workers has {len(stage_workers)} entries but current={current} has "
+            f"{current.num_stages} stages; give the worker of every stage."
+        )
     config.check_pipeline(current.num_stages)
 
     def evaluate(placement: Placement) -> _Prediction:
@@ -484,6 +493,8 @@ def decide(
     proposed, reason = _propose(costs, current, config, comm_time_s)
     after = evaluate(proposed)
     apply, why = _worth_it(current, proposed, before.step, after.step, config)
+    if apply and stage_workers is not None and proposed.num_stages == current.num_stages:
+        apply, why = _worth_it_per_worker(costs, current, proposed, stage_workers, config, why)
     return RebalanceDecision(
         apply=apply,
         current=current,
@@ -547,6 +558,29 @@ def _worth_it(
     if after_s <= before_s * (1 - config.min_gain):
         return True, "predicted faster"
     return False, f"predicted gain below min_gain={config.min_gain}"
+
+
+def _worth_it_per_worker(
+    costs: Sequence[LayerCost],
+    current: Placement,
+    proposed: Placement,
+    stage_workers: Sequence[int],
+    config: BalanceConfig,
+    why: str,
+) -> tuple[bool, str]:
+    def heaviest_worker(placement: Placement) -> float:
+        loads: dict[int, float] = {}
+        for stage, load in enumerate(placement.stage_loads(costs, config.cost)):
+            loads[stage_workers[stage]] = loads.get(stage_workers[stage], 0.0) + load
+        return max(loads.values())
+
+    before, after = heaviest_worker(current), heaviest_worker(proposed)
+    if after <= before * (1 - config.min_gain):
+        return True, why
+    return (
+        False,
+        f"the heaviest worker (its stages together) would not get min_gain={config.min_gain} lighter",
+    )
 
 
 # -- checks ----------------------------------------------------------------------------------------

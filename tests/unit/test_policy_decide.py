@@ -210,3 +210,20 @@ def test_repack_beyond_memory_is_reported():
         ValueError, match=r"target_num_stages=1 cannot be reached: the layers do not fit in memory"
     ):
         decide(costs, Placement.from_string("0-1|2-3"), config, 2, "1F1B")
+
+
+def test_virtual_stages_are_judged_by_their_workers():
+    # 4 virtual stages on 2 workers, "loop" layout (stage s on worker s % 2). Moving layers between
+    # stages 0 and 2 looks like a gain stage by stage but leaves both workers exactly as loaded.
+    costs = _costs([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    current = Placement.from_string("0-1|2-3|4-5|6-7")
+    staged = decide(costs, current, BalanceConfig(), 4, "InterleavedZeroBubble")
+    assert staged.apply
+    by_worker = decide(
+        costs, current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1, 0, 1]
+    )
+    assert by_worker.proposed == staged.proposed
+    assert not by_worker.apply
+    assert "heaviest worker" in by_worker.reason
+    with pytest.raises(ValueError, match=r"stage_workers has 2 entries but current=0-1\|2-3\|4-5\|6-7 has 4"):
+        decide(costs, current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1])
