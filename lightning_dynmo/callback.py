@@ -179,6 +179,7 @@ class DynMoCallback(Callback):
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
         self._window_step_s = 0.0
+        self._comm_s_per_byte: float | None = None
         self._cost_to_share = 0.0
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
@@ -317,7 +318,7 @@ class DynMoCallback(Callback):
             strategy.schedule_name, 0, strategy.num_stages, strategy.num_microbatches
         )
         costs = gather_layer_costs(
-            result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group
+            result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group, strategy.root_device
         )
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
@@ -345,6 +346,7 @@ class DynMoCallback(Callback):
                     strategy.schedule_name,
                     comm,
                     stage_workers=_stage_workers(strategy, placement),
+                    min_saving=self._min_saving(),
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -354,16 +356,39 @@ class DynMoCallback(Callback):
         assert isinstance(outcome, RebalanceDecision)
         return outcome
 
+    def _min_saving(self) -> float:
+        """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts."""
+        if self.balance.cost != "time":
+            return 0.0  # the params view has no seconds to compare with
+        migrations = [r["migration_s"] for r in self.rebalances if r["applied"]]
+        if not migrations:
+            return 0.0
+        if self.triggers.every_step:
+            lasts = self.profile_warmup_steps + self.profile_steps
+        elif self.triggers.every_n_steps is not None:
+            lasts = self.triggers.every_n_steps
+        else:
+            lasts = self.triggers.auto_horizon_steps
+        return statistics.mean(migrations) / max(lasts, 1)
+
     def _comm_per_layer(
         self, strategy: Any, costs: list[LayerCost], placement: Placement
     ) -> list[float] | None:
-        """Per layer, seconds to send its output across a boundary: measured boundaries, bytes-scaled."""
+        """Per layer, seconds to send its output across a boundary (measured once, scaled by bytes).
+
+        A boundary is a pair of neighbouring ranks whatever the placement, so the seconds per byte of
+        the links are measured in the first window only.
+        """
         if len(strategy.stage_indices) != 1 or strategy.pipeline_size < 2:
             return None  # virtual stages share ranks: a rank-pair ping-pong does not measure them
-        sizes = [costs[placement.layers_of(s)[-1]].activation_bytes for s in range(placement.num_stages - 1)]
-        seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
-        per_byte = statistics.mean(t / max(b, 1) for t, b in zip(seconds, sizes, strict=True))
-        return [c.activation_bytes * per_byte for c in costs]
+        if self._comm_s_per_byte is None:
+            last_layers = [placement.layers_of(s)[-1] for s in range(placement.num_stages - 1)]
+            sizes = [costs[i].activation_bytes for i in last_layers]
+            seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
+            self._comm_s_per_byte = statistics.mean(
+                t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)
+            )
+        return [c.activation_bytes * self._comm_s_per_byte for c in costs]
 
     # -- applying a decision --------------------------------------------------------------------------
 

@@ -454,6 +454,7 @@ def decide(
     schedule: str,
     comm_time_s: Sequence[float] | None = None,
     stage_workers: Sequence[int] | None = None,
+    min_saving: float = 0.0,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
@@ -467,6 +468,9 @@ def decide(
         stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
             stage. The simulator and the balancers see stages as separate workers; with this, a
             same-size proposal must also cut the heaviest *worker's* load by ``min_gain``.
+        min_saving: A same-size proposal must also save at least this much predicted step time (in
+            the cost view's units), e.g. the expected migration cost spread over the steps until the
+            next decision, so a migration pays for itself and noise does not move layers back and forth.
 
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
@@ -492,7 +496,13 @@ def decide(
     before = evaluate(current)
     proposed, reason = _propose(costs, current, config, comm_time_s)
     after = evaluate(proposed)
+    _check_positive(min_saving, "min_saving", allow_zero=True)
     apply, why = _worth_it(current, proposed, before.step, after.step, config)
+    if apply and proposed.num_stages == current.num_stages and before.step - after.step < min_saving:
+        apply, why = (
+            False,
+            f"predicted saving {before.step - after.step:.4g} below min_saving={min_saving:.4g}",
+        )
     if apply and stage_workers is not None and proposed.num_stages == current.num_stages:
         apply, why = _worth_it_per_worker(costs, current, proposed, stage_workers, config, why)
     return RebalanceDecision(

@@ -227,3 +227,16 @@ def test_virtual_stages_are_judged_by_their_workers():
     assert "heaviest worker" in by_worker.reason
     with pytest.raises(ValueError, match=r"stage_workers has 2 entries but current=0-1\|2-3\|4-5\|6-7 has 4"):
         decide(costs, current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1])
+
+
+def test_a_migration_must_pay_for_itself():
+    free = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B")
+    saving = free.predicted_step_before - free.predicted_step_after
+    assert free.apply
+    paid = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=saving * 0.9)
+    assert paid.apply
+    unpaid = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=saving * 1.1)
+    assert not unpaid.apply
+    assert "below min_saving" in unpaid.reason
+    with pytest.raises(ValueError, match=r"min_saving=-1.0 must be a finite number >= 0"):
+        decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=-1.0)
