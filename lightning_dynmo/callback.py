@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
@@ -576,3 +576,21 @@ def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     module = trainer.lightning_module
     for name, value in metrics.items():
         module.log(name, float(value), on_step=True, on_epoch=False)
+
+
+class PipelineThroughputMonitor(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor``, counting each sample once under pipeline parallelism.
+
+    ``ThroughputMonitor`` turns one process's rates into global ones by multiplying by
+    ``trainer.world_size``. In a pipeline every stage of a replica sees the same samples, so the
+    right factor is the number of data-parallel replicas; with it, ``samples_per_sec`` (and
+    ``items_per_sec``, e.g. tokens with a ``length_fn``) are the job's true rates, and the ``device/``
+    rates are those of one pipeline replica. Arguments are ``ThroughputMonitor``'s.
+    """
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        replicas = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        for throughput in self._throughputs.values():
+            throughput.world_size = replicas

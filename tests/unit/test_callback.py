@@ -81,3 +81,30 @@ def test_events_are_collected_from_the_injected_bus_until_teardown():
     assert callback._new_events == [DynamismEvent("frozen", (0,))]
     callback.teardown(trainer, None, "fit")  # type: ignore[arg-type]
     assert bus.num_subscribers == 0
+
+
+def _fake_trainer(world_size: int, replicas: int) -> SimpleNamespace:
+    import torch
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.trainer.states import RunningStage
+
+    return SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), data_parallel_size=replicas),
+        world_size=world_size,
+        precision_plugin=Precision(),
+        enable_validation=False,
+        state=SimpleNamespace(stage=RunningStage.TRAINING),
+    )
+
+
+def test_throughput_counts_pipeline_replicas_not_processes():
+    from lightning.pytorch.callbacks import ThroughputMonitor
+
+    from lightning_dynmo.callback import PipelineThroughputMonitor
+
+    # 4 processes = 2 data-parallel replicas of a 2-stage pipeline: samples are seen by 2 processes each.
+    plain, ours = ThroughputMonitor(batch_size_fn=len), PipelineThroughputMonitor(batch_size_fn=len)
+    for monitor in (plain, ours):
+        monitor.setup(_fake_trainer(world_size=4, replicas=2), None, "fit")  # type: ignore[arg-type]
+    assert [t.world_size for t in plain._throughputs.values()] == [4]  # overcounts by the pipeline depth
+    assert [t.world_size for t in ours._throughputs.values()] == [2]
