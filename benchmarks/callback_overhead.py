@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import logging
 import multiprocessing as mp
 import os
 import sys
@@ -94,6 +95,11 @@ def _fit(rank: int, world: int, args: argparse.Namespace, config: dict[str, Any]
         "windows": len(dynmo.rebalances) if dynmo else 0,
         "migrations": sum(r["applied"] for r in dynmo.rebalances) if dynmo else 0,
         "placement": str(trainer.strategy.placement),
+        "gains": [
+            (r["predicted_gain"], r["measured_gain"])
+            for r in (dynmo.rebalances if dynmo else [])
+            if r["applied"]
+        ],
     }
 
 
@@ -148,8 +154,8 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> s
         f"after {os.getloadavg()[0]:.2f}.",
         "",
         "| run | training s | DynMo overhead s (its own account) | share | target | windows | migrations "
-        "| final placement | wall-time difference to baseline |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| final placement | predicted / measured gain per migration | wall-time difference to baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     targets = {"every_n_steps=100": "<= 2%", "every_step=True": "<= 10%", "no DynMo (baseline)": "-"}
     for name, results in rows.items():
@@ -158,7 +164,8 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> s
         r0 = results[0]
         lines.append(
             f"| {name} | {train:.2f} | {overhead:.3f} | {overhead / train:.2%} | {targets[name]} | "
-            f"{r0['windows']} | {r0['migrations']} | {r0['placement']} | {(train - base) / base:+.1%} |"
+            f"{r0['windows']} | {r0['migrations']} | {r0['placement']} | {_gains(r0['gains'])} | "
+            f"{(train - base) / base:+.1%} |"
         )
     lines += [
         "",
@@ -172,6 +179,13 @@ def report(args: argparse.Namespace, rows: dict[str, list[dict[str, Any]]]) -> s
     return "\n".join(lines)
 
 
+def _gains(gains: list[tuple[float, float | None]]) -> str:
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:+.0%}"
+
+    return ", ".join(f"{pct(p)} / {pct(m)}" for p, m in gains) or "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,6 +194,8 @@ def main() -> None:
     parser.add_argument("--change-at", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lightning_dynmo.callback").setLevel(logging.INFO)  # one line per rebalance
     args.load_before = os.getloadavg()[0]
     rows = {name: _run_ranks(_fit, 2, args, config) for name, config in CONFIGS.items()}
     text = report(args, rows)

@@ -99,7 +99,8 @@ class DynMoCallback(Callback):
     (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
     ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``; after each decision
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
-    ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``; and
+    ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
+    ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
     ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps. One log line per
     rebalance gives the old and new placement text with predicted and then measured gain.
     """
@@ -323,15 +324,22 @@ class DynMoCallback(Callback):
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
         self._window_step_s = result.step_time_s
-        decision = self._decide_once(strategy, costs, placement, comm)
+        decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
         self._pending = decision
         self._pending_costs = {
             "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
             "decision_s": self._clock() - start,
         }
+        # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
+        _log(trainer, {"dynmo/peak_memory_bytes": float(result.peak.peak_bytes)})
 
     def _decide_once(
-        self, strategy: Any, costs: list[LayerCost], placement: Placement, comm: list[float] | None
+        self,
+        strategy: Any,
+        costs: list[LayerCost],
+        placement: Placement,
+        comm: list[float] | None,
+        trainer_step: int,
     ) -> RebalanceDecision:
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
         source = strategy.active_ranks[0]
@@ -346,7 +354,7 @@ class DynMoCallback(Callback):
                     strategy.schedule_name,
                     comm,
                     stage_workers=_stage_workers(strategy, placement),
-                    min_saving=self._min_saving(),
+                    min_saving=self._min_saving(trainer_step),
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -356,20 +364,27 @@ class DynMoCallback(Callback):
         assert isinstance(outcome, RebalanceDecision)
         return outcome
 
-    def _min_saving(self) -> float:
-        """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts."""
+    def _min_saving(self, step: int) -> float:
+        """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts.
+
+        The expected cost is the mean measured migration time (nothing before the first migration).
+        A placement is expected to last ``every_n_steps``, or ``auto_horizon_steps`` for events and
+        ``auto``; with ``every_step``, as long as the current one has lasted so far: right after a
+        migration the bar is high (noise does not move layers back and forth), and it falls while a
+        placement stays.
+        """
         if self.balance.cost != "time":
             return 0.0  # the params view has no seconds to compare with
-        migrations = [r["migration_s"] for r in self.rebalances if r["applied"]]
+        migrations = [r for r in self.rebalances if r["applied"]]
         if not migrations:
             return 0.0
         if self.triggers.every_step:
-            lasts = self.profile_warmup_steps + self.profile_steps
+            lasts = step - migrations[-1]["step"]
         elif self.triggers.every_n_steps is not None:
             lasts = self.triggers.every_n_steps
         else:
             lasts = self.triggers.auto_horizon_steps
-        return statistics.mean(migrations) / max(lasts, 1)
+        return statistics.mean(r["migration_s"] for r in migrations) / max(lasts, 1)
 
     def _comm_per_layer(
         self, strategy: Any, costs: list[LayerCost], placement: Placement
@@ -436,7 +451,7 @@ class DynMoCallback(Callback):
             f"decision {record['decision_s']:.3f} s, migration {record['migration_s']:.3f} s"
         )
         if trainer.global_rank == trainer.strategy.active_ranks[0]:
-            log.info(line)
+            log.log(logging.INFO if decision.apply else logging.DEBUG, line)
         metrics = {
             "dynmo/simulated_bubble_ratio": decision.bubble_ratio_after
             if decision.apply
