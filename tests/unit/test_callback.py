@@ -108,3 +108,21 @@ def test_throughput_counts_pipeline_replicas_not_processes():
         monitor.setup(_fake_trainer(world_size=4, replicas=2), None, "fit")  # type: ignore[arg-type]
     assert [t.world_size for t in plain._throughputs.values()] == [4]  # overcounts by the pipeline depth
     assert [t.world_size for t in ours._throughputs.values()] == [2]
+
+
+def test_a_migration_must_pay_back_over_the_placements_expected_life():
+    applied = [
+        {"step": 10, "applied": True, "migration_s": 0.1},
+        {"step": 5, "applied": False, "migration_s": 0},
+    ]
+    every_step = DynMoCallback(every_step=True)
+    assert every_step._min_saving(11) == 0.0  # no migration measured yet
+    every_step.rebalances = applied
+    assert every_step._min_saving(11) == pytest.approx(0.1)  # just moved: the bar is the whole cost
+    assert every_step._min_saving(20) == pytest.approx(0.01)  # a placement that lasted falls to noise
+    periodic = DynMoCallback(every_n_steps=50)
+    periodic.rebalances = applied
+    assert periodic._min_saving(11) == pytest.approx(0.1 / 50)
+    by_params = DynMoCallback(cost="params", every_step=True)
+    by_params.rebalances = applied
+    assert by_params._min_saving(11) == 0.0  # parameter counts are not seconds
