@@ -31,6 +31,7 @@ accepts no move, or after ``max_rounds``.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ def diffuse(
     current: Placement | str,
     by: str = "time",
     memory_capacity_bytes: MemoryCapacity = None,
-    max_rounds: int = 20,
+    max_rounds: int = 5,
     tolerance: float = 0.0,
     refine_bottleneck: bool = True,
 ) -> DiffusionResult:
@@ -98,7 +99,8 @@ def diffuse(
         current: The placement in use (or its string form).
         by: ``"time"`` or ``"params"``.
         memory_capacity_bytes: ``None``, one capacity for all stages, or one per stage of ``current``.
-        max_rounds: Upper bound on rounds, >= 1.
+        max_rounds: Upper bound on variance-descent rounds, >= 1 (5, as in the reference code; the
+            bottleneck phase that follows has no round limit, it stops when no cascade helps).
         tolerance: Stop once ``imbalance(stage loads) <= tolerance`` (``(max - min) / mean``, >= 0).
         refine_bottleneck: Run the bottleneck phase after variance descent stops (see module doc).
 
@@ -125,10 +127,10 @@ def diffuse(
             "partition(costs, num_stages, memory_capacity_bytes=...) instead."
         )
     state = _State(model, list(placement.boundaries))
-    before = imbalance(state.loads.tolist())
+    before = state.imbalance()
     rounds, reason = 0, "max_rounds"
     while True:
-        if imbalance(state.loads.tolist()) <= tol:
+        if state.imbalance() <= tol:
             reason = "tolerance"
             break
         if rounds == max_rounds:
@@ -139,9 +141,9 @@ def diffuse(
             break
     refinements = 0
     if refine_bottleneck and reason != "tolerance":
-        while imbalance(state.loads.tolist()) > tol and state.relieve_bottleneck():
+        while state.imbalance() > tol and state.relieve_bottleneck():
             refinements += 1
-        if imbalance(state.loads.tolist()) <= tol:
+        if state.imbalance() <= tol:
             reason = "tolerance"
     final = Placement(tuple(state.bounds))
     loads = model.loads(final)
@@ -156,12 +158,23 @@ class _State:
     def __init__(self, model: StageModel, bounds: list[int]) -> None:
         self.model = model
         self.bounds = bounds
+        self.bounds_arr = np.asarray(bounds)
         self.weights = np.diff(model.prefix_load)
         self.memory = np.diff(model.prefix_memory)
         self.caps = np.asarray(model.caps)
         stages = range(model.num_stages)
         self.loads = np.asarray([model.load(bounds[s], bounds[s + 1], s) for s in stages])
         self.mems = np.asarray([model.memory(bounds[s], bounds[s + 1], s) for s in stages])
+        # Diffusion's model has no extras and no communication term, so a stage's load is exactly
+        # W[b] - W[a]; the cascade uses these Python lists directly (much faster than method calls).
+        assert not any(model.extra_load) and not any(model.extra_memory) and not np.any(model.comm)
+        self.prefix_w: list[float] = model.prefix_load.tolist()
+        self.prefix_m: list[float] = model.prefix_memory.tolist()
+
+    def imbalance(self) -> float:
+        """``(max - min) / mean`` of the current loads (0 when all are 0)."""
+        mean = float(np.mean(self.loads))
+        return 0.0 if mean == 0 else float(np.max(self.loads) - np.min(self.loads)) / mean
 
     def run_round(self) -> bool:
         """One round; True if any chain was accepted."""
@@ -192,7 +205,7 @@ class _State:
         path = np.arange(src, stages) if direction > 0 else np.arange(src, -1, -1)
         if len(path) < 2:
             return None
-        b = np.asarray(self.bounds)
+        b = self.bounds_arr
         # The layer each stage on the path hands on: its last layer going right, its first going left.
         passed = b[path + 1] - 1 if direction > 0 else b[path]
         loads, mems, caps = self.loads[path], self.mems[path], self.caps[path]
@@ -222,47 +235,62 @@ class _State:
         self._refresh(lo, hi)
 
     def relieve_bottleneck(self) -> bool:
-        """Apply a cascade from a bottleneck stage; False if none lowers the bottleneck."""
+        """Apply a cascade from a bottleneck stage; False if none lowers the bottleneck.
+
+        Of the two directions the shorter cascade wins (fewer layers to migrate), then the one that
+        lowers the variance more; the second direction is only explored as far as the first reached.
+        """
         peak = float(np.max(self.loads))
+        stages = self.model.num_stages
         for src in np.flatnonzero(self.loads == peak):
-            options = [self._cascade(int(src), direction, peak) for direction in (+1, -1)]
-            found = [o for o in options if o is not None]
-            if found:
-                _, self.bounds, lo, hi = min(found)
+            best = self._cascade(int(src), +1, peak, stages)
+            reach = stages if best is None else best[3] - best[2]
+            other = self._cascade(int(src), -1, peak, reach)
+            if other is not None and (best is None or (other[3] - other[2], other[0]) < (reach, best[0])):
+                best = other
+            if best is not None:
+                _, self.bounds, lo, hi = best
                 self._refresh(lo, hi)
                 return True
         return False
 
-    def _cascade(self, src: int, direction: int, peak: float) -> tuple[float, list[int], int, int] | None:
-        """(sum of squares, boundaries, first and last changed stage) of the cascade from ``src``."""
-        model, stages = self.model, self.model.num_stages
+    def _cascade(
+        self, src: int, direction: int, peak: float, max_length: int
+    ) -> tuple[float, list[int], int, int] | None:
+        """(sum of squares, boundaries, first and last changed stage) of the cascade from ``src``.
+
+        ``None`` if no stage within ``max_length`` stages of ``src`` can absorb the cascade.
+        """
+        stages, caps = self.model.num_stages, self.model.caps
+        w, m = self.prefix_w, self.prefix_m
         bounds = list(self.bounds)
         loads, mems = self.loads.tolist(), self.mems.tolist()
-        old_ss = float(np.sum(self.loads**2))
-        ss = old_ss
+        ss = float(np.sum(self.loads**2))
         k = src
-        while 0 <= k + direction < stages:
-            # Stage k hands on the fewest boundary layers that bring it strictly below the peak.
-            edge = k + 1 if direction > 0 else k  # index of the boundary k shares with its next stage
-            moved = False
-            limit = bounds[k + 1] - bounds[k] - (1 if k == src else 0)
-            for _ in range(limit):
-                bounds[edge] -= direction
-                moved = True
-                new_load = model.load(bounds[k], bounds[k + 1], k)
-                if new_load < peak and model.memory(bounds[k], bounds[k + 1], k) <= max(
-                    model.caps[k], mems[k]
-                ):
-                    break
+        while 0 <= k + direction < stages and abs(k + direction - src) <= max_length:
+            # Stage k hands on the fewest boundary layers that bring it strictly below the peak; it
+            # keeps at least one layer, and an intermediate stage keeps what it just received.
+            a, b = bounds[k], bounds[k + 1]
+            mem_limit = max(caps[k], mems[k])
+            if direction > 0:
+                lowest = a + 1 if k == src else self.bounds[k]
+                cut = min(_last_end(w, a, peak, strict=True), _last_end(m, a, mem_limit, strict=False), b - 1)
+                if cut < lowest:
+                    return None
+                bounds[k + 1] = cut
             else:
-                return None
-            if not moved:
-                return None
-            ss += new_load**2 - loads[k] ** 2
+                highest = b - 1 if k == src else self.bounds[k + 1]
+                cut = max(
+                    _first_start(w, b, peak, strict=True), _first_start(m, b, mem_limit, strict=False), a + 1
+                )
+                if cut > highest:
+                    return None
+                bounds[k] = cut
+            ss += (w[bounds[k + 1]] - w[bounds[k]]) ** 2 - loads[k] ** 2
             nxt = k + direction
-            recv_load = model.load(bounds[nxt], bounds[nxt + 1], nxt)
-            recv_mem = model.memory(bounds[nxt], bounds[nxt + 1], nxt)
-            if recv_load < peak and recv_mem <= model.caps[nxt]:
+            recv_load = w[bounds[nxt + 1]] - w[bounds[nxt]]
+            recv_mem = m[bounds[nxt + 1]] - m[bounds[nxt]]
+            if recv_load < peak and recv_mem <= caps[nxt]:
                 # The nearest stage that absorbs ends the cascade: fewer layers move and it keeps the
                 # refinement phase linear in the cascade length.
                 return ss + recv_load**2 - loads[nxt] ** 2, bounds, min(src, nxt), max(src, nxt)
@@ -270,7 +298,42 @@ class _State:
         return None
 
     def _refresh(self, lo: int, hi: int) -> None:
+        self.bounds_arr = np.asarray(self.bounds)
         model = self.model
         for s in range(lo, hi + 1):
             self.loads[s] = model.load(self.bounds[s], self.bounds[s + 1], s)
             self.mems[s] = model.memory(self.bounds[s], self.bounds[s + 1], s)
+
+
+def _last_end(prefix: list[float], start: int, limit: float, strict: bool) -> int:
+    """Largest ``e >= start`` with ``prefix[e] - prefix[start]`` below ``limit`` (``<=`` unless strict)."""
+
+    def fits(e: int) -> bool:
+        value = prefix[e] - prefix[start]
+        return value < limit if strict else value <= limit
+
+    if math.isinf(limit):
+        return len(prefix) - 1
+    e = min(max(bisect.bisect_left(prefix, prefix[start] + limit, lo=start) - 1, start), len(prefix) - 1)
+    while e + 1 < len(prefix) and fits(e + 1):
+        e += 1
+    while e > start and not fits(e):
+        e -= 1
+    return e
+
+
+def _first_start(prefix: list[float], end: int, limit: float, strict: bool) -> int:
+    """Smallest ``s <= end`` with ``prefix[end] - prefix[s]`` below ``limit`` (``<=`` unless strict)."""
+
+    def fits(s: int) -> bool:
+        value = prefix[end] - prefix[s]
+        return value < limit if strict else value <= limit
+
+    if math.isinf(limit):
+        return 0
+    s = min(bisect.bisect_right(prefix, prefix[end] - limit, 0, end), end)
+    while s > 0 and fits(s - 1):
+        s -= 1
+    while s < end and not fits(s):
+        s += 1
+    return s

@@ -74,7 +74,8 @@ def partition(
             to the *sending* stage's load, which is busy until the send completes.
 
     Returns:
-        The optimal placement; ties are broken towards the earliest-ending stages.
+        The optimal placement. When several placements are optimal, which one is returned is
+        deterministic (same input, same answer on every rank) but not otherwise specified.
 
     Raises:
         ValueError: on bad input, or if no placement fits memory (the message gives the smallest

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run as ``python -m benchmarks.<name>`` from the repository root."""

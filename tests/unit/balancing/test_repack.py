@@ -1,0 +1,107 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dynmo.balancing import LayerCost, Placement, repack, solve_partition
+
+from .brute import assert_fits, assert_valid, brute_optimum, direct_loads
+from .strategies import problems
+
+
+@st.composite
+def repack_problems(draw: st.DrawFn):
+    costs, stages = draw(problems(max_stages=4))
+    current = Placement.from_sizes(_sizes(draw, len(costs), stages))
+    mem = [sum(costs[i].memory_bytes for i in current.layers_of(s)) for s in range(stages)]
+    if draw(st.booleans()):
+        caps = max(mem) + draw(st.integers(0, 40))
+    else:
+        caps = [m + draw(st.integers(0, 40)) for m in mem]
+    return costs, current, caps
+
+
+def _sizes(draw, layers, stages):
+    sizes = [1] * stages
+    for _ in range(layers - stages):
+        sizes[draw(st.integers(0, stages - 1))] += 1
+    return sizes
+
+
+def _caps(caps, stages):
+    return [caps] * stages if isinstance(caps, int) else list(caps)
+
+
+@settings(max_examples=120, deadline=None)
+@given(repack_problems(), st.floats(0.0, 1.0))
+def test_repack_without_target_picks_the_fewest_stages_within_the_slowdown(problem, slowdown):
+    costs, current, caps = problem
+    result = repack(costs, current, caps, max_slowdown=slowdown)
+    assert_valid(result.placement, len(costs))
+    assert_fits(costs, result.placement, _caps(caps, current.num_stages)[: result.num_stages])
+    assert result.released_stages == tuple(range(result.num_stages, current.num_stages))
+    previous = max(direct_loads(costs, current))
+    limit = previous * (1 + slowdown)
+    assert max(direct_loads(costs, result.placement)) <= limit + 1e-9
+    full = _caps(caps, current.num_stages)
+    # Brute force: no smaller stage count (with the kept stages' caps) would have been within the limit.
+    for k in range(1, result.num_stages if result.released_stages else current.num_stages):
+        best = brute_optimum(costs, k, caps=full[:k])
+        assert best is None or best > limit * (1 + 1e-12)
+
+
+@settings(max_examples=120, deadline=None)
+@given(repack_problems(), st.data())
+def test_repack_to_a_target_reaches_it_or_explains_memory(problem, data):
+    costs, current, caps = problem
+    target = data.draw(st.integers(1, current.num_stages))
+    full = _caps(caps, current.num_stages)
+    best = brute_optimum(costs, target, caps=full[:target])
+    if best is None:
+        with pytest.raises(
+            ValueError, match=rf"target_num_stages={target} cannot be reached.*overflows stage"
+        ):
+            repack(costs, current, caps, target_num_stages=target)
+        return
+    result = repack(costs, current, caps, target_num_stages=target)
+    assert result.num_stages == target
+    assert_fits(costs, result.placement, full[:target])
+    assert result.bottleneck == pytest.approx(best)  # the best balanced re-pack, not the first fit
+
+
+def test_released_stages_are_the_highest_indices():
+    costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 8
+    result = repack(costs, "0-1|2-3|4-5|6-7", 40, max_slowdown=1.0)
+    assert str(result.placement) == "0-3|4-7"
+    assert result.released_stages == (2, 3)
+    assert result.predicted_slowdown == pytest.approx(1.0)
+
+
+def test_repack_keeps_current_when_nothing_smaller_is_fast_enough():
+    costs = [LayerCost(fwd_time_s=1.0)] * 4
+    result = repack(costs, "0-1|2-3", None, max_slowdown=0.05)
+    assert (str(result.placement), result.released_stages) == ("0-1|2-3", ())
+
+
+def test_repack_prefers_the_best_balanced_placement():
+    # First-fit merging would put 0-2 on one stage; the balanced re-pack splits 6 + 1 + 1 | 6.
+    costs = [LayerCost(fwd_time_s=w, memory_bytes=1) for w in [6.0, 1.0, 1.0, 6.0]]
+    result = repack(costs, "0|1|2|3", 10, target_num_stages=2)
+    assert result.bottleneck == solve_partition(costs, 2).bottleneck == 7.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"target_num_stages": 3}, r"target_num_stages=3 must be an integer in 1..2"),
+        ({"target_num_stages": 0}, r"target_num_stages=0 must be an integer in 1..2"),
+        ({"target_num_stages": 1, "memory_capacity_bytes": 30}, r"target_num_stages=1 cannot be reached"),
+        ({"max_slowdown": -1.0}, r"max_slowdown=-1.0 must be a number >= 0"),
+        ({"memory_capacity_bytes": [1, 2, 3]}, r"memory_capacity_bytes has 3 entries but there are 2 stages"),
+        ({"current": "0-4"}, r"current=0-4 covers 5 layers but costs has 4 records"),
+    ],
+)
+def test_repack_rejects_bad_input(kwargs, match):
+    costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 4
+    args = {"current": "0-1|2-3", "memory_capacity_bytes": 100, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        repack(costs, **args)
