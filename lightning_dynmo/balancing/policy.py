@@ -261,7 +261,7 @@ class BalanceConfig:
         max_slowdown: With ``repack``, the largest accepted predicted step-time increase (fraction).
         min_gain: A new placement is applied only if it is predicted to cut the step time by at least
             this fraction, in ``[0, 1)``.
-        diffusion_max_rounds: Round limit of the diffusion balancer, >= 1.
+        diffusion_max_rounds: Round limit of the diffusion balancer, >= 1 (5, as the reference code).
         diffusion_tolerance: Diffusion stops at this imbalance, >= 0.
     """
 
@@ -272,7 +272,7 @@ class BalanceConfig:
     target_num_stages: int | None = None
     max_slowdown: float = 0.05
     min_gain: float = 0.02
-    diffusion_max_rounds: int = 100
+    diffusion_max_rounds: int = 5
     diffusion_tolerance: float = 0.0
 
     def __post_init__(self) -> None:
