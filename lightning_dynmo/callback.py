@@ -1,0 +1,611 @@
+"""DynMoCallback: notice that the model changed, measure it, rebalance it, and say what it gained.
+
+Read in this order: the constructor (every knob), then the per-step cycle:
+
+1. ``on_train_batch_start``: apply a decision taken at the end of the previous step (migration happens
+   at a step boundary, on every rank), then ask the trigger whether to start a profiling window, then
+   start the step's timers.
+2. ``on_train_batch_end``: close the step's timers; if the profiling window is complete, gather every
+   layer's cost over the pipeline, decide once on the first active rank and broadcast the decision;
+   then one small all-gather shares what every rank saw in the step (dynamism events, busy time,
+   step time, the cost of a rebalance it just did), so every rank feeds its trigger the same inputs
+   and takes the same decisions; finally log.
+
+Everything that decides is in :mod:`lightning_dynmo.balancing.policy` (pure); everything that measures
+is in :mod:`lightning_dynmo.profiling` (torch only). This module wires them to Lightning and logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
+
+from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.metrics import imbalance
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.policy import (
+    BalanceConfig,
+    RebalanceDecision,
+    RebalanceTrigger,
+    TriggerConfig,
+    decide,
+    validate_policy,
+)
+from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
+from lightning_dynmo.profiling import (
+    LayerProfiler,
+    StageBusyTimer,
+    gather_layer_costs,
+    inflight_microbatches,
+    measure_boundary_comm_s,
+)
+from lightning_dynmo.profiling.clock import StepClock
+
+log = logging.getLogger(__name__)
+
+# Columns of the per-step all-gather.
+_EVENTS, _BUSY, _STEP, _COST = range(4)
+
+
+class DynMoCallback(Callback):
+    """Profiles, rebalances and reports a pipeline trained with :class:`~lightning_dynmo.DynMoStrategy`.
+
+    Args:
+        balancer: ``"partition"`` (exact min-max split), ``"diffusion"`` (iterative neighbour moves) or
+            ``"static"`` (never move layers; the callback then only measures and logs).
+        cost: What the balancer weighs: ``"time"`` (profiled forward + backward seconds) or
+            ``"params"`` (parameter counts).
+        every_n_steps: Rebalance every ``n`` optimizer steps; ``None`` disables it.
+        on_events: Rebalance at the step after a dynamism event
+            (:func:`lightning_dynmo.events.notify_dynamism` on any rank). ``None`` means on for
+            ``partition``/``diffusion``, off for ``static``.
+        every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
+        auto: Rebalance when the measured imbalance of per-stage busy times stays above
+            ``auto_threshold`` for ``auto_patience_steps`` steps and the predicted saving over
+            ``auto_horizon_steps`` steps exceeds the measured cost of a rebalance; then wait
+            ``auto_cooldown_steps`` steps.
+        repack: Try to re-pack the layers onto fewer stages within ``max_slowdown``.
+        target_num_stages: With ``repack``, the stage count to re-pack onto (``None``: automatic).
+        max_slowdown: With ``repack``, the largest accepted predicted step-time increase (fraction).
+        memory_capacity_bytes: Per-stage memory cap for the balancer: one number or one per stage.
+            ``None`` uses the device's total memory on GPU and no cap on CPU.
+        profile_warmup_steps: Steps profiled but not counted at the start of a window; ``None``: 1, or
+            0 with ``every_step`` (the extra shape-inference pass of a rebuilt pipeline is scaled away).
+        profile_steps: Steps measured per window, layer costs being their per-layer medians; ``None``:
+            3, or 1 with ``every_step`` (a window per step: profile, decide, migrate, repeat).
+        min_gain: A new placement is applied only if predicted at least this much faster (fraction).
+        auto_threshold: See ``auto``.
+        auto_patience_steps: See ``auto``.
+        auto_horizon_steps: See ``auto``.
+        auto_cooldown_steps: See ``auto``.
+        rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured.
+        measure_comm: Time each stage boundary's activation transfer once per window and feed it to
+            the balancer (single-stage schedules only).
+        event_bus: The bus to listen on (default: the process-wide bus).
+        clock: Seconds from an arbitrary origin; tests inject a fake one.
+
+    Logged (through the Trainer's loggers, every step): ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
+    (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
+    ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``; after each decision
+    ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
+    ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
+    ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
+    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps. One log line per
+    rebalance gives the old and new placement text with predicted and then measured gain.
+    """
+
+    def __init__(
+        self,
+        *,
+        balancer: str = "partition",
+        cost: str = "time",
+        every_n_steps: int | None = None,
+        on_events: bool | None = None,
+        every_step: bool = False,
+        auto: bool = False,
+        repack: bool = False,
+        target_num_stages: int | None = None,
+        max_slowdown: float = 0.05,
+        memory_capacity_bytes: float | Sequence[float] | None = None,
+        profile_warmup_steps: int | None = None,
+        profile_steps: int | None = None,
+        min_gain: float = 0.02,
+        auto_threshold: float = 0.10,
+        auto_patience_steps: int = 5,
+        auto_horizon_steps: int = 500,
+        auto_cooldown_steps: int = 50,
+        rebalance_cost_prior_s: float = 1.0,
+        measure_comm: bool = True,
+        event_bus: EventBus | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if profile_warmup_steps is None:
+            profile_warmup_steps = 0 if every_step else 1
+        if profile_steps is None:
+            profile_steps = 1 if every_step else 3
+        if not isinstance(profile_warmup_steps, int) or profile_warmup_steps < 0:
+            raise ValueError(f"profile_warmup_steps={profile_warmup_steps!r} must be an integer >= 0.")
+        if not isinstance(profile_steps, int) or profile_steps < 1:
+            raise ValueError(f"profile_steps={profile_steps!r} must be an integer >= 1.")
+        self.balance = BalanceConfig(
+            balancer=balancer,
+            cost=cost,
+            memory_capacity_bytes=memory_capacity_bytes,
+            repack=repack,
+            target_num_stages=target_num_stages,
+            max_slowdown=max_slowdown,
+            min_gain=min_gain,
+        )
+        self.triggers = TriggerConfig(
+            every_n_steps=every_n_steps,
+            on_events=(balancer != "static") if on_events is None else on_events,
+            every_step=every_step,
+            auto=auto,
+            auto_threshold=auto_threshold,
+            auto_patience_steps=auto_patience_steps,
+            auto_horizon_steps=auto_horizon_steps,
+            auto_cooldown_steps=auto_cooldown_steps,
+            rebalance_cost_prior_s=rebalance_cost_prior_s,
+        )
+        validate_policy(self.balance, self.triggers)
+        self.profile_warmup_steps = profile_warmup_steps
+        self.profile_steps = profile_steps
+        self.measure_comm = measure_comm
+        self._bus = event_bus or default_bus()
+        self._clock = clock
+        self._trigger = RebalanceTrigger(self.triggers, clock)
+        # History (kept in checkpoints) and current state.
+        self.events: list[DynamismEvent] = []
+        self.rebalances: list[dict[str, Any]] = []
+        self.placement: str | None = None
+        self.overhead_s = 0.0
+        self.last_costs: list[LayerCost] | None = None
+        self._restored_placement: str | None = None
+        # Per-run state.
+        self._unsubscribe: Callable[[], None] | None = None
+        self._new_events: list[DynamismEvent] = []
+        self._profiler: LayerProfiler | None = None
+        self._window_reason = ""
+        self._pending: RebalanceDecision | None = None
+        self._pending_costs: dict[str, float] = {}
+        self._window_step_s = 0.0
+        self._comm_s_per_byte: float | None = None
+        self._cost_to_share = 0.0
+        self._last_checked_step = -1
+        self._busy: StageBusyTimer | None = None
+        self._step_start = 0.0
+        self._recent_step_s: deque[float] = deque(maxlen=max(profile_steps, 3))
+        self._after: dict[str, Any] | None = None
+        self._averages = {
+            "imbalance": MeanMetric(),
+            "bubble_ratio": MeanMetric(),
+            "step_time_s": MeanMetric(),
+        }
+
+    # -- Lightning hooks ----------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        from lightning_dynmo.strategy import DynMoStrategy
+
+        if not isinstance(trainer.strategy, DynMoStrategy):
+            raise TypeError(
+                "DynMoCallback drives a DynMoStrategy, but the Trainer uses "
+                f"{type(trainer.strategy).__name__}; pass Trainer(strategy=DynMoStrategy(...)) "
+                "(or strategy='dynmo')."
+            )
+        if self._unsubscribe is None:
+            self._unsubscribe = self._bus.subscribe(self._new_events.append)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        self._resolve_memory_capacity(strategy.root_device)
+        self.balance.check_pipeline(strategy.num_stages)
+        self._busy = StageBusyTimer(StepClock(strategy.root_device))
+        if self._restored_placement and self._restored_placement != str(strategy.placement):
+            log.info("DynMo: restoring placement %s from the checkpoint", self._restored_placement)
+            strategy.apply_placement(self._restored_placement)
+        self._restored_placement = None
+        self.placement = str(strategy.placement)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        if strategy.stage_index is None:
+            return  # a released rank takes no part
+        just_applied = self._pending is not None
+        if just_applied:
+            self._apply_pending(trainer)
+        assert self._busy is not None
+        self._busy.watch(_pipeline_stages(strategy))  # before a window wraps the same stages (LIFO)
+        step = trainer.global_step
+        if self._profiler is None and step != self._last_checked_step:
+            self._last_checked_step = step
+            reason = self._trigger.check(step)
+            # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
+            # agree on its cost, at this step's end): its auto cooldown would not hold yet.
+            if reason is not None and not (just_applied and reason == "auto"):
+                self._open_window(trainer, reason)
+        self._busy.begin_step()
+        if self._profiler is not None:
+            self._profiler.begin_step()
+        self._step_start = self._clock()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = trainer.strategy
+        if strategy.stage_index is None:
+            return
+        step_s = self._clock() - self._step_start
+        assert self._busy is not None
+        busy_s = self._busy.end_step()
+        if self._profiler is not None and self._profiler.end_step():
+            self._close_window(trainer)
+        self._share_step(trainer, pl_module, busy_s, step_s)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        if self._busy is not None:
+            self._busy.unwatch()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "placement": self.placement,
+            "events": [e.to_dict() for e in self.events],
+            "rebalances": [dict(r) for r in self.rebalances],
+            "trigger": self._trigger.state_dict(),
+            "overhead_s": self.overhead_s,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.placement = state_dict["placement"]
+        self._restored_placement = state_dict["placement"]
+        self.events = [DynamismEvent.from_dict(e) for e in state_dict["events"]]
+        self.rebalances = [dict(r) for r in state_dict["rebalances"]]
+        self._trigger.load_state_dict(state_dict["trigger"])
+        self.overhead_s = float(state_dict["overhead_s"])
+
+    # -- profiling window -----------------------------------------------------------------------------
+
+    def _open_window(self, trainer: pl.Trainer, reason: str) -> None:
+        strategy = trainer.strategy
+        self._window_reason = reason
+        self._profiler = LayerProfiler(
+            strategy.local_layers,
+            warmup_steps=self.profile_warmup_steps,
+            profile_steps=self.profile_steps,
+            device=strategy.root_device,
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            stages=_pipeline_stages(strategy),
+            microbatches_per_step=strategy.num_microbatches,
+        )
+        self._profiler.start()
+        log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
+
+    def _close_window(self, trainer: pl.Trainer) -> None:
+        assert self._profiler is not None
+        result = self._profiler.result()
+        self._profiler = None
+        strategy = trainer.strategy
+        start = self._clock()
+        placement = strategy.placement
+        inflight = inflight_microbatches(
+            strategy.schedule_name, 0, strategy.num_stages, strategy.num_microbatches
+        )
+        costs = gather_layer_costs(
+            result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group, strategy.root_device
+        )
+        comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
+        self.last_costs = costs
+        self._window_step_s = result.step_time_s
+        decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
+        self._pending = decision
+        self._pending_costs = {
+            "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
+            "decision_s": self._clock() - start,
+        }
+        # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
+        _log(trainer, {"dynmo/peak_memory_bytes": float(result.peak.peak_bytes)})
+
+    def _decide_once(
+        self,
+        strategy: Any,
+        costs: list[LayerCost],
+        placement: Placement,
+        comm: list[float] | None,
+        trainer_step: int,
+    ) -> RebalanceDecision:
+        # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
+        source = strategy.active_ranks[0]
+        outcome: Any = None
+        if strategy.global_rank == source:
+            try:
+                outcome = decide(
+                    costs,
+                    placement,
+                    self.balance,
+                    strategy.num_microbatches,
+                    strategy.schedule_name,
+                    comm,
+                    stage_workers=_stage_workers(strategy, placement),
+                    min_saving=self._min_saving(trainer_step),
+                )
+            except ValueError as err:
+                outcome = f"{err}"
+        outcome = strategy.broadcast(outcome, src=source)
+        if isinstance(outcome, str):
+            raise ValueError(f"DynMo could not decide a placement: {outcome}")
+        assert isinstance(outcome, RebalanceDecision)
+        return outcome
+
+    def _min_saving(self, step: int) -> float:
+        """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts.
+
+        The expected cost is the mean measured migration time (nothing before the first migration).
+        A placement is expected to last ``every_n_steps``, or ``auto_horizon_steps`` for events and
+        ``auto``; with ``every_step``, as long as the current one has lasted so far: right after a
+        migration the bar is high (noise does not move layers back and forth), and it falls while a
+        placement stays.
+        """
+        if self.balance.cost != "time":
+            return 0.0  # the params view has no seconds to compare with
+        migrations = [r for r in self.rebalances if r["applied"]]
+        if not migrations:
+            return 0.0
+        if self.triggers.every_step:
+            lasts = step - migrations[-1]["step"]
+        elif self.triggers.every_n_steps is not None:
+            lasts = self.triggers.every_n_steps
+        else:
+            lasts = self.triggers.auto_horizon_steps
+        return statistics.mean(r["migration_s"] for r in migrations) / max(lasts, 1)
+
+    def _comm_per_layer(
+        self, strategy: Any, costs: list[LayerCost], placement: Placement
+    ) -> list[float] | None:
+        """Per layer, seconds to send its output across a boundary (measured once, scaled by bytes).
+
+        A boundary is a pair of neighbouring ranks whatever the placement, so the seconds per byte of
+        the links are measured in the first window only.
+        """
+        if len(strategy.stage_indices) != 1 or strategy.pipeline_size < 2:
+            return None  # virtual stages share ranks: a rank-pair ping-pong does not measure them
+        if self._comm_s_per_byte is None:
+            last_layers = [placement.layers_of(s)[-1] for s in range(placement.num_stages - 1)]
+            sizes = [costs[i].activation_bytes for i in last_layers]
+            seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
+            self._comm_s_per_byte = statistics.mean(
+                t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)
+            )
+        return [c.activation_bytes * self._comm_s_per_byte for c in costs]
+
+    # -- applying a decision --------------------------------------------------------------------------
+
+    def _apply_pending(self, trainer: pl.Trainer) -> None:
+        decision, costs = self._pending, self._pending_costs
+        assert decision is not None
+        self._pending = None
+        strategy = trainer.strategy
+        migration_s = 0.0
+        if decision.apply:
+            start = self._clock()
+            strategy.apply_placement(decision.proposed)
+            migration_s = self._clock() - start
+        total = costs["profiling_s"] + costs["decision_s"] + migration_s
+        self._cost_to_share = total
+        self.overhead_s += total
+        self.placement = str(strategy.placement)
+        record = {
+            "step": trainer.global_step,
+            "reason": self._window_reason,
+            "old": str(decision.current),
+            "new": str(decision.proposed),
+            "applied": decision.apply,
+            "why": decision.reason,
+            "predicted_gain": decision.predicted_gain,
+            "measured_gain": None,
+            **costs,
+            "migration_s": migration_s,
+        }
+        self.rebalances.append(record)
+        self._log_decision(trainer, decision, record)
+        # "Before" is the median hook-free step before the window, or (when windows follow each other,
+        # as with every_step) the window's own mean step.
+        before_s = statistics.median(self._recent_step_s) if self._recent_step_s else self._window_step_s
+        if decision.apply and before_s > 0:
+            self._after = {"record": record, "before_s": before_s, "steps": []}
+
+    def _log_decision(self, trainer: pl.Trainer, decision: RebalanceDecision, record: dict[str, Any]) -> None:
+        what = "rebalance" if decision.apply else "kept placement"
+        line = (
+            f"DynMo {what} at step {record['step']} ({record['reason']}): "
+            f"{record['old']} -> {record['new']}; "
+            f"predicted step {decision.predicted_step_before:.4g} -> {decision.predicted_step_after:.4g} "
+            f"({decision.predicted_gain:+.1%}); {decision.reason}; profiling {record['profiling_s']:.3f} s, "
+            f"decision {record['decision_s']:.3f} s, migration {record['migration_s']:.3f} s"
+        )
+        if trainer.global_rank == trainer.strategy.active_ranks[0]:
+            log.log(logging.INFO if decision.apply else logging.DEBUG, line)
+        metrics = {
+            "dynmo/simulated_bubble_ratio": decision.bubble_ratio_after
+            if decision.apply
+            else decision.bubble_ratio_before,
+            "dynmo/predicted_gain": decision.predicted_gain if decision.apply else 0.0,
+            "dynmo/profiling_s": record["profiling_s"],
+            "dynmo/decision_s": record["decision_s"],
+            "dynmo/migration_s": record["migration_s"],
+            "dynmo/overhead_s": self.overhead_s,
+        }
+        placement = trainer.strategy.placement
+        metrics.update({f"dynmo/stage{s}/num_layers": float(n) for s, n in enumerate(placement.sizes)})
+        _log(trainer, metrics)
+
+    # -- the per-step exchange --------------------------------------------------------------------------
+
+    def _share_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, busy_s: float | None, step_s: float
+    ) -> None:
+        strategy = trainer.strategy
+        mine = torch.tensor(
+            [float(bool(self._new_events)), -1.0 if busy_s is None else busy_s, step_s, self._cost_to_share],
+            dtype=torch.float64,
+            device=strategy.root_device,
+        )
+        self._cost_to_share = 0.0
+        rows = _all_gather_rows(mine, strategy)
+        if rows[:, _EVENTS].any():
+            self._exchange_events(strategy)
+            self._trigger.notify_event()
+        if rows[:, _COST].max() > 0:
+            self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
+        step_max = float(rows[:, _STEP].max())
+        self._follow_measured_gain(trainer, step_max)
+        if (rows[:, _BUSY] >= 0).all():
+            stage_busy = _busy_per_pipeline_rank(rows[:, _BUSY].tolist(), strategy)
+            if self.triggers.auto and self._profiler is None and self._pending is None:
+                self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
+            self._log_step(trainer, stage_busy, step_max)
+
+    def _exchange_events(self, strategy: Any) -> None:
+        # Rare (only when some rank had an event): every rank then keeps every rank's events.
+        mine = [e.to_dict() for e in self._new_events]
+        self._new_events.clear()
+        for source in strategy.active_ranks:
+            part = strategy.broadcast(mine if source == strategy.global_rank else None, src=source)
+            self.events.extend(DynamismEvent.from_dict(e) for e in part or [])
+
+    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float) -> None:
+        if self._profiler is None and self._pending is None and self._after is None:
+            self._recent_step_s.append(step_s)
+        if self._after is None:
+            return
+        self._after["steps"].append(step_s)
+        if len(self._after["steps"]) <= self.profile_warmup_steps + self.profile_steps - 1:
+            return  # the first steps on a new pipeline include its rebuild and shape inference
+        after_s = statistics.median(self._after["steps"][self.profile_warmup_steps :])
+        before_s = self._after["before_s"]
+        gain = 1.0 - after_s / before_s if before_s > 0 else 0.0
+        record = self._after["record"]
+        record["measured_gain"] = gain
+        self._after = None
+        self._recent_step_s.clear()
+        if trainer.global_rank == trainer.strategy.active_ranks[0]:
+            log.info(
+                "DynMo rebalance at step %d (%s -> %s): measured step time %.4g s -> %.4g s (%+.1f%%), "
+                "predicted %+.1f%%",
+                record["step"],
+                record["old"],
+                record["new"],
+                before_s,
+                after_s,
+                100 * gain,
+                100 * record["predicted_gain"],
+            )
+        _log(trainer, {"dynmo/measured_gain": gain})
+
+    def _log_step(self, trainer: pl.Trainer, stage_busy: list[float], step_s: float) -> None:
+        measured_imbalance = imbalance(stage_busy)
+        bubble = max(0.0, 1.0 - sum(stage_busy) / (len(stage_busy) * step_s)) if step_s > 0 else 0.0
+        values = {"imbalance": measured_imbalance, "bubble_ratio": bubble, "step_time_s": step_s}
+        metrics = {f"dynmo/{k}": v for k, v in values.items()}
+        for name, value in values.items():
+            self._averages[name].update(value)
+            metrics[f"dynmo/{name}_avg"] = float(self._averages[name].compute())
+        metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
+        metrics["dynmo/active_workers"] = float(len(trainer.strategy.active_ranks))
+        _log(trainer, metrics)
+
+    def _resolve_memory_capacity(self, device: torch.device) -> None:
+        if self.balance.memory_capacity_bytes is None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            self.balance = dataclasses.replace(self.balance, memory_capacity_bytes=float(total))
+
+
+def _pipeline_stages(strategy: Any) -> list[Any]:
+    """This rank's torch ``PipelineStage`` objects (the schedule holds them)."""
+    pipe = getattr(strategy, "_pipe", None)
+    schedule = getattr(pipe, "schedule", None)
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else []
+    return list(stages)
+
+
+def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
+    """The pipeline rank of every placement stage when ranks run several (virtual) stages, else None."""
+    if placement.num_stages == strategy.pipeline_size:
+        return None
+    from lightning_dynmo.pipeline.layout import stage_to_pipeline_rank
+
+    style = strategy._schedule.style
+    return [
+        stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
+        for s in range(placement.num_stages)
+    ]
+
+
+def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:
+    """One row per active rank, in ``strategy.active_ranks`` order."""
+    return strategy.all_gather(row).reshape(len(strategy.active_ranks), -1).cpu()
+
+
+def _busy_per_pipeline_rank(busy: list[float], strategy: Any) -> list[float]:
+    """Mean busy seconds of each pipeline position over the data-parallel replicas."""
+    size = strategy.pipeline_size
+    sums, counts = [0.0] * size, [0] * size
+    for rank, value in zip(strategy.active_ranks, busy, strict=True):
+        sums[rank % size] += value
+        counts[rank % size] += 1
+    return [s / c for s, c in zip(sums, counts, strict=True) if c]
+
+
+def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    # Values are agreed across ranks already; Lightning's loggers record rank 0's.
+    module = trainer.lightning_module
+    for name, value in metrics.items():
+        module.log(name, float(value), on_step=True, on_epoch=False)
+
+
+class PipelineThroughputMonitor(ThroughputMonitor):
+    """Lightning's ``ThroughputMonitor``, counting each sample once under pipeline parallelism.
+
+    ``ThroughputMonitor`` turns one process's rates into global ones by multiplying by
+    ``trainer.world_size``. In a pipeline every stage of a replica sees the same samples, so the
+    right factor is the number of data-parallel replicas; with it, ``samples_per_sec`` (and
+    ``items_per_sec``, e.g. tokens with a ``length_fn``) are the job's true rates, and the ``device/``
+    rates are those of one pipeline replica. Arguments are ``ThroughputMonitor``'s.
+    """
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        replicas = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
+        for throughput in self._throughputs.values():
+            throughput.world_size = replicas

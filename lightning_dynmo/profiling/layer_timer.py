@@ -1,0 +1,306 @@
+"""Per-layer forward and backward time, measured inside a real pipeline schedule step.
+
+How a layer's time is taken (one record per forward call, i.e. per micro-batch):
+
+- **Forward**: a forward pre-hook and a forward hook on the layer take a mark each.
+- **Backward**: the forward hook registers a tensor hook on the layer's output, which fires when the
+  gradient of the output is complete, i.e. when the layer's backward starts, and one on the layer's
+  input, which fires when the gradient reaching the input is complete, i.e. when the layer's backward
+  ends. Layers run in order inside a stage, so these intervals do not overlap. If the layer's input
+  needs no gradient (the first layer of a stage whose input is data), there is no input gradient to
+  wait for; the backward then ends with the last parameter gradient the layer produces.
+- **Deferred weight gradients** (zero-bubble schedules split backward into an input-gradient pass,
+  timed as above, and a weight-gradient pass run later): the stage's weight pass is wrapped, and the
+  time between consecutive parameter-gradient hooks inside it is charged to the layer owning the
+  parameter whose gradient just arrived (the first interval starts when the pass starts). The weight
+  pass re-enters the layers' output hooks; each record takes only its first start and end, so the
+  re-entry is ignored.
+
+Hooks are attached by :meth:`LayerTimer.attach` and removed by :meth:`LayerTimer.detach`, including
+tensor hooks on pipeline receive buffers (they are leaves that outlive a step, so they are removed at
+every step end). The migration engine refuses to move modules that still carry hooks. Method wrappers
+on stages are undone last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_dynmo.profiling.clock import Mark, StepClock
+
+_WEIGHT_PASS_METHOD = "backward_weight_one_chunk"
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class StepLayerTime:
+    """Time one layer took in one training step, summed over its micro-batches.
+
+    Attributes:
+        fwd_time_s: Forward seconds.
+        bwd_time_s: Backward seconds, including deferred weight-gradient time.
+        bwd_weight_time_s: The part of ``bwd_time_s`` spent in a deferred weight-gradient pass.
+        num_calls: Forward calls (micro-batches) seen.
+    """
+
+    fwd_time_s: float
+    bwd_time_s: float
+    bwd_weight_time_s: float
+    num_calls: int
+
+
+@dataclass
+class _Call:
+    """One forward call of one layer, with the marks of its forward and backward."""
+
+    fwd_start: Mark
+    fwd_end: Mark | None = None
+    bwd_start: Mark | None = None
+    bwd_end: Mark | None = None
+    waits_for_input_grad: bool = False
+
+
+@dataclass
+class _LayerState:
+    calls: list[_Call] = field(default_factory=list)
+    open_call: _Call | None = None  # the call whose backward is running (started, not ended)
+    weight_marks: list[tuple[Mark, Mark]] = field(default_factory=list)
+
+
+class LayerTimer:
+    """Hooks that time each layer's forward and backward inside whatever runs the layers.
+
+    Args:
+        layers: The layers this rank owns, by global layer index.
+        clock: Where marks come from (perf_counter on CPU, CUDA events on GPU).
+
+    Use ``attach()``, then ``begin_step()`` / ``end_step()`` around each training step, then
+    ``detach()``. ``end_step`` returns the step's per-layer times.
+    """
+
+    def __init__(self, layers: Mapping[int, nn.Module], clock: StepClock) -> None:
+        self._layers = dict(layers)
+        self._clock = clock
+        self._states: dict[int, _LayerState] = {i: _LayerState() for i in self._layers}
+        self._module_handles: list[RemovableHandle] = []
+        self._step_handles: list[RemovableHandle] = []
+        self._patched: list[tuple[Any, Any]] = []  # (stage, what its instance dict held before)
+        self._in_weight_pass = False
+        self._weight_pass_last: Mark | None = None
+        self.hook_time_s = 0.0  # CPU seconds spent inside our own hooks since the last begin_step
+
+    @property
+    def attached(self) -> bool:
+        """Whether hooks are currently attached."""
+        return bool(self._module_handles)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def attach(self, stages: Sequence[Any] = ()) -> None:
+        """Attach the hooks; ``stages`` (this rank's ``PipelineStage``s) let weight passes be timed."""
+        if self.attached:
+            raise RuntimeError("LayerTimer.attach() called twice; call detach() first.")
+        for index, layer in self._layers.items():
+            ensure_hookable(layer)
+            self._module_handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
+            self._module_handles.append(
+                layer.register_forward_hook(self._post_hook(index), prepend=True, always_call=True)
+            )
+            for p in layer.parameters():
+                if p.requires_grad:
+                    self._module_handles.append(p.register_hook(self._param_hook(index)))
+        for stage in stages:
+            if hasattr(stage, _WEIGHT_PASS_METHOD):
+                self._wrap_weight_pass(stage)
+
+    def detach(self) -> None:
+        """Remove every hook and restore every wrapped method (safe to call twice)."""
+        for handle in self._module_handles + self._step_handles:
+            handle.remove()
+        self._module_handles.clear()
+        self._step_handles.clear()
+        for stage, previous in reversed(self._patched):
+            # Put back whatever the instance had before (another timer's wrapper, or nothing).
+            if previous is _MISSING:
+                vars(stage).pop(_WEIGHT_PASS_METHOD, None)
+            else:
+                setattr(stage, _WEIGHT_PASS_METHOD, previous)
+        self._patched.clear()
+
+    def begin_step(self) -> None:
+        """Forget partial records and start a new step."""
+        for state in self._states.values():
+            state.calls.clear()
+            state.open_call = None
+            state.weight_marks.clear()
+        self.hook_time_s = 0.0
+
+    def end_step(self) -> dict[int, StepLayerTime]:
+        """Resolve the step's marks (one device synchronise, not one per layer) into per-layer times."""
+        for handle in self._step_handles:
+            handle.remove()
+        self._step_handles.clear()
+        self._clock.synchronize()
+        return {i: self._resolve(state) for i, state in self._states.items()}
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _pre_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            t0 = time.perf_counter()
+            self._states[index].calls.append(_Call(fwd_start=self._clock.mark()))
+            self.hook_time_s += time.perf_counter() - t0
+
+        return hook
+
+    def _post_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            t0 = time.perf_counter()
+            state = self._states[index]
+            if state.calls and state.calls[-1].fwd_end is None:
+                call = state.calls[-1]
+                call.fwd_end = self._clock.mark()
+                if torch.is_grad_enabled():
+                    self._watch_backward(index, call, args, output)
+            self.hook_time_s += time.perf_counter() - t0
+
+        return hook
+
+    def _watch_backward(self, index: int, call: _Call, args: tuple[Any, ...], output: Any) -> None:
+        out = _first_grad_tensor(output)
+        if out is None:
+            return  # nothing downstream needs this layer's gradient: no backward (e.g. frozen prefix)
+        self._step_handles.append(out.register_hook(self._bwd_start_hook(index, call)))
+        inp = _first_grad_tensor(args)
+        if inp is not None:
+            call.waits_for_input_grad = True
+            self._step_handles.append(inp.register_hook(self._bwd_end_hook(index, call)))
+
+    def _bwd_start_hook(self, index: int, call: _Call) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if call.bwd_start is not None or self._in_weight_pass:
+                return  # a re-entry from the deferred weight pass, not a new backward
+            t0 = time.perf_counter()
+            call.bwd_start = self._clock.mark()
+            self._states[index].open_call = call
+            self.hook_time_s += time.perf_counter() - t0
+
+        return hook
+
+    def _bwd_end_hook(self, index: int, call: _Call) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if call.bwd_end is not None or self._in_weight_pass:
+                return
+            t0 = time.perf_counter()
+            call.bwd_end = self._clock.mark()
+            state = self._states[index]
+            if state.open_call is call:
+                state.open_call = None
+            self.hook_time_s += time.perf_counter() - t0
+
+        return hook
+
+    def _param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            state = self._states[index]
+            if self._in_weight_pass:
+                now = self._clock.mark()
+                state.weight_marks.append((self._weight_pass_last, now))
+                self._weight_pass_last = now
+            elif state.open_call is not None and not state.open_call.waits_for_input_grad:
+                # No input gradient will come: the last parameter gradient ends this backward.
+                state.open_call.bwd_end = self._clock.mark()
+            self.hook_time_s += time.perf_counter() - t0
+
+        return hook
+
+    def _wrap_weight_pass(self, stage: Any) -> None:
+        original = getattr(stage, _WEIGHT_PASS_METHOD)
+        self._patched.append((stage, vars(stage).get(_WEIGHT_PASS_METHOD, _MISSING)))
+
+        def timed_weight_pass(*args: Any, **kwargs: Any) -> Any:
+            with self.weight_pass():
+                return original(*args, **kwargs)
+
+        setattr(stage, _WEIGHT_PASS_METHOD, timed_weight_pass)
+
+    @contextmanager
+    def weight_pass(self) -> Iterator[None]:
+        """Mark a deferred weight-gradient pass run by hand (``attach(stage)`` does this for a stage)."""
+        self._in_weight_pass = True
+        self._weight_pass_last = self._clock.mark()
+        try:
+            yield
+        finally:
+            self._in_weight_pass = False
+            self._weight_pass_last = None
+
+    # -- resolution --------------------------------------------------------------------------
+
+    def _resolve(self, state: _LayerState) -> StepLayerTime:
+        elapsed = self._clock.elapsed_s
+        fwd = sum(elapsed(c.fwd_start, c.fwd_end) for c in state.calls if c.fwd_end is not None)
+        bwd = sum(
+            elapsed(c.bwd_start, c.bwd_end)
+            for c in state.calls
+            if c.bwd_start is not None and c.bwd_end is not None
+        )
+        weight = sum(elapsed(a, b) for a, b in state.weight_marks)
+        return StepLayerTime(
+            fwd_time_s=fwd, bwd_time_s=bwd + weight, bwd_weight_time_s=weight, num_calls=len(state.calls)
+        )
+
+
+def _first_grad_tensor(value: Any) -> torch.Tensor | None:
+    """The first tensor in ``value`` (a tensor or a nested tuple/list/dict) that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def ensure_hookable(module: nn.Module) -> None:
+    """Give ``module`` and its submodules torch's own ``OrderedDict`` hook tables where they lost them.
+
+    torch's hook handles keep weak references to these tables; a module rebuilt from pickled state
+    with plain ``dict`` tables (as the migration engine did when it stripped runtime hooks) would make
+    every ``register_*_hook`` call fail. Contents are kept.
+    """
+    for m in module.modules():
+        for attr in _HOOK_DICTS:
+            table = getattr(m, attr, None)
+            if type(table) is dict:
+                setattr(m, attr, OrderedDict(table))
+
+
+def module_has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` or any submodule or parameter still carries a hook (used to test cleanup)."""
+    for m in module.modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return any(p._backward_hooks for p in module.parameters())

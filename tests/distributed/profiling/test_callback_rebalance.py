@@ -1,0 +1,141 @@
+"""DynMoCallback end to end: layer costs change at a known step, the callback rebalances to what
+``partition`` gives for the measured costs, and training stays equal to the single-process reference.
+
+Costs are emulated (``EmulatedCost`` sleeps, using no CPU), so the expected placement is known: all 8
+blocks sleep 5 ms forward / 10 ms backward per micro-batch; at step 2 blocks 0-3 (on rank 0) become
+free, as if pruned, and rank 0 announces it with ``notify_dynamism``. The optimum for 2 stages is then
+``0-5|6-7``: 4 free blocks + 2 sleeping ones against 2 sleeping ones.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_dynmo.balancing import partition
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.demos import DemoGPT
+from lightning_dynmo.events import DynamismEvent, notify_dynamism
+from lightning_dynmo.profiling import module_has_hooks
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_strategy_equivalence import TOL, LossRecorder, Run, make_strategy, reference
+
+pytestmark = pytest.mark.distributed
+
+RUN = Run(num_layers=8, steps=12)
+CHANGE_AT, SLEEP_MS = 2, 5.0
+
+
+class PruneFirstHalf(pl.Callback):
+    """At batch ``CHANGE_AT``, blocks 0-3 stop costing anything; the rank owning them says so."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx != CHANGE_AT:
+            return
+        changed = [i for i, layer in trainer.strategy.local_layers.items() if i < 4]
+        for i in changed:
+            trainer.strategy.local_layers[i].cost.fwd_ms = 0.0
+            trainer.strategy.local_layers[i].cost.bwd_ms = 0.0
+        if changed:
+            notify_dynamism("pruned", layers=changed, step=trainer.global_step, detail="emulated")
+
+
+def fit_with_callback(
+    rank: int, world_size: int, callback_kwargs: dict[str, Any], restore: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    recorder, dynmo = LossRecorder(), DynMoCallback(**callback_kwargs)
+    if restore is not None:
+        dynmo.load_state_dict(restore)
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=make_strategy(RUN),
+        use_distributed_sampler=False,
+        callbacks=[recorder, PruneFirstHalf(), dynmo],
+        **RUN.trainer_kwargs(),
+    )
+    model = DemoGPT(num_layers=RUN.num_layers, lr_gamma=RUN.lr_gamma, sleep_ms=[SLEEP_MS] * RUN.num_layers)
+    trainer.fit(model, RUN.datamodule())
+    return {
+        "losses": recorder.losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "placement": str(trainer.strategy.placement),
+        "rebalances": dynmo.rebalances,
+        "events": dynmo.events,
+        "costs": dynmo.last_costs,
+        "state_dict": dynmo.state_dict(),
+        "hooks_left": any(module_has_hooks(m) for m in trainer.strategy.local_layers.values()),
+    }
+
+
+def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
+    # every_n_steps=7 adds a second window after the migration: the received layers get profiled too.
+    kwargs = {"balancer": "partition", "cost": "time", "every_n_steps": 7, "profile_steps": 2}
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
+    first = results[0]
+    costs = first["costs"]
+    assert all(r["costs"] == costs for r in results)  # one set of records, identical on every rank
+    assert str(partition(costs, 2)) == "0-5|6-7"
+    for r in results:
+        assert r["placement"] == "0-5|6-7"
+        assert not r["hooks_left"]
+        rebalance, again = r["rebalances"]
+        assert rebalance["reason"] == "event" and rebalance["applied"]
+        assert again["reason"] == "period" and not again["applied"] and again["old"] == "0-5|6-7"
+        assert (rebalance["old"], rebalance["new"]) == ("0-3|4-7", "0-5|6-7")
+        assert rebalance["step"] == CHANGE_AT + 1 + 3  # event seen after step 2, 3 profiled steps
+        assert rebalance["predicted_gain"] > 0.2
+        assert rebalance["measured_gain"] is not None
+        # rank 1 had no event of its own but keeps rank 0's: the ranks agree on the history
+        assert [(e.kind, e.layers) for e in r["events"]] == [("pruned", (0, 1, 2, 3))]
+        assert r["state_dict"]["placement"] == "0-5|6-7"
+    # Migration does not change what the model learns.
+    ref = reference(replace(RUN))
+    for r in results:
+        diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+        assert diff < TOL, f"losses differ from the reference by {diff:.3e}"
+    merged = {**results[0]["state"], **results[1]["state"]}
+    worst = max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    assert worst < TOL
+
+
+def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
+    kwargs = {
+        "on_events": False,
+        "auto": True,
+        "auto_threshold": 0.5,
+        "auto_patience_steps": 2,
+        "auto_horizon_steps": 100,
+        "auto_cooldown_steps": 100,
+        "rebalance_cost_prior_s": 0.05,
+        "profile_steps": 2,
+    }
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
+    for r in results:
+        [rebalance] = r["rebalances"]
+        assert rebalance["reason"] == "auto"
+        # fires only once the change has been seen for auto_patience_steps steps
+        assert rebalance["step"] >= CHANGE_AT + 2
+        assert r["placement"] == "0-5|6-7" == str(partition(r["costs"], 2))
+
+
+def test_a_restored_callback_reapplies_its_placement(tmp_path: Any) -> None:
+    # Resume path without checkpoint files (the strategy does not write placement-independent
+    # checkpoints yet): a callback loaded from a state_dict puts its placement back when training starts.
+    saved = DynMoCallback()
+    saved.placement = "0-5|6-7"
+    saved.events = [DynamismEvent("pruned", (0, 1, 2, 3), 2, "emulated")]
+    state = saved.state_dict()
+    kwargs = {"on_events": False}
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs, state))
+    for r in results:
+        assert r["placement"] == "0-5|6-7"
+        assert r["state_dict"]["placement"] == "0-5|6-7"
+        # the restored history, then this run's own event (recorded even with on_events=False)
+        assert r["events"][:1] == saved.events
+        assert [e.step for e in r["events"][1:]] == [CHANGE_AT]
