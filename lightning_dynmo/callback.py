@@ -27,7 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ThroughputMonitor
+from lightning.pytorch.callbacks import Callback
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
@@ -188,9 +188,10 @@ class DynMoCallback(Callback):
         self._recent_step_s: deque[float] = deque(maxlen=max(profile_steps, 3))
         self._after: dict[str, Any] | None = None
         self._averages = {
-            "imbalance": MeanMetric(),
-            "bubble_ratio": MeanMetric(),
-            "step_time_s": MeanMetric(),
+            # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
+            # over WORLD, which after a re-pack includes ranks that have left.
+            name: MeanMetric(sync_on_compute=False)
+            for name in ("imbalance", "bubble_ratio", "step_time_s")
         }
 
     # -- Lightning hooks ----------------------------------------------------------------------------
@@ -232,8 +233,10 @@ class DynMoCallback(Callback):
         just_applied = self._pending is not None
         if just_applied:
             self._apply_pending(trainer)
+            if strategy.is_released:
+                return  # this re-pack released the rank: it leaves fit at this batch
         assert self._busy is not None
-        self._busy.watch(_pipeline_stages(strategy))  # before a window wraps the same stages (LIFO)
+        self._busy.watch(strategy.pipeline_stages)  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
         if self._profiler is None and step != self._last_checked_step:
             self._last_checked_step = step
@@ -302,7 +305,7 @@ class DynMoCallback(Callback):
             profile_steps=self.profile_steps,
             device=strategy.root_device,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-            stages=_pipeline_stages(strategy),
+            stages=strategy.pipeline_stages,
             microbatches_per_step=strategy.num_microbatches,
         )
         self._profiler.start()
@@ -547,24 +550,13 @@ class DynMoCallback(Callback):
             self.balance = dataclasses.replace(self.balance, memory_capacity_bytes=float(total))
 
 
-def _pipeline_stages(strategy: Any) -> list[Any]:
-    """This rank's torch ``PipelineStage`` objects (the schedule holds them)."""
-    pipe = getattr(strategy, "_pipe", None)
-    schedule = getattr(pipe, "schedule", None)
-    stages = getattr(schedule, "_stages", None)
-    if stages is None:
-        stage = getattr(schedule, "_stage", None)
-        stages = [stage] if stage is not None else []
-    return list(stages)
-
-
 def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
     """The pipeline rank of every placement stage when ranks run several (virtual) stages, else None."""
     if placement.num_stages == strategy.pipeline_size:
         return None
     from lightning_dynmo.pipeline.layout import stage_to_pipeline_rank
 
-    style = strategy._schedule.style
+    style = strategy.stage_style
     return [
         stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
         for s in range(placement.num_stages)
@@ -581,8 +573,9 @@ def _busy_per_pipeline_rank(busy: list[float], strategy: Any) -> list[float]:
     size = strategy.pipeline_size
     sums, counts = [0.0] * size, [0] * size
     for rank, value in zip(strategy.active_ranks, busy, strict=True):
-        sums[rank % size] += value
-        counts[rank % size] += 1
+        position = strategy.pipeline_rank_of(rank)
+        sums[position] += value
+        counts[position] += 1
     return [s / c for s, c in zip(sums, counts, strict=True) if c]
 
 
@@ -591,21 +584,3 @@ def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     module = trainer.lightning_module
     for name, value in metrics.items():
         module.log(name, float(value), on_step=True, on_epoch=False)
-
-
-class PipelineThroughputMonitor(ThroughputMonitor):
-    """Lightning's ``ThroughputMonitor``, counting each sample once under pipeline parallelism.
-
-    ``ThroughputMonitor`` turns one process's rates into global ones by multiplying by
-    ``trainer.world_size``. In a pipeline every stage of a replica sees the same samples, so the
-    right factor is the number of data-parallel replicas; with it, ``samples_per_sec`` (and
-    ``items_per_sec``, e.g. tokens with a ``length_fn``) are the job's true rates, and the ``device/``
-    rates are those of one pipeline replica. Arguments are ``ThroughputMonitor``'s.
-    """
-
-    @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        replicas = getattr(trainer.strategy, "data_parallel_size", trainer.world_size)
-        for throughput in self._throughputs.values():
-            throughput.world_size = replicas

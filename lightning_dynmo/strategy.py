@@ -289,6 +289,35 @@ class DynMoStrategy(ParallelStrategy):
         return self._active_ranks
 
     @property
+    def active_group(self) -> dist.ProcessGroup | None:
+        """The process group over :attr:`active_ranks` (``None`` once this rank is released)."""
+        return self._active_group
+
+    @property
+    def pipeline_stages(self) -> list[Any]:
+        """This rank's torch ``PipelineStage`` objects for the current placement (empty when released).
+
+        Profilers wrap their methods to time a step; they are rebuilt by :meth:`apply_placement`.
+        """
+        if self._pipe is None:
+            return []
+        schedule = self._pipe.schedule
+        stages = getattr(schedule, "_stages", None)  # multi-stage schedules
+        if stages is None:
+            stages = [schedule._stage]  # type: ignore[attr-defined]  # single-stage schedules
+        return list(stages)
+
+    @property
+    def stage_style(self) -> str:
+        """How placement stages map to pipeline ranks: ``"loop"`` (stage ``s`` on rank ``s % p``) or
+        ``"v"`` (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2p - 1 - r``)."""
+        return self._schedule.style
+
+    def pipeline_rank_of(self, global_rank: int) -> int:
+        """The position in its pipeline (0 = first stage's rank) of an active ``global_rank``."""
+        return self._require_grid().pipeline_rank(global_rank)
+
+    @property
     def is_released(self) -> bool:
         """Whether this rank was released by a re-pack (it no longer trains; see :meth:`apply_placement`)."""
         return self._released

@@ -38,6 +38,7 @@ import logging
 import pickle
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,15 +61,17 @@ __all__ = [
 ]
 
 # Forward/backward hooks are runtime instrumentation (profilers, debuggers): they may hold unpicklable
-# closures and belong to the rank that registered them, so they never travel.
+# closures and belong to the rank that registered them, so they never travel. The receiver gets empty
+# tables of the type torch uses (OrderedDict: hook handles keep weak references to the tables, which a
+# plain dict does not support), so hooks can be registered on a migrated unit as on any other.
 _RUNTIME_HOOK_ATTRS: dict[str, Callable[[], Any]] = {
-    "_forward_hooks": dict,
-    "_forward_hooks_with_kwargs": dict,
-    "_forward_hooks_always_called": dict,
-    "_forward_pre_hooks": dict,
-    "_forward_pre_hooks_with_kwargs": dict,
-    "_backward_hooks": dict,
-    "_backward_pre_hooks": dict,
+    "_forward_hooks": OrderedDict,
+    "_forward_hooks_with_kwargs": OrderedDict,
+    "_forward_hooks_always_called": OrderedDict,
+    "_forward_pre_hooks": OrderedDict,
+    "_forward_pre_hooks_with_kwargs": OrderedDict,
+    "_backward_hooks": OrderedDict,
+    "_backward_pre_hooks": OrderedDict,
     "_is_full_backward_hook": lambda: None,
 }
 _FORMAT = "lightning_dynmo.unit/1"

@@ -25,7 +25,6 @@ on stages are undone last-in first-out with the :class:`StageBusyTimer`'s: each 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -110,7 +109,6 @@ class LayerTimer:
         if self.attached:
             raise RuntimeError("LayerTimer.attach() called twice; call detach() first.")
         for index, layer in self._layers.items():
-            ensure_hookable(layer)
             self._module_handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
             self._module_handles.append(
                 layer.register_forward_hook(self._post_hook(index), prepend=True, always_call=True)
@@ -271,31 +269,6 @@ def _first_grad_tensor(value: Any) -> torch.Tensor | None:
         if found is not None:
             return found
     return None
-
-
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-)
-
-
-def ensure_hookable(module: nn.Module) -> None:
-    """Give ``module`` and its submodules torch's own ``OrderedDict`` hook tables where they lost them.
-
-    torch's hook handles keep weak references to these tables; a module rebuilt from pickled state
-    with plain ``dict`` tables (as the migration engine did when it stripped runtime hooks) would make
-    every ``register_*_hook`` call fail. Contents are kept.
-    """
-    for m in module.modules():
-        for attr in _HOOK_DICTS:
-            table = getattr(m, attr, None)
-            if type(table) is dict:
-                setattr(m, attr, OrderedDict(table))
 
 
 def module_has_hooks(module: nn.Module) -> bool:

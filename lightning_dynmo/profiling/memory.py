@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dynmo.profiling.layer_timer import ensure_hookable
-
 _ONE_F_ONE_B = {"1f1b"}
 _ALL_IN_FLIGHT = {"gpipe", "loopedbfs"}
 
@@ -135,7 +133,6 @@ class ActivationMeter:
             p.untyped_storage().data_ptr() for layer in self._layers.values() for p in layer.parameters()
         }
         for index, layer in self._layers.items():
-            ensure_hookable(layer)
             self._handles.append(layer.register_forward_pre_hook(self._enter(index), prepend=True))
             self._handles.append(layer.register_forward_hook(self._exit(index), always_call=True))
 

@@ -100,7 +100,7 @@ def _fake_trainer(world_size: int, replicas: int) -> SimpleNamespace:
 def test_throughput_counts_pipeline_replicas_not_processes():
     from lightning.pytorch.callbacks import ThroughputMonitor
 
-    from lightning_dynmo.callback import PipelineThroughputMonitor
+    from lightning_dynmo.throughput import PipelineThroughputMonitor
 
     # 4 processes = 2 data-parallel replicas of a 2-stage pipeline: samples are seen by 2 processes each.
     plain, ours = ThroughputMonitor(batch_size_fn=len), PipelineThroughputMonitor(batch_size_fn=len)

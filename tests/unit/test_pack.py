@@ -103,6 +103,21 @@ def test_runtime_hooks_are_stripped_without_touching_the_sender():
     assert calls == ["pre", "fwd", "bwd"]
 
 
+def test_hooks_can_be_registered_on_a_received_unit():
+    # torch's hook handles hold weak references to the hook tables: the receiver must get OrderedDicts.
+    module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    module.register_forward_hook(lambda *_: None)
+    copy, _ = _round_trip(module)
+    calls = []
+    handles = [m.register_forward_pre_hook(lambda *_: calls.append("pre")) for m in copy.modules()]
+    handles.append(copy.register_full_backward_hook(lambda *_: calls.append("bwd")))
+    copy(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert calls == ["pre", "pre", "pre", "bwd"]
+    for handle in handles:
+        handle.remove()
+    assert not any(m._forward_pre_hooks or m._backward_hooks for m in copy.modules())
+
+
 def test_packing_does_not_change_the_sender():
     torch.manual_seed(0)
     module = Flagged()
