@@ -7,6 +7,16 @@ makes a block sleep for a configured time so pipeline balance can be measured on
 
 from lightning_dynmo.demos.cost import EmulatedCost
 from lightning_dynmo.demos.data import RandomTokenDataModule, RandomTokenDataset
+from lightning_dynmo.demos.dynamics import RoutingNoise, ScheduledCostChange
 from lightning_dynmo.demos.gpt import Block, DemoGPT, GPTConfig
 
-__all__ = ["Block", "DemoGPT", "EmulatedCost", "GPTConfig", "RandomTokenDataModule", "RandomTokenDataset"]
+__all__ = [
+    "Block",
+    "DemoGPT",
+    "EmulatedCost",
+    "GPTConfig",
+    "RandomTokenDataModule",
+    "RandomTokenDataset",
+    "RoutingNoise",
+    "ScheduledCostChange",
+]

@@ -1,0 +1,51 @@
+"""Shared pieces of the end-to-end benchmarks: launching a 2-process job and timing its steps."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import lightning.pytorch as pl
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+T = TypeVar("T")
+
+
+def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[str, Any]:
+    """Run ``fn(spec)`` on ``nproc`` local ranks with torch's elastic launcher; return rank 0's result.
+
+    This is what ``torchrun --standalone`` does, driven from Python so one script can run many jobs.
+    ``fn`` must be importable (a module-level function) because ranks are spawned.
+    """
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"dynmo-bench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    return elastic_launch(config, fn)(spec)[0]
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training step, from one batch start to the next (the last: to train end)."""
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self._t0: float | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._t0 is not None:
+            self.step_s.append(now - self._t0)
+        self._t0 = now
+
+    def on_train_end(self, *args: Any) -> None:
+        if self._t0 is not None:
+            self.step_s.append(time.perf_counter() - self._t0)

@@ -1,0 +1,155 @@
+"""What DynMo itself costs: profiling + decision + migration as a fraction of training time.
+
+Two 2-process CPU jobs (DemoGPT with emulated block costs, 1F1B, 4 micro-batches) train for ``--steps``
+steps with ``DynMoCallback``:
+
+- ``every_n_steps=100``: the periodic mode of the paper's coarse-grained cases (pruning, freezing); the
+  cost profile is uneven from the start, so the first rebalance migrates layers;
+- ``every_step=True``: the fine-grained mode (MoE, MoD), with every block's cost redrawn each step
+  (``RoutingNoise``, +-50%), so the callback profiles, decides and often migrates at every step.
+
+For each it prints the callback's own overhead (the seconds it spent profiling, deciding and migrating,
+as it reports them in ``dynmo/overhead_s``) over the wall time of ``fit``, and writes
+``benchmarks/results/overhead-<date>.md``. Targets from the issue: <= 2 % and <= 10 %.
+
+    python -m benchmarks.overhead            # 300 steps each, ~2 minutes
+    python -m benchmarks.overhead --quick    # 120 steps and every_n_steps=40
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from benchmarks.common import launch
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
+from lightning_dynmo.demos.dynamics import RoutingNoise
+from lightning_dynmo.strategy import DynMoStrategy
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True)
+class OverheadSpec:
+    """One job: which trigger mode, how many steps, which emulated costs."""
+
+    label: str
+    steps: int
+    every_n_steps: int | None
+    every_step: bool
+    noise: float
+    sleep_ms: tuple[float, ...]
+    with_dynmo: bool = True
+
+
+class FitClock(pl.Callback):
+    """Wall time of the training loop, from ``on_train_start`` to ``on_train_end``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def on_train_start(self, *args: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_end(self, *args: Any) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+
+def train(spec: OverheadSpec) -> dict[str, Any]:
+    """Body of one rank: fit with DynMoCallback and report its overhead and the fit's wall time."""
+    torch.set_num_threads(1)
+    clock = FitClock()
+    dynmo = DynMoCallback(balancer="partition", every_n_steps=spec.every_n_steps, every_step=spec.every_step)
+    callbacks: list[pl.Callback] = [clock, dynmo] if spec.with_dynmo else [clock]
+    if spec.noise:
+        callbacks.insert(0, RoutingNoise(amplitude=spec.noise))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=DynMoStrategy(num_microbatches=4, schedule="1F1B"),
+        max_steps=spec.steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    model = DemoGPT(num_layers=len(spec.sleep_ms), sleep_ms=list(spec.sleep_ms))
+    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * spec.steps))
+    return {
+        "fit_s": clock.seconds,
+        "overhead_s": dynmo.overhead_s if spec.with_dynmo else 0.0,
+        "decisions": len(dynmo.rebalances) if spec.with_dynmo else 0,
+        "placement": str(trainer.strategy.placement),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="120 steps, every_n_steps=40")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    steps = args.steps or (120 if args.quick else 300)
+    period = 40 if args.quick else 100
+    # Eight blocks, the last four with a tenth of the work (an early exit): uniform is imbalanced.
+    uneven = (1.0,) * 4 + (0.1,) * 4
+    specs = [
+        OverheadSpec(f"every_n_steps={period}", steps, period, False, 0.0, uneven),
+        OverheadSpec("every_step (routing noise +-50%)", steps, None, True, 0.5, (1.0,) * 8),
+    ]
+    targets = {specs[0].label: 0.02, specs[1].label: 0.10}
+    rows = []
+    for spec in specs:
+        print(f"running {spec.label} with and without DynMoCallback ...", file=sys.stderr, flush=True)
+        r = launch(train, spec)
+        static = launch(train, replace(spec, with_dynmo=False))
+        frac = r["overhead_s"] / r["fit_s"]
+        rows.append(
+            f"| {spec.label} | {steps} | {r['decisions']} | {r['fit_s']:.2f} | {static['fit_s']:.2f} "
+            f"| {r['overhead_s']:.3f} | {100 * frac:.2f} % | {100 * targets[spec.label]:.0f} % "
+            f"| {r['fit_s'] / static['fit_s']:.3f} | `{r['placement']}` |"
+        )
+    command = "python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
+    report = "\n".join(
+        [
+            f"## DynMo overhead on a 2-process CPU pipeline ({dt.date.today().isoformat()})",
+            "",
+            f"Command: `{command.strip()}`  ",
+            "Setup: DemoGPT, 8 blocks with emulated cost (1 ms forward, 2 ms backward per block and "
+            "micro-batch; the every_n_steps run has the last 4 blocks at a tenth), 1F1B, 4 micro-batches, "
+            "2 gloo ranks. Overhead = the seconds DynMoCallback reports for profiling + decision + "
+            "migration (dynmo/overhead_s), over the wall time of the training loop. 'fit / static fit' "
+            "compares the same job without DynMoCallback (same costs, same noise, uniform placement): it "
+            "includes what DynMo gains by rebalancing as well as every cost it adds, per-step timers "
+            "included.",
+            "",
+            "| trigger | steps | decisions | fit (s) | static fit (s) | DynMo overhead (s) | overhead / fit "
+            "| target | fit / static fit | final placement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            *rows,
+        ]
+    )
+    print(report)
+    out = args.out or RESULTS / f"overhead-{dt.date.today().isoformat()}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report + "\n")
+    print(f"\nwritten to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
