@@ -105,11 +105,13 @@ def clip_grad_norm(
     with_grad = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grad if p.grad is not None]
     norm_type = float(norm_type)
-    # Combine in float64 so ranks without gradients (frozen stages) agree on the collective's dtype.
+    # Combine in float64 so ranks without gradients (frozen stages) agree on the collective's dtype; on
+    # the parameters' device, since NCCL only reduces device tensors.
+    device = params[0].device if params else torch.device("cpu")
     local = (
         torch.nn.utils.get_total_norm(grads, norm_type).double()
         if grads
-        else torch.zeros((), dtype=torch.float64)
+        else torch.zeros((), dtype=torch.float64, device=device)
     )
     total = local
     if group is not None:
