@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
@@ -95,7 +96,8 @@ class DynMoCallback(Callback):
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
-    Logged (through the Trainer's loggers, every step): ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
+    Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
+    the running means cover every step): ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
     (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
     ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``; after each decision
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
@@ -536,9 +538,12 @@ class DynMoCallback(Callback):
         measured_imbalance = imbalance(stage_busy)
         bubble = max(0.0, 1.0 - sum(stage_busy) / (len(stage_busy) * step_s)) if step_s > 0 else 0.0
         values = {"imbalance": measured_imbalance, "bubble_ratio": bubble, "step_time_s": step_s}
-        metrics = {f"dynmo/{k}": v for k, v in values.items()}
         for name, value in values.items():
             self._averages[name].update(value)
+        if not _loggers_write_now(trainer):
+            return  # self.log costs about a millisecond per metric: hand them over only when written
+        metrics = {f"dynmo/{k}": v for k, v in values.items()}
+        for name in values:
             metrics[f"dynmo/{name}_avg"] = float(self._averages[name].compute())
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
         metrics["dynmo/active_workers"] = float(len(trainer.strategy.active_ranks))
@@ -564,8 +569,17 @@ def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
 
 
 def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:
-    """One row per active rank, in ``strategy.active_ranks`` order."""
-    return strategy.all_gather(row).reshape(len(strategy.active_ranks), -1).cpu()
+    """One row per active rank, in ``strategy.active_ranks`` order (a plain collective, no autograd)."""
+    if not (dist.is_available() and dist.is_initialized()) or len(strategy.active_ranks) == 1:
+        return row.reshape(1, -1).cpu()
+    rows = [torch.empty_like(row) for _ in strategy.active_ranks]
+    dist.all_gather(rows, row, group=strategy.active_group)
+    return torch.stack(rows).cpu()
+
+
+def _loggers_write_now(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's loggers write at this step (every ``log_every_n_steps``, Lightning decides)."""
+    return bool(trainer.loggers) and bool(trainer._logger_connector.should_update_logs)
 
 
 def _busy_per_pipeline_rank(busy: list[float], strategy: Any) -> list[float]:
