@@ -92,6 +92,7 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
         "fit_s": clock.seconds,
         "overhead_s": dynmo.overhead_s if spec.with_dynmo else 0.0,
         "decisions": len(dynmo.rebalances) if spec.with_dynmo else 0,
+        "migrations": sum(bool(r["applied"]) for r in dynmo.rebalances) if spec.with_dynmo else 0,
         "placement": str(trainer.strategy.placement),
     }
 
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         static = launch(train, replace(spec, with_dynmo=False))
         frac = r["overhead_s"] / r["fit_s"]
         rows.append(
-            f"| {spec.label} | {steps} | {r['decisions']} | {r['fit_s']:.2f} | {static['fit_s']:.2f} "
+            f"| {spec.label} | {steps} | {r['decisions']} | {r['migrations']} | {r['fit_s']:.2f} "
+            f"| {static['fit_s']:.2f} "
             f"| {r['overhead_s']:.3f} | {100 * frac:.2f} % | {100 * targets[spec.label]:.0f} % "
             f"| {r['fit_s'] / static['fit_s']:.3f} | `{r['placement']}` |"
         )
@@ -138,9 +140,9 @@ def main(argv: list[str] | None = None) -> None:
             "includes what DynMo gains by rebalancing as well as every cost it adds, per-step timers "
             "included.",
             "",
-            "| trigger | steps | decisions | fit (s) | static fit (s) | DynMo overhead (s) | overhead / fit "
-            "| target | fit / static fit | final placement |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| trigger | steps | decisions | migrations | fit (s) | static fit (s) | DynMo overhead (s) "
+            "| overhead / fit | target | fit / static fit | final placement |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             *rows,
         ]
     )

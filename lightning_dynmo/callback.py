@@ -97,7 +97,8 @@ class DynMoCallback(Callback):
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
     Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
-    the running means cover every step): ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
+    the running means cover every step, and decision metrics appear at the next written step):
+    ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
     (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
     ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``; after each decision
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
@@ -189,6 +190,7 @@ class DynMoCallback(Callback):
         self._step_start = 0.0
         self._recent_step_s: deque[float] = deque(maxlen=max(profile_steps, 3))
         self._after: dict[str, Any] | None = None
+        self._queued_metrics: dict[str, float] = {}
         self._averages = {
             # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
             # over WORLD, which after a re-pack includes ranks that have left.
@@ -336,7 +338,7 @@ class DynMoCallback(Callback):
             "decision_s": self._clock() - start,
         }
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
-        _log(trainer, {"dynmo/peak_memory_bytes": float(result.peak.peak_bytes)})
+        self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
 
     def _decide_once(
         self,
@@ -469,7 +471,7 @@ class DynMoCallback(Callback):
         }
         placement = trainer.strategy.placement
         metrics.update({f"dynmo/stage{s}/num_layers": float(n) for s, n in enumerate(placement.sizes)})
-        _log(trainer, metrics)
+        self._queued_metrics.update(metrics)
 
     # -- the per-step exchange --------------------------------------------------------------------------
 
@@ -532,7 +534,7 @@ class DynMoCallback(Callback):
                 100 * gain,
                 100 * record["predicted_gain"],
             )
-        _log(trainer, {"dynmo/measured_gain": gain})
+        self._queued_metrics["dynmo/measured_gain"] = gain
 
     def _log_step(self, trainer: pl.Trainer, stage_busy: list[float], step_s: float) -> None:
         measured_imbalance = imbalance(stage_busy)
@@ -547,6 +549,10 @@ class DynMoCallback(Callback):
             metrics[f"dynmo/{name}_avg"] = float(self._averages[name].compute())
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
         metrics["dynmo/active_workers"] = float(len(trainer.strategy.active_ranks))
+        metrics["dynmo/overhead_s"] = self.overhead_s
+        # Metrics of the decisions and windows since the last written step (the latest value of each).
+        metrics.update(self._queued_metrics)
+        self._queued_metrics.clear()
         _log(trainer, metrics)
 
     def _resolve_memory_capacity(self, device: torch.device) -> None:
