@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 T = TypeVar("T")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_report(report: str, name: str, out: Path | None = None) -> Path:
+    """Print ``report`` and write it to ``out`` (default ``benchmarks/results/<name>-<date>.md``)."""
+    print(report)
+    path = out or RESULTS / f"{name}-{dt.date.today().isoformat()}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report + "\n")
+    print(f"\nwritten to {path}", file=sys.stderr)
+    return path
 
 
 def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[str, Any]:

@@ -30,13 +30,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.common import launch
+from benchmarks.common import launch, write_report
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.dynamics import RoutingNoise
 from lightning_dynmo.strategy import DynMoStrategy
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -146,11 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             *rows,
         ]
     )
-    print(report)
-    out = args.out or RESULTS / f"overhead-{dt.date.today().isoformat()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report + "\n")
-    print(f"\nwritten to {out}", file=sys.stderr)
+    write_report(report, "overhead", args.out)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.common import StepTimer, launch
+from benchmarks.common import StepTimer, launch, write_report
 from lightning_dynmo.balancing import LayerCost, partition
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.dynamics import ScheduledCostChange
 from lightning_dynmo.strategy import DynMoStrategy
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @dataclass(frozen=True)
@@ -226,11 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
         ]
     )
-    print(report)
-    out = args.out or RESULTS / f"rebalance-{dt.date.today().isoformat()}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report + "\n")
-    print(f"\nwritten to {out}", file=sys.stderr)
+    write_report(report, "rebalance", args.out)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import (
+from tests.distributed.fitting import (
     TOL,
     ForcePlacement,
     LossRecorder,
@@ -31,6 +30,7 @@ from tests.distributed.test_strategy_equivalence import (
     max_param_diff,
     reference,
 )
+from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

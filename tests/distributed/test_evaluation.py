@@ -28,8 +28,7 @@ from torch.utils.data import DataLoader
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataset
 from lightning_dynmo.pipeline.evaluation import global_mean_loss
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import (
+from tests.distributed.fitting import (
     TOL,
     ForcePlacement,
     LossRecorder,
@@ -38,6 +37,7 @@ from tests.distributed.test_strategy_equivalence import (
     max_param_diff,
     reference,
 )
+from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

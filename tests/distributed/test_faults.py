@@ -19,8 +19,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
+from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import Run, make_strategy
 
 pytestmark = pytest.mark.distributed
 

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from lightning_dynmo.pipeline.release import ReleaseEvent
-from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import (
+from tests.distributed.fitting import (
     TOL,
     ForcePlacement,
     LossRecorder,
@@ -30,6 +29,7 @@ from tests.distributed.test_strategy_equivalence import (
     max_param_diff,
     reference,
 )
+from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_dynmo.throughput import PipelineThroughputMonitor
+from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import Run, make_strategy
 
 pytestmark = pytest.mark.distributed
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.test_strategy_equivalence import TOL, Run, reference
+from tests.distributed.fitting import TOL, Run, reference
 from tests.integration.test_strategy_launcher import _clean_env
 
 pytestmark = pytest.mark.distributed
@@ -31,7 +31,7 @@ _SCRIPT = textwrap.dedent(
     import torch
 
     from lightning_dynmo.strategy import DynMoStrategy
-    from tests.distributed.test_strategy_equivalence import ForcePlacement, LossRecorder, Run, make_strategy
+    from tests.distributed.fitting import ForcePlacement, LossRecorder, Run, make_strategy
     from tests.integration.test_release_launcher import RUN
 
     class WaitForReleasedChild(pl.Callback):

@@ -23,7 +23,7 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from tests.distributed.test_strategy_equivalence import TOL, Run, reference
+from tests.distributed.fitting import TOL, Run, reference
 
 pytestmark = pytest.mark.distributed
 
@@ -36,7 +36,7 @@ _SCRIPT = textwrap.dedent(
 
     import lightning_dynmo.strategy  # registers "dynmo"
     from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
-    from tests.distributed.test_strategy_equivalence import LossRecorder, Run
+    from tests.distributed.fitting import LossRecorder, Run
 
     torch.set_num_threads(1)
     run = Run()

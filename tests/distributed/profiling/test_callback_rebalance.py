@@ -21,8 +21,8 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import DynamismEvent, notify_dynamism
 from lightning_dynmo.profiling import module_has_hooks
+from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy, reference
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_strategy_equivalence import TOL, LossRecorder, Run, make_strategy, reference
 
 pytestmark = pytest.mark.distributed
 

@@ -21,9 +21,9 @@ import pytest
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import notify_dynamism
+from tests.distributed.fitting import TOL, LossRecorder, make_strategy, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_checkpoint import EpochRun
-from tests.distributed.test_strategy_equivalence import TOL, LossRecorder, make_strategy, reference
 
 pytestmark = pytest.mark.distributed
 
