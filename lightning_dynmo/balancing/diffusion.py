@@ -170,6 +170,7 @@ class _State:
         assert not any(model.extra_load) and not any(model.extra_memory) and not np.any(model.comm)
         self.prefix_w: list[float] = model.prefix_load.tolist()
         self.prefix_m: list[float] = model.prefix_memory.tolist()
+        self.capped = any(math.isfinite(c) for c in model.caps)
 
     def imbalance(self) -> float:
         """``(max - min) / mean`` of the current loads (0 when all are 0)."""
@@ -243,66 +244,103 @@ class _State:
         peak = float(np.max(self.loads))
         stages = self.model.num_stages
         for src in np.flatnonzero(self.loads == peak):
-            best = self._cascade(int(src), +1, peak, stages)
-            reach = stages if best is None else best[3] - best[2]
-            other = self._cascade(int(src), -1, peak, reach)
-            if other is not None and (best is None or (other[3] - other[2], other[0]) < (reach, best[0])):
-                best = other
+            right = self._cascade_right(int(src), peak, stages)
+            reach = stages if right is None else right[1] - int(src)
+            left = self._cascade_left(int(src), peak, reach)
+            best = right
+            if left is not None:
+                length = int(src) - left[0]
+                if right is None or length < reach or (
+                    length == reach and self._square_change(*left) < self._square_change(*right)
+                ):
+                    best = left
             if best is not None:
-                _, self.bounds, lo, hi = best
+                lo, hi, bounds = best
+                self.bounds[lo + 1 : hi + 1] = bounds
                 self._refresh(lo, hi)
                 return True
         return False
 
-    def _cascade(
-        self, src: int, direction: int, peak: float, max_length: int
-    ) -> tuple[float, list[int], int, int] | None:
-        """(sum of squares, boundaries, first and last changed stage) of the cascade from ``src``.
+    def _square_change(self, lo: int, hi: int, bounds: list[int]) -> float:
+        """Change of the sum of squared loads if stages ``lo..hi`` took inner boundaries ``bounds``."""
+        w = self.model.prefix_load
+        b = np.asarray([self.bounds[lo], *bounds, self.bounds[hi + 1]])
+        new = w[b[1:]] - w[b[:-1]]
+        return float(np.sum(new**2) - np.sum(self.loads[lo : hi + 1] ** 2))
 
-        ``None`` if no stage within ``max_length`` stages of ``src`` can absorb the cascade.
-        """
-        stages, caps = self.model.num_stages, self.model.caps
-        w, m = self.prefix_w, self.prefix_m
-        bounds = list(self.bounds)
-        loads, mems = self.loads.tolist(), self.mems.tolist()
-        ss = float(np.sum(self.loads**2))
-        k = src
-        while 0 <= k + direction < stages and abs(k + direction - src) <= max_length:
-            # Stage k hands on the fewest boundary layers that bring it strictly below the peak; it
-            # keeps at least one layer, and an intermediate stage keeps what it just received.
-            a, b = bounds[k], bounds[k + 1]
-            mem_limit = max(caps[k], mems[k])
-            if direction > 0:
-                lowest = a + 1 if k == src else self.bounds[k]
-                cut = min(_last_end(w, a, peak, strict=True), _last_end(m, a, mem_limit, strict=False), b - 1)
-                if cut < lowest:
-                    return None
-                bounds[k + 1] = cut
-            else:
-                highest = b - 1 if k == src else self.bounds[k + 1]
-                cut = max(
-                    _first_start(w, b, peak, strict=True), _first_start(m, b, mem_limit, strict=False), a + 1
-                )
-                if cut > highest:
-                    return None
-                bounds[k] = cut
-            ss += (w[bounds[k + 1]] - w[bounds[k]]) ** 2 - loads[k] ** 2
-            nxt = k + direction
-            recv_load = w[bounds[nxt + 1]] - w[bounds[nxt]]
-            recv_mem = m[bounds[nxt + 1]] - m[bounds[nxt]]
-            if recv_load < peak and recv_mem <= caps[nxt]:
+    # The two cascades below are the refinement phase's inner loop (tens of thousands of steps at 720
+    # stages), so they are written as tight scalar loops over Python lists: one bisection per stage plus
+    # an exact correction, instead of helper calls. Both return ``(lo, hi, inner boundaries)``: the
+    # changed stages ``lo..hi`` and their new boundaries ``lo + 1..hi``, or ``None`` if no stage within
+    # ``max_length`` stages of ``src`` absorbs the cascade.
+
+    def _cascade_right(self, src: int, peak: float, max_length: int) -> tuple[int, int, list[int]] | None:
+        """Cascade from ``src`` towards the last stage (each stage hands on its last layers)."""
+        w, m, old = self.prefix_w, self.prefix_m, self.bounds
+        caps, capped = self.model.caps, self.capped
+        last = min(self.model.num_stages - 1, src + max_length)
+        cuts: list[int] = []
+        a, lowest = old[src], old[src] + 1  # src keeps at least one layer
+        for k in range(src, last):
+            # Stage k (now starting at a) keeps the most layers that stay strictly below the peak, hands
+            # on at least one, and an intermediate stage keeps what it just received (cut >= lowest).
+            b = old[k + 1]
+            limit = w[a] + peak
+            cut = bisect.bisect_left(w, limit, lowest, b) - 1
+            while cut + 1 < b and w[cut + 1] - w[a] < peak:
+                cut += 1
+            while cut >= lowest and not w[cut] - w[a] < peak:
+                cut -= 1
+            if capped:  # a stage already over its cap (allowed when it was so) may stay as full
+                cut = min(cut, _last_end(m, a, max(caps[k], float(self.mems[k])), strict=False))
+            if cut < lowest:
+                return None
+            cuts.append(cut)
+            end = old[k + 2]
+            if w[end] - w[cut] < peak and (not capped or m[end] - m[cut] <= caps[k + 1]):
                 # The nearest stage that absorbs ends the cascade: fewer layers move and it keeps the
                 # refinement phase linear in the cascade length.
-                return ss + recv_load**2 - loads[nxt] ** 2, bounds, min(src, nxt), max(src, nxt)
-            k = nxt
+                return src, k + 1, cuts
+            a, lowest = cut, b
         return None
 
+    def _cascade_left(self, src: int, peak: float, max_length: int) -> tuple[int, int, list[int]] | None:
+        """Cascade from ``src`` towards the first stage (each stage hands on its first layers)."""
+        w, m, old = self.prefix_w, self.prefix_m, self.bounds
+        caps, capped = self.model.caps, self.capped
+        first = max(0, src - max_length)
+        cuts: list[int] = []
+        b, highest = old[src + 1], old[src + 1] - 1  # src keeps at least one layer
+        for k in range(src, first, -1):
+            a = old[k]
+            limit = w[b] - peak
+            cut = bisect.bisect_right(w, limit, a + 1, highest + 1)
+            while cut - 1 > a and w[b] - w[cut - 1] < peak:
+                cut -= 1
+            while cut <= highest and not w[b] - w[cut] < peak:
+                cut += 1
+            if capped:
+                cut = max(cut, _first_start(m, b, max(caps[k], float(self.mems[k])), strict=False))
+            if cut > highest:
+                return None
+            cuts.append(cut)
+            start = old[k - 1]
+            if w[cut] - w[start] < peak and (not capped or m[cut] - m[start] <= caps[k - 1]):
+                cuts.reverse()
+                return k - 1, src, cuts
+            b, highest = cut, a
+        return None
+
+
     def _refresh(self, lo: int, hi: int) -> None:
-        self.bounds_arr = np.asarray(self.bounds)
-        model = self.model
-        for s in range(lo, hi + 1):
-            self.loads[s] = model.load(self.bounds[s], self.bounds[s + 1], s)
-            self.mems[s] = model.memory(self.bounds[s], self.bounds[s + 1], s)
+        """Recompute the cached loads and memory of stages ``lo..hi`` after their boundaries moved."""
+        b = np.asarray(self.bounds)
+        self.bounds_arr = b
+        # Same ``W[b] - W[a]`` as ``StageModel.load`` (no extras or comm here), one vector op for a chain
+        # that may span hundreds of stages.
+        starts, ends = b[lo : hi + 1], b[lo + 1 : hi + 2]
+        self.loads[lo : hi + 1] = self.model.prefix_load[ends] - self.model.prefix_load[starts]
+        self.mems[lo : hi + 1] = self.model.prefix_memory[ends] - self.model.prefix_memory[starts]
 
 
 def _last_end(prefix: list[float], start: int, limit: float, strict: bool) -> int:
