@@ -1,3 +1,5 @@
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -122,3 +124,78 @@ def test_diffuse_rejects_bad_input(kwargs, match):
     args = {"current": "0-1|2-3", **kwargs}
     with pytest.raises(ValueError, match=match):
         diffuse(costs, **args)
+
+
+def _brute_best_chain(costs, bounds, caps, src, eps):
+    """Smallest sum-of-squares change below ``-eps * squares`` over every valid chain from ``src``.
+
+    By direct enumeration of the chains and direct sums of the records.
+    """
+    stages = len(bounds) - 1
+    weight = [c.time_s for c in costs]
+
+    def load(b, s):
+        return sum(weight[b[s] : b[s + 1]])
+
+    def mem(b, s):
+        return sum(c.memory_bytes for c in costs[b[s] : b[s + 1]])
+
+    old = [load(bounds, s) for s in range(stages)]
+    peak, squares = max(old), sum(x * x for x in old)
+    best = None
+    if bounds[src + 1] - bounds[src] < 2:
+        return None
+    for dst in range(stages):
+        if dst == src:
+            continue
+        step = 1 if dst > src else -1
+        new = list(bounds)
+        for boundary in range(min(src, dst) + 1, max(src, dst) + 1):
+            new[boundary] -= step
+        ok = True
+        for s in range(src + step, dst, step):  # intermediate stages pass a layer on
+            within_cap = mem(new, s) <= caps[s] or mem(new, s) <= mem(bounds, s)
+            ok &= load(new, s) <= peak and within_cap
+        ok &= load(new, dst) <= peak and mem(new, dst) <= caps[dst]
+        delta = sum(load(new, s) ** 2 for s in range(stages)) - squares
+        if ok and delta < -eps * max(1.0, squares) and (best is None or delta < best):
+            best = delta
+    return best
+
+
+@settings(max_examples=100, deadline=None)
+@given(diffusion_problems(), st.integers(0, 3))
+def test_chain_scoring_tables_match_brute_force_after_every_move(problem, moves):
+    # The scoring terms are cached per boundary state; check them against direct enumeration before and
+    # after accepted moves (which must invalidate the cache).
+    from lightning_dynmo.balancing.diffusion import _State
+    from lightning_dynmo.balancing.stage_model import StageModel
+
+    costs, current, caps = problem
+    stages = current.num_stages
+    cap_list = [math.inf] * stages if caps is None else [float(c) for c in caps]
+    state = _State(StageModel.build(costs, stages, "time", tuple(cap_list)), list(current.boundaries))
+    for _ in range(moves + 1):
+        chosen = None
+        for src in range(stages):
+            # diffuse accepts a chain below -1e-12 x the sum of squares; bracket that threshold so
+            # rounding (prefix sums there, direct sums here) cannot flip a borderline chain.
+            strict = _brute_best_chain(costs, state.bounds, cap_list, src, 2e-12)
+            loose = _brute_best_chain(costs, state.bounds, cap_list, src, 0.5e-12)
+            chain = state._best_chain(src)
+            if chain is None:
+                assert strict is None, (src, state.bounds)
+                continue
+            assert loose is not None, (src, state.bounds)
+            direction, dst = chain
+            found = state._chain_deltas(src, direction)
+            assert found is not None and found[1] == dst
+            assert found[0] >= loose - 1e-6 * (1 + abs(loose))
+            if strict is not None:
+                assert found[0] <= strict + 1e-6 * (1 + abs(strict))
+            chosen = chosen or (src, chain)
+        if chosen is None:
+            break
+        src, (direction, dst) = chosen
+        state._apply(src, direction, dst)
+        assert_valid(Placement(tuple(state.bounds)), len(costs), stages)
