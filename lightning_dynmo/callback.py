@@ -41,6 +41,7 @@ from lightning_dynmo.balancing.policy import (
     RebalanceTrigger,
     TriggerConfig,
     decide,
+    smooth_costs,
     validate_policy,
 )
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
@@ -91,6 +92,10 @@ class DynMoCallback(Callback):
         auto_horizon_steps: See ``auto``.
         auto_cooldown_steps: See ``auto``.
         rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured.
+        cost_smoothing: Weight of the history in an exponential moving average of each layer's measured
+            times across profiling windows, in ``[0, 1)``. ``None``: 0.8 with ``every_step`` (one step's
+            routing is a noisy sample: act on what persists), 0 otherwise (after an event or a period
+            the fresh measurement is the truth). Windows opened by a dynamism event always start fresh.
         measure_comm: Time each stage boundary's activation transfer once per window and feed it to
             the balancer (single-stage schedules only).
         event_bus: The bus to listen on (default: the process-wide bus).
@@ -129,6 +134,7 @@ class DynMoCallback(Callback):
         auto_horizon_steps: int = 500,
         auto_cooldown_steps: int = 50,
         rebalance_cost_prior_s: float = 1.0,
+        cost_smoothing: float | None = None,
         measure_comm: bool = True,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -162,6 +168,8 @@ class DynMoCallback(Callback):
             rebalance_cost_prior_s=rebalance_cost_prior_s,
         )
         validate_policy(self.balance, self.triggers)
+        self.cost_smoothing = (0.8 if every_step else 0.0) if cost_smoothing is None else cost_smoothing
+        smooth_costs(None, [], self.cost_smoothing)  # validates the weight now, not at the first window
         self.profile_warmup_steps = profile_warmup_steps
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
@@ -328,6 +336,8 @@ class DynMoCallback(Callback):
         costs = gather_layer_costs(
             result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group, strategy.root_device
         )
+        previous = None if self._window_reason == "event" else self.last_costs
+        costs = smooth_costs(previous, costs, self.cost_smoothing)
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
         self._window_step_s = result.step_time_s

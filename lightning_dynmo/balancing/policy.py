@@ -612,3 +612,43 @@ def _check_positive(value: object, name: str, allow_zero: bool) -> None:
         or (value == 0 and not allow_zero)
     ):
         raise ValueError(f"{name}={value!r} must be a finite number {rule}.")
+
+
+def smooth_costs(
+    previous: Sequence[LayerCost] | None, measured: Sequence[LayerCost], weight: float
+) -> list[LayerCost]:
+    """Exponential moving average of per-layer times: ``weight * previous + (1 - weight) * measured``.
+
+    Fine-grained dynamism (MoE, MoD) makes one window's measurement a noisy sample of what a layer will
+    cost next; a placement fitted to that sample is worse than the current one whenever the noise does not
+    persist. Averaging over windows keeps what persists (a drift in routing) and cancels what does not.
+    Costs are kept per global layer, so the average stays valid across migrations. Sizes (parameters,
+    memory, activations) are not noisy and are taken from ``measured``.
+
+    Args:
+        previous: The smoothed costs of the last window, or ``None`` (then ``measured`` is returned).
+        measured: This window's costs, one per layer.
+        weight: History weight in ``[0, 1)``; 0 keeps only the new measurement.
+
+    Raises:
+        ValueError: if ``weight`` is outside ``[0, 1)`` or the layer counts differ.
+    """
+    if not (isinstance(weight, (int, float)) and 0.0 <= weight < 1.0):
+        raise ValueError(f"cost_smoothing={weight!r} must be in [0, 1): the weight of the history.")
+    if previous is None or weight == 0.0:
+        return list(measured)
+    if len(previous) != len(measured):
+        raise ValueError(
+            f"previous has {len(previous)} layers but measured has {len(measured)}; smoothing needs the "
+            "same model on both sides."
+        )
+    return [
+        LayerCost(
+            fwd_time_s=weight * old.fwd_time_s + (1.0 - weight) * new.fwd_time_s,
+            bwd_time_s=weight * old.bwd_time_s + (1.0 - weight) * new.bwd_time_s,
+            num_params=new.num_params,
+            memory_bytes=new.memory_bytes,
+            activation_bytes=new.activation_bytes,
+        )
+        for old, new in zip(previous, measured, strict=True)
+    ]
