@@ -104,7 +104,9 @@ class LayerProfiler:
     Args:
         layers: The rank's layers by global index (``strategy.local_layers``).
         warmup_steps: Steps run with hooks on but not recorded (the first step after a rebuild also
-            runs the pipeline's shape inference, which must not be counted).
+            runs the pipeline's shape inference, which must not be counted). Saved activations are
+            metered on the window's first step only; with ``warmup_steps >= 1`` that step is not timed,
+            so the meter's per-tensor hook never inflates a recorded forward time.
         profile_steps: Steps measured (per-layer figures are their median).
         device: The stage's device; ``cuda`` uses CUDA events and the CUDA peak-memory counter.
         optimizer: Read for per-layer optimizer-state bytes (optional).
@@ -205,6 +207,10 @@ class LayerProfiler:
         step_end = self._clock.mark()
         times = self._timer.end_step()  # synchronises once on CUDA, so step_end is resolved too
         self._steps_seen += 1
+        if self._steps_seen == 1 and self.warmup_steps >= 1:
+            # Saved-activation sizes depend only on shapes: one metered step is enough, and the meter's
+            # pack hook runs inside each layer's forward, so it must not be there while times are taken.
+            self._meter.detach()
         if self._steps_seen > self.warmup_steps:
             self._recorded.append(times)
             self._step_times_s.append(self._clock.elapsed_s(self._step_start, step_end))
