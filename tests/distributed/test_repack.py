@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from lightning_dynmo.pipeline.release import ReleaseEvent
+from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,
     ForcePlacement,
@@ -180,7 +181,8 @@ def test_released_rank_refuses_further_placements(tmp_path: Path) -> None:
     assert "which a re-pack released" in results[1]
 
 
-def released_then_apply_worker(rank: int, world_size: int, run: Run) -> str:
+def _fit_with_forced_placements(rank: int, world_size: int, run: Run) -> DynMoStrategy:
+    """Fit ``run`` on this rank with its migrations forced; return the strategy for inspection."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     strategy = make_strategy(run)
@@ -191,6 +193,11 @@ def released_then_apply_worker(rank: int, world_size: int, run: Run) -> str:
         **run.trainer_kwargs(),
     )
     trainer.fit(run.model(), run.datamodule())
+    return strategy
+
+
+def released_then_apply_worker(rank: int, world_size: int, run: Run) -> str:
+    strategy = _fit_with_forced_placements(rank, world_size, run)
     if not strategy.is_released:
         return "active"
     with pytest.raises(RuntimeError, match="which a re-pack released") as info:
@@ -206,16 +213,7 @@ def test_released_rank_collectives_are_local_no_ops(tmp_path: Path) -> None:
 
 
 def collectives_worker(rank: int, world_size: int, run: Run) -> dict[str, Any]:
-    os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["NODE_RANK"] = "0"
-    strategy = make_strategy(run)
-    trainer = pl.Trainer(
-        devices=world_size,
-        strategy=strategy,
-        callbacks=[ForcePlacement(dict(run.migrations))],
-        **run.trainer_kwargs(),
-    )
-    trainer.fit(run.model(), run.datamodule())
+    strategy = _fit_with_forced_placements(rank, world_size, run)
     # None of these may wait for the other rank: rank 1 is released and rank 0 trains alone.
     strategy.barrier()
     return {
