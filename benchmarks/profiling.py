@@ -1,31 +1,54 @@
-"""Benchmark: per-layer times profiled inside a real pipeline step vs the same layer timed alone (CPU).
+"""Benchmark: per-layer times profiled inside a real pipeline step vs the same layers timed alone (CPU).
 
-Runs a 2-stage ``torch.distributed.pipelining`` pipeline (gloo, forked ranks, one torch thread each) of
-MLP blocks of different widths, profiles every layer with :class:`LayerProfiler`, and times each layer
-alone: a hook-free copy, ``time.perf_counter``, forward then backward on fresh micro-batches, after
-each profiled step so both see the same background load. Reports the ratio profiled / alone per layer
-(target: within 20%), and the profiler's overhead: hook CPU time per step, and step time with vs
-without hooks. ``--ranks 1`` runs the same layers as a one-stage pipeline (no communication).
+A 2-stage ``torch.distributed.pipelining`` pipeline (gloo, one torch thread per rank, started with
+torch's elastic launcher) of residual MLP blocks of uneven widths. Each rank profiles its layers with
+:class:`LayerProfiler` over a window of steps. After every profiled step each rank also times hook-free
+copies ("twins") of its layers outside the pipeline, forward then backward on fresh micro-batches, as
+many as a step has, with one untimed call first:
+
+- **alone**: one rank at a time while the other waits (the strict reference);
+- **co-running**: every rank at once, so both cores are busy as they are inside the pipeline;
+- **after idle** (diagnostic): alone, but each timed call comes right after an idle sleep (``--idle-ms``),
+  as a stage's first call after it waited for its peer does.
+
+The same layers are also profiled in one process as one stage (no peer, no communication threads),
+which checks the profiler's attribution on its own.
+
+Two effects besides the profiler make a layer's time differ between a pipeline and a twin on CPU, and
+the script measures them rather than guessing:
+
+- **Page faults.** glibc returns freed blocks of 128 KiB and more to the OS and faults them back in on
+  the next use, and how often that happens depends on the whole process's allocation history, so a
+  pipeline stage and a twin fault differently. The script counts minor page faults of the profiled
+  steps and of the twins' timed calls, and runs everything twice: with glibc's defaults, and with the
+  allocator kept steady (``mallopt``: no ``mmap`` below 32 MiB, no trimming), which is what a caching
+  allocator (jemalloc, tcmalloc) gives a CPU training job.
+- **A co-running neighbour** sharing caches and memory bandwidth: the co-running reference.
+- **Waking up.** A call that comes right after the process slept (waiting for its peer) runs slower
+  while the core warms up again; on a VM the effect can be large. In 1F1B every backward of stage 0
+  starts after such a wait, so its last layer pays it on every micro-batch. The after-idle column
+  measures this per layer.
+
+Target (issue #4): every per-layer figure within 20% of the isolated timing.
 
 Usage::
 
-    PYTHONPATH=. python benchmarks/profiling.py [--schedule 1F1B] [--ranks 2] [--steps 20] [--out DIR]
-
-Timings on a shared 2-core machine are noisy; re-run on a quiet machine for the record.
+    python -m benchmarks.profiling [--repeats 3] [--steps 20] [--allocator both|steady|default] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
-import multiprocessing as mp
+import ctypes
+import ctypes.util
 import os
+import resource
 import statistics
 import sys
-import tempfile
 import time
-import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,10 +59,24 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from benchmarks.common import launch, write_report
 from lightning_dynmo.profiling import LayerProfiler
 
 WIDTH, TOKENS, MICROBATCH_ROWS = 128, 64, 4
 HIDDEN = [256, 1024, 512, 128, 768, 256, 1024, 384]  # uneven on purpose: costs differ per layer
+TOLERANCE = 0.2
+ALLOCATORS = ("default", "steady")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One measurement: how the pipeline runs and how the allocator behaves in every process."""
+
+    allocator: str
+    schedule: str = "1F1B"
+    microbatches: int = 4
+    steps: int = 20
+    idle_ms: float = 5.0
 
 
 class MLPBlock(nn.Module):
@@ -66,31 +103,117 @@ class Stage(nn.Module):
         return x
 
 
-def _alone_once_s(layer: nn.Module, microbatches: int) -> tuple[float, float]:
-    """Forward and backward seconds of ``layer`` alone over ``microbatches`` fresh micro-batches."""
-    fwd = bwd = 0.0
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def set_allocator(mode: str) -> None:
+    """``steady``: glibc keeps freed memory (no ``mmap`` below 32 MiB, no trim); ``default``: leave it."""
+    if mode == "default":
+        return
+    if mode != "steady":
+        raise ValueError(f"allocator must be one of {ALLOCATORS}, got {mode!r}.")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise RuntimeError("glibc mallopt refused the steady allocator settings.")
+
+
+def _microbatch() -> torch.Tensor:
+    return torch.randn(MICROBATCH_ROWS, TOKENS, WIDTH, requires_grad=True)
+
+
+def time_alone(layer: nn.Module, microbatches: int, idle_s: float = 0.0) -> tuple[float, float, int, int]:
+    """Forward s, backward s, forward faults, backward faults of ``layer`` over ``microbatches`` calls.
+
+    One untimed call first: the first call after a wait reads high, and the profiler charges a layer
+    its median call, not its first. ``idle_s > 0`` sleeps that long before every timed forward and
+    backward, as a stage idles while it waits for its peer (the idle reference).
+    """
+    warm = layer(_microbatch())
+    warm.backward(torch.ones_like(warm))
+    fwd_s = bwd_s = 0.0
+    fwd_faults = bwd_faults = 0
     for _ in range(microbatches):
-        x = torch.randn(MICROBATCH_ROWS, TOKENS, WIDTH, requires_grad=True)
+        x = _microbatch()
+        if idle_s:
+            time.sleep(idle_s)
+        f0 = _minor_faults()
         t0 = time.perf_counter()
         y = layer(x)
         t1 = time.perf_counter()
-        y.backward(torch.ones_like(y))
-        fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
-    return fwd, bwd
+        f1 = _minor_faults()
+        grad = torch.ones_like(y)  # the pipeline's output gradient also arrives ready-made
+        if idle_s:
+            time.sleep(idle_s)
+        f2 = _minor_faults()
+        t2 = time.perf_counter()
+        y.backward(grad)
+        t3 = time.perf_counter()
+        bwd_faults += _minor_faults() - f2
+        fwd_s, bwd_s, fwd_faults = fwd_s + t1 - t0, bwd_s + t3 - t2, fwd_faults + f1 - f0
+    return fwd_s, bwd_s, fwd_faults, bwd_faults
 
 
-def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def _median(samples: Sequence[tuple[float, ...]], field: int) -> float:
+    return statistics.median(s[field] for s in samples)
+
+
+def _rows(
+    profiled: Any, alone: dict[int, list[Any]], shared: dict[int, list[Any]], idle: dict[int, list[Any]]
+) -> dict[int, dict[str, float]]:
+    nan = float("nan")
+    return {
+        i: {
+            "fwd_prof": p.fwd_time_s,
+            "bwd_prof": p.bwd_time_s,
+            "fwd_alone": _median(alone[i], 0),
+            "bwd_alone": _median(alone[i], 1),
+            "fwd_shared": _median(shared[i], 0) if shared else nan,
+            "bwd_shared": _median(shared[i], 1) if shared else nan,
+            "fwd_idle": _median(idle[i], 0) if idle else nan,
+            "bwd_idle": _median(idle[i], 1) if idle else nan,
+            "faults_alone": _median(alone[i], 2) + _median(alone[i], 3),
+        }
+        for i, p in profiled.layers.items()
+    }
+
+
+def _profiled_step(profiler: LayerProfiler, step: Any) -> int:
+    """Run one profiled step; return the minor page faults it took (read outside the timed hooks)."""
+    before = _minor_faults()
+    profiler.begin_step()
+    step()
+    profiler.end_step()
+    return _minor_faults() - before
+
+
+def pipeline_rank(spec: Spec) -> dict[str, Any]:
+    """One rank of the pipelined measurement; rank 0 returns every rank's rows."""
+    torch.set_num_threads(1)
+    set_allocator(spec.allocator)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = _measure_stage(spec, rank, world)
+        everyone: list[Any] = [None] * world
+        dist.gather_object(mine, everyone if rank == 0 else None, dst=0)
+    finally:
+        dist.destroy_process_group()
+    return {"ranks": everyone} if rank == 0 else {}
+
+
+def _measure_stage(spec: Spec, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     blocks = {i: MLPBlock(h) for i, h in enumerate(HIDDEN)}
     per_stage = len(HIDDEN) // world
     mine = {i: b for i, b in blocks.items() if i // per_stage == rank}
-    # Hook-free twins of our layers for the "alone" timings (copied before any hook exists).
-    twins = {i: copy.deepcopy(b) for i, b in mine.items()}
+    twins = {i: copy.deepcopy(b) for i, b in mine.items()}  # copied before any hook exists
     stage = PipelineStage(Stage(mine), rank, world, torch.device("cpu"))
-    cls = get_schedule_class(args.schedule)
-    loss_fn = lambda out, target: (out - target).square().mean()  # noqa: E731
-    schedule = cls(stage, args.microbatches, loss_fn=loss_fn)
-    x = torch.randn(args.microbatches * MICROBATCH_ROWS, TOKENS, WIDTH)
+    schedule = get_schedule_class(spec.schedule)(
+        stage, spec.microbatches, loss_fn=lambda out, target: (out - target).square().mean()
+    )
+    x = torch.randn(spec.microbatches * MICROBATCH_ROWS, TOKENS, WIDTH)
     y = torch.randn_like(x)
 
     def step() -> float:
@@ -103,217 +226,187 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(2):  # shape inference and allocator warm-up
         step()
     dist.barrier()
-    plain_step_s = statistics.median(step() for _ in range(args.steps))
+    plain_step_s = statistics.median(step() for _ in range(spec.steps))
 
-    # Profiled steps and alone timings are interleaved, so both see the same background load.
-    profiler = LayerProfiler(mine, warmup_steps=1, profile_steps=args.steps, stages=[stage])
+    # Profiled steps and reference timings are interleaved, so all see the same background load.
+    profiler = LayerProfiler(mine, warmup_steps=1, profile_steps=spec.steps, stages=[stage])
     profiler.start()
-    alone: dict[int, list[tuple[float, float]]] = {i: [] for i in mine}
-    together: dict[int, list[tuple[float, float]]] = {i: [] for i in mine}
+    alone: dict[int, list[Any]] = {i: [] for i in mine}
+    shared: dict[int, list[Any]] = {i: [] for i in mine}
+    idle: dict[int, list[Any]] = {i: [] for i in mine}
+    faults: list[int] = []
     while not profiler.done:
         dist.barrier()
-        profiler.begin_step()
-        step()
-        profiler.end_step()
-        for turn in range(world):  # one rank at a time: "alone" means no co-running stage either
+        faults.append(_profiled_step(profiler, step))
+        for turn in range(world):  # one rank at a time: no co-running stage either
             dist.barrier()
             if turn == rank:
                 for i, twin in twins.items():
-                    alone[i].append(_alone_once_s(twin, args.microbatches))
-        # Second reference: every rank times its twins at once, so the machine is shared as in a pipeline.
+                    alone[i].append(time_alone(twin, spec.microbatches))
+                    idle[i].append(time_alone(twin, spec.microbatches, idle_s=spec.idle_ms / 1e3))
         dist.barrier()
-        for i, twin in twins.items():
-            together[i].append(_alone_once_s(twin, args.microbatches))
+        for i, twin in twins.items():  # every rank at once, as the cores are shared inside a pipeline
+            shared[i].append(time_alone(twin, spec.microbatches))
     result = profiler.result()
-    rows = {
-        i: {
-            "fwd_prof": p.fwd_time_s,
-            "fwd_iso": statistics.median(f for f, _ in alone[i]),
-            "bwd_prof": p.bwd_time_s,
-            "bwd_iso": statistics.median(b for _, b in alone[i]),
-            "fwd_shared": statistics.median(f for f, _ in together[i]),
-            "bwd_shared": statistics.median(b for _, b in together[i]),
-        }
-        for i, p in result.layers.items()
-    }
     return {
-        "rows": rows,
+        "rows": _rows(result, alone, shared, idle),
+        "faults_per_step": statistics.median(faults),
         "plain_step_s": plain_step_s,
         "profiled_step_s": result.step_time_s,
         "hook_s": result.hook_time_s,
     }
 
 
-def _entry(rank: int, world: int, store: str, args: argparse.Namespace, queue: Any) -> None:
+def single_process(spec: Spec) -> dict[str, Any]:
+    """All blocks as one stage in one process (no peer, no communication threads), same references."""
     torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
-        )
-        out = _worker(rank, world, args)
-        dist.destroy_process_group()
-        queue.put((rank, True, out))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
-
-
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = str(Path(tmp) / "store")
-        procs = [
-            ctx.Process(target=_entry, args=(r, args.ranks, store, args, queue)) for r in range(args.ranks)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-            if p.is_alive():
-                p.kill()
-                raise SystemExit("a rank did not finish within 600 s")
-    results: dict[int, dict[str, Any]] = {}
-    while not queue.empty():
-        rank, ok, payload = queue.get()
-        if not ok:
-            raise SystemExit(f"rank {rank} failed:\n{payload}")
-        results[rank] = payload
-    return [results[r] for r in range(args.ranks)]
-
-
-def report(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
-    lines = [
-        f"# Profiling accuracy: in a pipeline step vs the layer alone ({dt.date.today().isoformat()})",
-        "",
-        f"Command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
-        "",
-        f"Setup: {args.ranks} ranks (gloo, forked, 1 torch thread each), schedule {args.schedule}, "
-        f"{args.microbatches} micro-batches of {MICROBATCH_ROWS}x{TOKENS}x{WIDTH} float32, MLP blocks with "
-        f"hidden sizes {HIDDEN}; profiled: per-layer medians over {args.steps} steps after 1 warm-up "
-        f"step; alone: a hook-free copy of each layer run on {args.microbatches} fresh micro-batches after "
-        f"each profiled step, one rank at a time, median over the steps (interleaved with profiled steps, "
-        f"so both see the same background load). "
-        f"torch {torch.__version__}, CPU, {os.cpu_count()} cores; load average before the run "
-        f"{args.load_before:.2f}, after {os.getloadavg()[0]:.2f} (above the core count, timings are noisy).",
-        "",
-        "| layer | stage | fwd profiled ms | fwd alone ms | ratio | bwd profiled ms | bwd alone ms | ratio |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    ratios = []
-    for rank, r in enumerate(results):
-        for i, row in sorted(r["rows"].items()):
-            fr = row["fwd_prof"] / row["fwd_iso"]
-            br = row["bwd_prof"] / row["bwd_iso"]
-            ratios += [fr, br]
-            lines.append(
-                f"| {i} | {rank} | {row['fwd_prof'] * 1e3:.2f} | {row['fwd_iso'] * 1e3:.2f} | {fr:.2f} "
-                f"| {row['bwd_prof'] * 1e3:.2f} | {row['bwd_iso'] * 1e3:.2f} | {br:.2f} |"
-            )
-    within = sum(0.8 <= x <= 1.2 for x in ratios)
-    shared = [
-        row[f"{d}_prof"] / row[f"{d}_shared"]
-        for r in results
-        for row in r["rows"].values()
-        for d in ("fwd", "bwd")
-    ]
-    within_shared = sum(0.8 <= x <= 1.2 for x in shared)
-    lines += [
-        "",
-        f"**{within} of {len(ratios)} per-layer figures within 20%** (target: all); "
-        f"ratio range {min(ratios):.2f} .. {max(ratios):.2f}.",
-        "",
-        "Second reference, to separate attribution from machine sharing: the same isolated timing, but "
-        "with every rank timing its layers at the same moment (both cores busy, as inside the pipeline): "
-        f"{within_shared} of {len(shared)} within 20%, ratio range {min(shared):.2f} .. {max(shared):.2f}.",
-        "",
-        "Profiler overhead per rank:",
-        "",
-        "| stage | step without hooks ms | step with hooks ms | hook CPU time per step ms |",
-        "|---|---|---|---|",
-    ]
-    for rank, r in enumerate(results):
-        plain, profiled, hooks = r["plain_step_s"] * 1e3, r["profiled_step_s"] * 1e3, r["hook_s"] * 1e3
-        lines.append(f"| {rank} | {plain:.1f} | {profiled:.1f} | {hooks:.2f} |")
-    lines += [
-        "",
-        "Notes: times are per training step (all micro-batches). The step-time comparison includes the "
-        "machine's noise; the hook CPU time is the profiler's own cost, measured inside its hooks.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def single_process(args: argparse.Namespace) -> str:
-    """The profiler without a pipeline: all blocks as one stage in this process, against the same twins.
-
-    Nothing runs concurrently here (no peer rank, no communication threads), so this isolates what the
-    profiler itself attributes from what a pipeline adds around a layer.
-    """
+    set_allocator(spec.allocator)
     torch.manual_seed(0)
     layers = {i: MLPBlock(h) for i, h in enumerate(HIDDEN)}
     twins = {i: copy.deepcopy(m) for i, m in layers.items()}
     stage = Stage(layers)
 
     def step() -> None:
-        for _ in range(args.microbatches):
-            x = torch.randn(MICROBATCH_ROWS, TOKENS, WIDTH, requires_grad=True)
-            y = stage(x)
-            y.backward(torch.ones_like(y))
+        for _ in range(spec.microbatches):
+            out = stage(_microbatch())
+            out.backward(torch.ones_like(out))
 
     for _ in range(3):
         step()
-    profiler = LayerProfiler(layers, warmup_steps=1, profile_steps=args.steps)
+    profiler = LayerProfiler(layers, warmup_steps=1, profile_steps=spec.steps)
     profiler.start()
-    alone: dict[int, list[tuple[float, float]]] = {i: [] for i in layers}
+    alone: dict[int, list[Any]] = {i: [] for i in layers}
+    faults: list[int] = []
     while not profiler.done:
-        profiler.begin_step()
-        step()
-        profiler.end_step()
+        faults.append(_profiled_step(profiler, step))
         for i, twin in twins.items():
-            alone[i].append(_alone_once_s(twin, args.microbatches))
-    ratios, lines = [], []
-    for i, prof in profiler.result().layers.items():
-        fwd = statistics.median(f for f, _ in alone[i])
-        bwd = statistics.median(b for _, b in alone[i])
-        ratios += [prof.fwd_time_s / fwd, prof.bwd_time_s / bwd]
-        lines.append(f"| {i} | {prof.fwd_time_s / fwd:.2f} | {prof.bwd_time_s / bwd:.2f} |")
-    within = sum(0.8 <= x <= 1.2 for x in ratios)
-    return "\n".join(
-        [
-            "## Without a pipeline (one process, all 8 blocks as one stage, same twins)",
-            "",
-            f"**{within} of {len(ratios)} per-layer figures within 20%**; ratio range "
-            f"{min(ratios):.2f} .. {max(ratios):.2f}. With no peer and no communication threads this checks "
-            "the profiler's own attribution. Where the pipelined table above differs, the extra time is most "
-            "likely real time the layer takes inside the pipeline (for instance next to the communication "
-            "threads), not misattribution; that cause is inferred, not measured.",
-            "",
-            "| layer | fwd profiled / alone | bwd profiled / alone |",
-            "|---|---|---|",
-            *lines,
-            "",
-        ]
-    )
+            alone[i].append(time_alone(twin, spec.microbatches))
+    return {"rows": _rows(profiler.result(), alone, {}, {}), "faults_per_step": statistics.median(faults)}
 
 
-def main() -> None:
+# -- report ------------------------------------------------------------------------------------------
+
+
+def _ratios(rows: dict[int, dict[str, float]], reference: str) -> list[float]:
+    return [rows[i][f"{d}_prof"] / rows[i][f"{d}_{reference}"] for i in sorted(rows) for d in ("fwd", "bwd")]
+
+
+def _within(ratios: list[float]) -> str:
+    inside = sum(1 - TOLERANCE <= r <= 1 + TOLERANCE for r in ratios)
+    return f"{inside}/{len(ratios)} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def _twin_faults(rows: dict[int, dict[str, float]]) -> float:
+    return sum(r["faults_alone"] for r in rows.values())
+
+
+def _merged(run: dict[str, Any]) -> dict[int, dict[str, float]]:
+    return {i: row for rank in run["pipeline"]["ranks"] for i, row in rank["rows"].items()}
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
+    spec = runs[0]["spec"]
+    lines = [
+        f"# Profiling accuracy: in a pipeline step vs the layer alone ({time.strftime('%Y-%m-%d')})",
+        "",
+        f"Command: `{' '.join(['python -m benchmarks.profiling', *args.argv])}`",
+        "",
+        f"Setup: 2 ranks (gloo, elastic launcher, 1 torch thread each), schedule {spec.schedule}, "
+        f"{spec.microbatches} micro-batches of {MICROBATCH_ROWS}x{TOKENS}x{WIDTH} float32 per step, "
+        f"residual MLP blocks with hidden sizes {HIDDEN}. Profiled: per-layer medians over {spec.steps} "
+        f"steps after 1 warm-up step. References: hook-free twins timed after every profiled step "
+        f"(median), alone (one rank at a time), co-running (all ranks at once) and alone after "
+        f"{spec.idle_ms:g} ms idle before each call. Page faults: minor "
+        f"faults per step (median), of the profiled steps and of the twins' timed calls. "
+        f"torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores; load average before {args.load_before:.2f}, after "
+        f"{os.getloadavg()[0]:.2f}.",
+        "",
+        f"## Per-layer figures within {TOLERANCE:.0%} (count, ratio range profiled / reference)",
+        "",
+        "| allocator | run | pipeline vs alone | pipeline vs co-running | one process vs alone "
+        "| page faults / step: pipeline stages | their twins | one process | its twins |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        rows, single = _merged(run), run["single"]["rows"]
+        stage_faults = " + ".join(f"{r['faults_per_step']:.0f}" for r in run["pipeline"]["ranks"])
+        lines.append(
+            f"| {run['spec'].allocator} | {run['repeat']} | {_within(_ratios(rows, 'alone'))} "
+            f"| {_within(_ratios(rows, 'shared'))} | {_within(_ratios(single, 'alone'))} "
+            f"| {stage_faults} | {_twin_faults(rows):.0f} | {run['single']['faults_per_step']:.0f} "
+            f"| {_twin_faults(single):.0f} |"
+        )
+    for run in runs:
+        lines += _layer_table(run)
+    lines += [
+        "",
+        "## Profiler overhead (last run)",
+        "",
+        "| stage | step without hooks ms | step with hooks ms | hook CPU time per step ms |",
+        "|---|---|---|---|",
+    ]
+    for stage, r in enumerate(runs[-1]["pipeline"]["ranks"]):
+        lines.append(
+            f"| {stage} | {r['plain_step_s'] * 1e3:.1f} | {r['profiled_step_s'] * 1e3:.1f} "
+            f"| {r['hook_s'] * 1e3:.2f} |"
+        )
+    lines += [
+        "",
+        "Times are per training step (all micro-batches). The step-time comparison includes the machine's "
+        "noise; the hook CPU time is the profiler's own cost, measured inside its hooks.",
+    ]
+    return "\n".join(lines)
+
+
+def _layer_table(run: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"## Per layer: allocator {run['spec'].allocator}, run {run['repeat']}",
+        "",
+        "| layer | stage | pass | profiled ms | alone ms | co-running ms | / alone | / co-running "
+        "| alone after idle ms | idle / alone |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for stage, rank in enumerate(run["pipeline"]["ranks"]):
+        for i, row in sorted(rank["rows"].items()):
+            for d in ("fwd", "bwd"):
+                prof, alone, shared = row[f"{d}_prof"], row[f"{d}_alone"], row[f"{d}_shared"]
+                idle = row[f"{d}_idle"]
+                lines.append(
+                    f"| {i} | {stage} | {d} | {prof * 1e3:.2f} | {alone * 1e3:.2f} | {shared * 1e3:.2f} "
+                    f"| {prof / alone:.2f} | {prof / shared:.2f} | {idle * 1e3:.2f} | {idle / alone:.2f} |"
+                )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--allocator", choices=(*ALLOCATORS, "both"), default="both")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per allocator setting")
     parser.add_argument("--schedule", default="1F1B")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    parser.add_argument("--steps", type=int, default=20, help="profiled steps per run")
+    parser.add_argument("--idle-ms", type=float, default=5.0, help="sleep before each after-idle call")
+    parser.add_argument("--out", type=Path, default=None, help="report file (default: benchmarks/results)")
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
     args.load_before = os.getloadavg()[0]
-    text = report(args, run(args)) + "\n" + single_process(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"profiling-{dt.date.today().isoformat()}.md"
-    path.write_text(text)
-    print(text)
-    print(f"written to {path}")
+    allocators = ALLOCATORS if args.allocator == "both" else (args.allocator,)
+    runs = []
+    for allocator in allocators:
+        spec = Spec(allocator=allocator, schedule=args.schedule, steps=args.steps, idle_ms=args.idle_ms)
+        for repeat in range(1, args.repeats + 1):
+            runs.append(
+                {
+                    "spec": spec,
+                    "repeat": repeat,
+                    "pipeline": launch(pipeline_rank, spec),
+                    "single": launch(single_process, spec, nproc=1),
+                }
+            )
+    write_report(report(args, runs), "profiling", args.out)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,14 @@ How a layer's time is taken (one record per forward call, i.e. per micro-batch):
   pass re-enters the layers' output hooks; each record takes only its first start and end, so the
   re-entry is ignored.
 
+A layer's time in a step is its **median call times its number of calls**, not the sum of its calls.
+The first call after a stage waited (for its peer's activation or gradient, or at the start of a step)
+runs on a core that just woke up and on cold caches; on CPU that call reads up to 2x the others. The
+excess belongs to the stage boundary: it stays with whichever layer is first there, so charging it to
+the layer would make the balancer mispredict after moving it. Costs that vary from micro-batch to
+micro-batch (token routing) are estimated by their median, and the profiler's window median over steps
+follows on top.
+
 Hooks are attached by :meth:`LayerTimer.attach` and removed by :meth:`LayerTimer.detach`, including
 tensor hooks on pipeline receive buffers (they are leaves that outlive a step, so they are removed at
 every step end). The migration engine refuses to move modules that still carry hooks. Method wrappers
@@ -24,6 +32,7 @@ on stages are undone last-in first-out with the :class:`StageBusyTimer`'s: each 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,11 +51,12 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class StepLayerTime:
-    """Time one layer took in one training step, summed over its micro-batches.
+    """Time one layer took in one training step: its median call times its calls (see the module doc).
 
     Attributes:
         fwd_time_s: Forward seconds.
-        bwd_time_s: Backward seconds, including deferred weight-gradient time.
+        bwd_time_s: Backward seconds, including deferred weight-gradient time (that part is summed: a
+            weight pass is split over parameters, not over calls).
         bwd_weight_time_s: The part of ``bwd_time_s`` spent in a deferred weight-gradient pass.
         num_calls: Forward calls (micro-batches) seen.
     """
@@ -247,16 +257,23 @@ class LayerTimer:
 
     def _resolve(self, state: _LayerState) -> StepLayerTime:
         elapsed = self._clock.elapsed_s
-        fwd = sum(elapsed(c.fwd_start, c.fwd_end) for c in state.calls if c.fwd_end is not None)
-        bwd = sum(
-            elapsed(c.bwd_start, c.bwd_end)
-            for c in state.calls
-            if c.bwd_start is not None and c.bwd_end is not None
+        fwd = _per_step([elapsed(c.fwd_start, c.fwd_end) for c in state.calls if c.fwd_end is not None])
+        bwd = _per_step(
+            [
+                elapsed(c.bwd_start, c.bwd_end)
+                for c in state.calls
+                if c.bwd_start is not None and c.bwd_end is not None
+            ]
         )
         weight = sum(elapsed(a, b) for a, b in state.weight_marks)
         return StepLayerTime(
             fwd_time_s=fwd, bwd_time_s=bwd + weight, bwd_weight_time_s=weight, num_calls=len(state.calls)
         )
+
+
+def _per_step(call_times_s: list[float]) -> float:
+    """A step's time from its calls' times: the median call times the number of calls."""
+    return len(call_times_s) * statistics.median(call_times_s) if call_times_s else 0.0
 
 
 def _first_grad_tensor(value: Any) -> torch.Tensor | None:

@@ -34,3 +34,21 @@ def test_overhead_benchmark_runs(tmp_path: Path) -> None:
     overhead.main(["--quick", "--steps", "12", "--out", str(out)])
     text = out.read_text()
     assert "| every_n_steps=40 | 12 |" in text and "| every_step (routing noise +-50%) | 12 |" in text
+
+
+def test_profiling_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import profiling
+
+    out = tmp_path / "profiling.md"
+    profiling.main(["--repeats", "1", "--steps", "2", "--allocator", "steady", "--out", str(out)])
+    text = out.read_text()
+    assert "| steady | 1 | " in text
+    assert text.count("| fwd |") == text.count("| bwd |") == len(profiling.HIDDEN)
+    assert "python -m benchmarks.profiling --repeats 1" in text
+
+
+def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
+    from benchmarks.profiling import set_allocator
+
+    with pytest.raises(ValueError, match=r"allocator must be one of \('default', 'steady'\), got 'tc'"):
+        set_allocator("tc")

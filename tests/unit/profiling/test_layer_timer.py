@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -48,6 +50,39 @@ def test_slow_layer_gets_its_forward_and_backward_time(slow):
         else:  # the neighbours do not inherit the slow layer's time
             assert p.fwd_time_s < FWD_S
             assert p.bwd_time_s < BWD_S
+
+
+class _SlowFirstCall(torch.nn.Module):
+    """Sleeps ``extra_s`` in the first forward of every step only, like a stage's first call after a wait."""
+
+    def __init__(self, calls_per_step: int, extra_s: float) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.calls_per_step, self.extra_s, self.calls = calls_per_step, extra_s, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls % self.calls_per_step == 0:
+            time.sleep(self.extra_s)
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_a_slow_first_call_is_not_charged_to_the_layer():
+    # The first call after a stage waited pays a wake-up that belongs to the boundary, not the layer:
+    # the step's time is the median call times the calls, so one 30 ms call among four fast ones
+    # leaves the layer fast. (A sum would be >= 30 ms: that is what this guards against.)
+    calls, extra_s = 4, 0.030
+    layer = _SlowFirstCall(calls, extra_s)
+    profiler = LayerProfiler({0: layer}, warmup_steps=0, profile_steps=2)
+    profiler.start()
+    while not profiler.done:
+        profiler.begin_step()
+        for _ in range(calls):
+            layer(torch.randn(4, 16, requires_grad=True)).sum().backward()
+        profiler.end_step()
+    (profile,) = profiler.result().layers.values()
+    assert layer.calls == 2 * calls
+    assert profile.fwd_time_s < extra_s / 2
 
 
 def test_first_layer_without_input_grad_ends_at_its_last_parameter_grad():
