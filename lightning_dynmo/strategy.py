@@ -65,7 +65,12 @@ from typing_extensions import override
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
-from lightning_dynmo.pipeline.contract import ModelSpec, call_step_end_hook, check_model_contract
+from lightning_dynmo.pipeline.contract import (
+    ModelSpec,
+    call_step_end_hook,
+    check_model_contract,
+    check_no_shared_parameters,
+)
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, global_mean_loss
 from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.layout import (
@@ -421,6 +426,8 @@ class DynMoStrategy(ParallelStrategy):
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
+            if self._num_stages_of_run() > 1:
+                check_no_shared_parameters(module, self._spec)
             self._placement = self._resolve_placement(self._spec, module)
             self._keep_only_local_units()
             self._cut_module = module

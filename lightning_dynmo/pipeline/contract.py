@@ -27,6 +27,10 @@ A pipelined model is a chain ``first parts -> layers "0" .. "n-1" -> last parts 
     works exactly as there (e.g. ``self.log("train_ppl", loss.exp())``). Per-layer state is only on
     the rank that owns the layer: log it with ``sync_dist=True`` or from that rank's values only.
 
+Units (each block, each first or last part) must not share parameters when the pipeline has more than
+one stage: a GPT whose output head reuses the token embedding's weight is refused with a
+``TypeError`` that says how to untie it (:func:`check_no_shared_parameters`).
+
 The strategy deletes what a rank does not own (blocks from ``layers``, parts set to ``None``) before
 ``configure_optimizers`` runs, so optimizers see local parameters only; ``training_step``,
 ``validation_step`` and ``test_step`` are not called under :class:`~lightning_dynmo.DynMoStrategy`
@@ -105,6 +109,34 @@ def check_model_contract(model: nn.Module) -> ModelSpec:
             f"`def {STEP_END_HOOK}(self, loss, batch, batch_idx) -> None` or remove the attribute."
         )
     return ModelSpec(num_layers=len(keys), first_parts=first, last_parts=last)
+
+
+def check_no_shared_parameters(model: nn.Module, spec: ModelSpec) -> None:
+    """Refuse a parameter that two pipeline units share (e.g. an embedding tied to the output head).
+
+    Each rank keeps only its own units, so a tie across units would silently become two copies trained
+    apart, and the migration engine moves units one by one. Called when the pipeline has more than one
+    stage.
+
+    Raises:
+        TypeError: naming the shared parameter, the units that hold it, and how to untie it.
+    """
+    units = {f"layers.{i}": model.layers[str(i)] for i in range(spec.num_layers)}
+    units.update({name: getattr(model, name) for name in (*spec.first_parts, *spec.last_parts)})
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for unit, module in units.items():
+        for pname, param in module.named_parameters(remove_duplicate=True):
+            holders.setdefault(id(param), []).append((unit, pname))
+    shared = [places for places in holders.values() if len({unit for unit, _ in places}) > 1]
+    if shared:
+        names = [f"{unit}.{pname}" for unit, pname in shared[0]]
+        tie = " is ".join(names) + (f" (and {len(shared) - 1} more shared)" if len(shared) > 1 else "")
+        raise TypeError(
+            f"{type(model).__name__} shares one parameter between pipeline units: {tie}. "
+            "Each pipeline rank keeps only its own units, so the tie would become separate copies trained "
+            "apart. Untie it before fitting (e.g. `self.head.weight = nn.Parameter(self.tok_emb.weight"
+            ".detach().clone())`), or train with a one-stage pipeline."
+        )
 
 
 def call_step_end_hook(model: nn.Module, loss: Tensor, batch: Any, batch_idx: int) -> None:

@@ -43,6 +43,8 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
+    if case.get("tie_head"):
+        model.head.weight = model.tok_emb.weight
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -111,3 +113,8 @@ def test_batch_not_divisible_into_microbatches(tmp_path: Any) -> None:
     case = {"batch_size": 6, "strategy": {"num_microbatches": 4}}
     with pytest.raises(ValueError, match="a batch of 6 samples cannot be cut into num_microbatches=4"):
         _raise_as_on_every_rank(case, tmp_path)
+
+
+def test_embedding_tied_to_the_head_fails_before_training(tmp_path: Any) -> None:
+    with pytest.raises(TypeError, match=r"shares one parameter between pipeline units: tok_emb.weight is"):
+        _raise_as_on_every_rank({"tie_head": True}, tmp_path)

@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract
+from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract, check_no_shared_parameters
 
 
 class _Minimal(nn.Module):
@@ -69,3 +69,28 @@ def test_parts_must_name_submodules() -> None:
     model.pipeline_last_parts = "head"
     with pytest.raises(TypeError, match=r"pipeline_last_parts is 'head'; it must be a tuple"):
         check_model_contract(model)
+
+
+def test_untied_model_passes_the_shared_parameter_check() -> None:
+    model = DemoGPT(num_layers=3)
+    check_no_shared_parameters(model, check_model_contract(model))  # negative control for the two below
+
+
+def test_embedding_tied_to_the_head_is_refused() -> None:
+    model = DemoGPT(num_layers=3)
+    model.head.weight = model.tok_emb.weight  # the usual GPT tie: first stage and last stage
+    with pytest.raises(
+        TypeError, match=r"shares one parameter between pipeline units: tok_emb.weight is head.weight\."
+    ):
+        check_no_shared_parameters(model, check_model_contract(model))
+
+
+def test_blocks_sharing_weights_are_refused() -> None:
+    model = _Minimal(n=4)
+    for i in (1, 3):  # ALBERT-style sharing: weight and bias of block 0 reused by blocks 1 and 3
+        model.layers[str(i)].weight = model.layers["0"].weight
+        model.layers[str(i)].bias = model.layers["0"].bias
+    with pytest.raises(
+        TypeError, match=r"layers.0.weight is layers.1.weight is layers.3.weight \(and 1 more shared\)"
+    ):
+        check_no_shared_parameters(model, check_model_contract(model))
