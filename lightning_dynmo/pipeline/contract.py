@@ -121,8 +121,9 @@ def check_no_shared_parameters(model: nn.Module, spec: ModelSpec) -> None:
     Raises:
         TypeError: naming the shared parameter, the units that hold it, and how to untie it.
     """
-    units = {f"layers.{i}": model.layers[str(i)] for i in range(spec.num_layers)}
-    units.update({name: getattr(model, name) for name in (*spec.first_parts, *spec.last_parts)})
+    layers = model.get_submodule("layers")
+    units = {f"layers.{i}": layers.get_submodule(str(i)) for i in range(spec.num_layers)}
+    units.update({name: model.get_submodule(name) for name in (*spec.first_parts, *spec.last_parts)})
     holders: dict[int, list[tuple[str, str]]] = {}
     for unit, module in units.items():
         for pname, param in module.named_parameters(remove_duplicate=True):
