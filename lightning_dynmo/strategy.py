@@ -780,8 +780,7 @@ class DynMoStrategy(ParallelStrategy):
             )
             raise ValueError(
                 f"apply_placement was called with different placements on different ranks ({per_rank}); "
-                "decide "
-                "the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
+                "decide the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
                 "applying it."
             )
 
@@ -1041,8 +1040,7 @@ def _check_placement_arg(placement: Any) -> str | Placement:
     if not isinstance(placement, str):
         raise ValueError(
             f"placement={placement!r} must be 'uniform', 'parameters', a placement string like '0-3|4-7' or "
-            "a "
-            "Placement."
+            "a Placement."
         )
     Placement.from_string(placement)  # malformed strings fail here, before any process starts
     return placement

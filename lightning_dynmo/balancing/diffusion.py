@@ -128,10 +128,9 @@ def diffuse(
     over, stage = model.overflow(placement)
     if over > 0:
         raise ValueError(
-            f"current={placement} already needs {model.memories(placement)[stage]:.0f} bytes on stage "
-            f"{stage}, "
-            f"over its capacity {caps[stage]:.0f}; diffusion only makes moves that fit, so start from "
-            "partition(costs, num_stages, memory_capacity_bytes=...) instead."
+            f"current={placement} already needs {model.memories(placement)[stage]:.0f} bytes on "
+            f"stage {stage}, over its capacity {caps[stage]:.0f}; diffusion only makes moves that fit, so "
+            "start from partition(costs, num_stages, memory_capacity_bytes=...) instead."
         )
     state = _State(model, list(placement.boundaries))
     before = state.imbalance()

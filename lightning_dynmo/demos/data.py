@@ -20,8 +20,7 @@ class RandomTokenDataset(Dataset[Tensor]):
         if num_samples < 1 or seq_len < 1 or vocab_size < 2:
             raise ValueError(
                 f"num_samples={num_samples}, seq_len={seq_len}, vocab_size={vocab_size}: need num_samples "
-                ">= 1, "
-                "seq_len >= 1 and vocab_size >= 2."
+                ">= 1, seq_len >= 1 and vocab_size >= 2."
             )
         gen = torch.Generator().manual_seed(seed)
         start = torch.randint(0, vocab_size, (num_samples, 1), generator=gen)

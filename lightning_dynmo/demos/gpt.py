@@ -56,16 +56,14 @@ class GPTConfig:
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; pick a d_model "
-                "that is a "
-                "multiple of num_heads."
+                "that is a multiple of num_heads."
             )
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1.")
         if self.sleep_ms and len(self.sleep_ms) != self.num_layers:
             raise ValueError(
                 f"sleep_ms has {len(self.sleep_ms)} values but num_layers={self.num_layers}; give one per "
-                "block "
-                "or none."
+                "block or none."
             )
 
 

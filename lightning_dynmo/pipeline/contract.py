@@ -80,8 +80,7 @@ def check_model_contract(model: nn.Module) -> ModelSpec:
         raise TypeError(
             f"{name} has no `layers: nn.ModuleDict` (found {type(layers).__name__}). DynMoStrategy needs the "
             "pipelined blocks as `self.layers = nn.ModuleDict({str(i): block_i for i in range(n)})`, keyed "
-            "by "
-            "global index."
+            "by global index."
         )
     keys = list(layers.keys())
     if keys != [str(i) for i in range(len(keys))] or not keys:
@@ -160,7 +159,6 @@ def _parts(model: nn.Module, attr: str) -> tuple[str, ...]:
             raise TypeError(
                 f"{type(model).__name__}.{attr} names {part!r}, which is not a submodule of the model "
                 f"(found {type(getattr(model, part, None)).__name__}). List only nn.Module attributes other "
-                "than "
-                "`layers`."
+                "than `layers`."
             )
     return tuple(names)

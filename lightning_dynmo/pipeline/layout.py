@@ -93,8 +93,7 @@ def stage_to_pipeline_rank(stage: int, num_stages: int, pipeline_size: int, styl
     if not 0 <= stage < num_stages or num_stages % pipeline_size != 0:
         raise ValueError(
             f"stage={stage} with num_stages={num_stages} and pipeline_size={pipeline_size}: the stage must "
-            "be "
-            "in range and num_stages a multiple of pipeline_size."
+            "be in range and num_stages a multiple of pipeline_size."
         )
     if style == "loop":
         return stage % pipeline_size
@@ -210,9 +209,9 @@ def initial_placement(
     """
     if num_stages > num_layers:
         raise ValueError(
-            f"{num_stages} pipeline stages but the model has only {num_layers} layers; every stage needs at "
-            "least "
-            "one layer. Use a smaller pipeline_size, a single-stage schedule (GPipe, 1F1B) or a deeper model."
+            f"{num_stages} pipeline stages but the model has only {num_layers} layers; every stage needs "
+            "at least one layer. Use a smaller pipeline_size, a single-stage schedule (GPipe, 1F1B) or a "
+            "deeper model."
         )
     if policy == "uniform":
         placement = uniform(num_layers, num_stages)
@@ -232,8 +231,7 @@ def check_placement(placement: Placement, num_layers: int, num_stages: int) -> N
     if placement.num_layers != num_layers:
         raise ValueError(
             f"placement {placement} covers {placement.num_layers} layers but the model has {num_layers}; "
-            "the last "
-            f"stage must end at layer {num_layers - 1}."
+            f"the last stage must end at layer {num_layers - 1}."
         )
     if placement.num_stages != num_stages:
         raise ValueError(
