@@ -22,7 +22,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 # Columns of the per-step all-gather.
 _EVENTS, _BUSY, _STEP, _COST = range(4)
 
+#: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
+ACTIVATION_REFRESH_STEPS = 100
+
 
 class DynMoCallback(Callback):
     """Profiles, rebalances and reports a pipeline trained with :class:`~lightning_dynmo.DynMoStrategy`.
@@ -85,7 +88,9 @@ class DynMoCallback(Callback):
         profile_warmup_steps: Steps profiled but not counted at the start of a window; ``None``: 1, or
             0 with ``every_step`` (the extra shape-inference pass of a rebuilt pipeline is scaled away).
         profile_steps: Steps measured per window, layer costs being their per-layer medians; ``None``:
-            3, or 1 with ``every_step`` (a window per step: profile, decide, migrate, repeat).
+            3, or 1 with ``every_step`` (a window per step: profile, decide, migrate, repeat). Every-step
+            windows re-meter saved activations only every ``ACTIVATION_REFRESH_STEPS`` steps (and for a
+            layer new on the rank); their sizes follow shapes, and the meter costs a hook per tensor.
         min_gain: A new placement is applied only if predicted at least this much faster (fraction).
         auto_threshold: See ``auto``.
         auto_patience_steps: See ``auto``.
@@ -192,6 +197,8 @@ class DynMoCallback(Callback):
         self._pending_costs: dict[str, float] = {}
         self._window_step_s = 0.0
         self._comm_s_per_byte: float | None = None
+        # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
+        self._activations: dict[int, tuple[int, int, int]] = {}
         self._cost_to_share = 0.0
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
@@ -319,14 +326,38 @@ class DynMoCallback(Callback):
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
             stages=strategy.pipeline_stages,
             microbatches_per_step=strategy.num_microbatches,
+            known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
         )
         self._profiler.start()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
+    def _known_activations(
+        self, layers: Mapping[int, Any], step: int, reason: str
+    ) -> dict[int, tuple[int, int]]:
+        """Activation sizes an every-step window can reuse instead of metering them again.
+
+        Saved-activation sizes follow shapes, not routing, so back-to-back every-step windows reuse what
+        an earlier window on this rank measured for the same layer, for up to
+        ``ACTIVATION_REFRESH_STEPS`` steps: they then run without the meter's per-tensor hook (which
+        would also sit inside the timed forward, as those windows have no warm-up step). Windows opened
+        for any other reason (an event, a period, ``auto``) meter every layer.
+        """
+        if reason != "every_step":
+            return {}
+        return {
+            i: (saved, output)
+            for i, (saved, output, metered_at) in self._activations.items()
+            if i in layers and step - metered_at < ACTIVATION_REFRESH_STEPS
+        }
+
     def _close_window(self, trainer: pl.Trainer) -> None:
         assert self._profiler is not None
         result = self._profiler.result()
+        known = self._profiler.known_activations
         self._profiler = None
+        for i, (saved, output) in result.activations().items():
+            if i not in known:
+                self._activations[i] = (saved, output, trainer.global_step)
         strategy = trainer.strategy
         start = self._clock()
         placement = strategy.placement

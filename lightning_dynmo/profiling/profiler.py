@@ -76,6 +76,13 @@ class ProfileResult:
     hook_time_s: float
     peak: PeakMemory
 
+    def activations(self) -> dict[int, tuple[int, int]]:
+        """``(saved-activation bytes, output bytes)`` per micro-batch of each layer, for reuse."""
+        return {
+            i: (p.memory.activation_bytes_per_microbatch, p.memory.output_bytes_per_microbatch)
+            for i, p in self.layers.items()
+        }
+
     def layer_costs(self, inflight_microbatches: int) -> dict[int, LayerCost]:
         """``LayerCost`` records of the owned layers.
 
@@ -115,6 +122,9 @@ class LayerProfiler:
         microbatches_per_step: If given, a step in which a layer ran more forward calls than this
             (the first step of a freshly built pipeline also runs shape inference on micro-batch 0)
             has its times scaled down to this many calls.
+        known_activations: ``(saved-activation bytes, output bytes)`` per micro-batch of layers metered
+            in an earlier window (:meth:`ProfileResult.activations`). Those layers are not metered again:
+            windows that follow each other (every-step profiling) then carry no meter hook at all.
 
     Example::
 
@@ -135,6 +145,7 @@ class LayerProfiler:
         optimizer: torch.optim.Optimizer | None = None,
         stages: Sequence[Any] = (),
         microbatches_per_step: int | None = None,
+        known_activations: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 (0 disables warm-up).")
@@ -153,7 +164,8 @@ class LayerProfiler:
         self._microbatches = microbatches_per_step
         self._clock = StepClock(self._device)
         self._timer = LayerTimer(self._layers, self._clock)
-        self._meter = ActivationMeter(self._layers)
+        self._known = {i: a for i, a in (known_activations or {}).items() if i in self._layers}
+        self._meter = ActivationMeter({i: m for i, m in self._layers.items() if i not in self._known})
         self._steps_seen = 0
         self._recorded: list[dict[int, StepLayerTime]] = []
         self._step_times_s: list[float] = []
@@ -168,13 +180,19 @@ class LayerProfiler:
         return self._timer.attached
 
     @property
+    def known_activations(self) -> dict[int, tuple[int, int]]:
+        """The activation sizes this window was given rather than metered (see the constructor)."""
+        return dict(self._known)
+
+    @property
     def done(self) -> bool:
         """Whether the window is complete."""
         return len(self._recorded) >= self.profile_steps
 
     def start(self) -> None:
         """Attach the hooks and open the window."""
-        self._meter.attach()
+        if len(self._known) < len(self._layers):
+            self._meter.attach()
         self._timer.attach(self._stages)
         reset_peak_memory(self._device)
 
@@ -251,7 +269,7 @@ class LayerProfiler:
     def _layer_profile(self, index: int, n: int) -> LayerProfile:
         steps = [self._normalised(r[index]) for r in self._recorded]
         params, grads, optim = static_memory(self._layers[index], self._optimizer)
-        saved, output = self._meter.per_microbatch(index)
+        saved, output = self._known[index] if index in self._known else self._meter.per_microbatch(index)
         return LayerProfile(
             fwd_time_s=statistics.median(s.fwd_time_s for s in steps),
             bwd_time_s=statistics.median(s.bwd_time_s for s in steps),

@@ -126,3 +126,16 @@ def test_a_migration_must_pay_back_over_the_placements_expected_life():
     by_params = DynMoCallback(cost="params", every_step=True)
     by_params.rebalances = applied
     assert by_params._min_saving(11) == 0.0  # parameter counts are not seconds
+
+
+def test_every_step_windows_reuse_recent_activation_sizes_only():
+    from lightning_dynmo.callback import ACTIVATION_REFRESH_STEPS
+
+    callback = DynMoCallback(every_step=True)
+    callback._activations = {0: (10, 2, 50), 1: (20, 4, 50 - ACTIVATION_REFRESH_STEPS)}
+    local = {0: object(), 1: object(), 2: object()}
+    # Layer 0 was metered recently on this rank; layer 1 too long ago; layer 2 never (it just arrived).
+    assert callback._known_activations(local, 50 + 10, "every_step") == {0: (10, 2)}
+    # Any other window meters every layer.
+    for reason in ("event", "every_n_steps", "auto"):
+        assert callback._known_activations(local, 60, reason) == {}

@@ -135,3 +135,27 @@ def test_cpu_peak_memory_is_the_process_peak():
     peak = peak_memory(torch.device("cpu"))
     assert peak.source == "ru_maxrss"
     assert peak.peak_bytes > 10 * 2**20  # a Python process with torch loaded holds tens of MiB
+
+
+def test_known_activations_are_reused_and_not_metered_again():
+    torch.manual_seed(0)
+    blocks = {0: Block(16), 1: Block(16)}
+    profiler = LayerProfiler(blocks, warmup_steps=0, profile_steps=1, known_activations={1: (123, 456), 7: (1, 1)})
+    assert profiler.known_activations == {1: (123, 456)}  # a layer this rank does not own is ignored
+    profiler.start()
+    # Layer 0 carries the timer's pre-hook and the meter's; layer 1, already known, the timer's only.
+    assert (len(blocks[0]._forward_pre_hooks), len(blocks[1]._forward_pre_hooks)) == (2, 1)
+    profiler.begin_step()
+    blocks[1](blocks[0](torch.randn(4, 16, requires_grad=True))).sum().backward()
+    profiler.end_step()
+    activations = profiler.result().activations()
+    assert activations[1] == (123, 456)
+    assert activations[0] == (2 * 4 * 16 * 4, 4 * 16 * 4)  # metered as in the test above
+
+
+def test_a_window_with_every_activation_known_attaches_no_meter():
+    blocks = {0: Block(16)}
+    profiler = LayerProfiler(blocks, warmup_steps=0, profile_steps=1, known_activations={0: (8, 8)})
+    profiler.start()
+    assert len(blocks[0]._forward_pre_hooks) == 1
+    profiler.stop()
