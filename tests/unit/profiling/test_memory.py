@@ -140,7 +140,9 @@ def test_cpu_peak_memory_is_the_process_peak():
 def test_known_activations_are_reused_and_not_metered_again():
     torch.manual_seed(0)
     blocks = {0: Block(16), 1: Block(16)}
-    profiler = LayerProfiler(blocks, warmup_steps=0, profile_steps=1, known_activations={1: (123, 456), 7: (1, 1)})
+    profiler = LayerProfiler(
+        blocks, warmup_steps=0, profile_steps=1, known_activations={1: (123, 456), 7: (1, 1)}
+    )
     assert profiler.known_activations == {1: (123, 456)}  # a layer this rank does not own is ignored
     profiler.start()
     # Layer 0 carries the timer's pre-hook and the meter's; layer 1, already known, the timer's only.
