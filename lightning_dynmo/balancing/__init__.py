@@ -3,8 +3,9 @@
 Nothing in this package imports torch or lightning (a test enforces it), so it can be read, tested
 exhaustively and reused on its own. Reading order: ``costs`` and ``placement`` (the contracts),
 ``baselines`` (static splits), ``partition`` (exact min-max, built on ``stage_model`` and
-``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``moves``
-(what migration executes), ``metrics`` (imbalance and the pipeline simulator).
+``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``workers``
+(several stages per worker: balance the workers), ``moves`` (what migration executes), ``metrics``
+(imbalance and the pipeline simulator).
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform
@@ -15,6 +16,7 @@ from lightning_dynmo.balancing.moves import LayerMove, plan_moves
 from lightning_dynmo.balancing.partition import PartitionResult, partition, solve_partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.repack import RepackResult, repack
+from lightning_dynmo.balancing.workers import WorkerPartitionResult, partition_workers, worker_loads
 
 __all__ = [
     "COST_VIEWS",
@@ -26,14 +28,17 @@ __all__ = [
     "PipelineSimulation",
     "Placement",
     "RepackResult",
+    "WorkerPartitionResult",
     "by_parameters",
     "diffuse",
     "imbalance",
     "layer_weights",
     "partition",
+    "partition_workers",
     "plan_moves",
     "repack",
     "simulate_pipeline",
     "solve_partition",
     "uniform",
+    "worker_loads",
 ]

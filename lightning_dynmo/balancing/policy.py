@@ -28,12 +28,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_dynmo.balancing._checks import memory_caps
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
 from lightning_dynmo.balancing.diffusion import diffuse
 from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.repack import repack
+from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
 BALANCERS: tuple[str, ...] = ("partition", "diffusion", "static")
 
@@ -339,7 +341,9 @@ class RebalanceDecision:
 
     Predicted times are simulated pipeline step times under the configured cost view: seconds with
     ``cost="time"``; with ``cost="params"`` the unit is "parameters", which is what that variant
-    assumes time is proportional to.
+    assumes time is proportional to. When :func:`decide` is given ``stage_workers`` (several stages
+    per worker) and keeps the stage count, they are the heaviest worker's load instead: the schedules
+    with virtual stages are not simulated, and a worker runs all its stages' work in every step.
 
     Attributes:
         apply: Whether to apply ``proposed``.
@@ -466,8 +470,10 @@ def decide(
         schedule: The pipelining schedule name.
         comm_time_s: Per layer, seconds to send its output across a stage boundary (optional).
         stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
-            stage. The simulator and the balancers see stages as separate workers; with this, a
-            same-size proposal must also cut the heaviest *worker's* load by ``min_gain``.
+            stage. ``partition`` then minimises the heaviest *worker* (:func:`partition_workers`;
+            per-stage memory caps become per-worker caps: the smallest of the worker's stages), and a
+            same-size proposal is judged by the heaviest worker's load, which it must cut by
+            ``min_gain`` (``diffusion`` still moves layers stage by stage).
         min_saving: A same-size proposal must also save at least this much predicted step time (in
             the cost view's units), e.g. the expected migration cost spread over the steps until the
             next decision, so a migration pays for itself and noise does not move layers back and forth.
@@ -493,24 +499,26 @@ def decide(
     def evaluate(placement: Placement) -> _Prediction:
         return _predict(costs, placement, num_microbatches, schedule, config.cost, comm_time_s)
 
-    before = evaluate(current)
-    proposed, reason = _propose(costs, current, config, comm_time_s)
-    after = evaluate(proposed)
     _check_positive(min_saving, "min_saving", allow_zero=True)
-    apply, why = _worth_it(current, proposed, before.step, after.step, config)
-    if apply and proposed.num_stages == current.num_stages and before.step - after.step < min_saving:
+    before = evaluate(current)
+    proposed, reason = _propose(costs, current, config, comm_time_s, stage_workers)
+    after = evaluate(proposed)
+    step_before, step_after = before.step, after.step
+    if stage_workers is not None and proposed.num_stages == current.num_stages:
+        step_before = max(worker_loads(costs, current, stage_workers, config.cost).values())
+        step_after = max(worker_loads(costs, proposed, stage_workers, config.cost).values())
+    apply, why = _worth_it(current, proposed, step_before, step_after, config)
+    if apply and proposed.num_stages == current.num_stages and step_before - step_after < min_saving:
         apply, why = (
             False,
-            f"predicted saving {before.step - after.step:.4g} below min_saving={min_saving:.4g}",
+            f"predicted saving {step_before - step_after:.4g} below min_saving={min_saving:.4g}",
         )
-    if apply and stage_workers is not None and proposed.num_stages == current.num_stages:
-        apply, why = _worth_it_per_worker(costs, current, proposed, stage_workers, config, why)
     return RebalanceDecision(
         apply=apply,
         current=current,
         proposed=proposed,
-        predicted_step_before=before.step,
-        predicted_step_after=after.step,
+        predicted_step_before=step_before,
+        predicted_step_after=step_after,
         bubble_ratio_before=before.bubble_ratio,
         bubble_ratio_after=after.bubble_ratio,
         imbalance_before=before.imbalance,
@@ -524,6 +532,7 @@ def _propose(
     current: Placement,
     config: BalanceConfig,
     comm_time_s: Sequence[float] | None,
+    stage_workers: Sequence[int] | None,
 ) -> tuple[Placement, str]:
     if config.balancer == "static":
         return current, "static balancer"
@@ -549,6 +558,11 @@ def _propose(
             tolerance=config.diffusion_tolerance,
         )
         return result.placement, f"diffusion by {config.cost}"
+    if stage_workers is not None:
+        balanced = partition_workers(
+            costs, stage_workers, config.cost, _worker_caps(caps, stage_workers), current=current
+        )
+        return balanced.placement, f"partition of the workers by {config.cost}"
     comm = list(comm_time_s) if comm_time_s is not None and config.cost == "time" else None
     placement = partition(
         costs, current.num_stages, by=config.cost, memory_capacity_bytes=caps, comm_time_s=comm
@@ -570,27 +584,17 @@ def _worth_it(
     return False, f"predicted gain below min_gain={config.min_gain}"
 
 
-def _worth_it_per_worker(
-    costs: Sequence[LayerCost],
-    current: Placement,
-    proposed: Placement,
-    stage_workers: Sequence[int],
-    config: BalanceConfig,
-    why: str,
-) -> tuple[bool, str]:
-    def heaviest_worker(placement: Placement) -> float:
-        loads: dict[int, float] = {}
-        for stage, load in enumerate(placement.stage_loads(costs, config.cost)):
-            loads[stage_workers[stage]] = loads.get(stage_workers[stage], 0.0) + load
-        return max(loads.values())
-
-    before, after = heaviest_worker(current), heaviest_worker(proposed)
-    if after <= before * (1 - config.min_gain):
-        return True, why
-    return (
-        False,
-        f"the heaviest worker (its stages together) would not get min_gain={config.min_gain} lighter",
-    )
+def _worker_caps(
+    caps: float | Sequence[float] | None, stage_workers: Sequence[int]
+) -> float | dict[int, float] | None:
+    """Per-stage memory caps as per-worker caps: a worker gets the smallest cap among its stages."""
+    if caps is None or isinstance(caps, (int, float)):
+        return caps
+    per_stage = memory_caps(caps, len(stage_workers))  # checks one entry per stage
+    per_worker: dict[int, float] = {}
+    for stage, worker in enumerate(stage_workers):
+        per_worker[worker] = min(per_worker.get(worker, math.inf), per_stage[stage])
+    return per_worker
 
 
 # -- checks ----------------------------------------------------------------------------------------

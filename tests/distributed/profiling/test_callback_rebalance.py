@@ -16,7 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dynmo.balancing import partition
+from lightning_dynmo.balancing import LayerCost, Placement, partition
+from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import DynamismEvent, notify_dynamism
@@ -31,12 +32,15 @@ CHANGE_AT, SLEEP_MS = 2, 5.0
 
 
 class PruneFirstHalf(pl.Callback):
-    """At batch ``CHANGE_AT``, blocks 0-3 stop costing anything; the rank owning them says so."""
+    """At batch ``CHANGE_AT``, blocks below ``upto`` (0-3) stop costing anything; their ranks say so."""
+
+    def __init__(self, upto: int = 4) -> None:
+        self.upto = upto
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx != CHANGE_AT:
             return
-        changed = [i for i, layer in trainer.strategy.local_layers.items() if i < 4]
+        changed = [i for i, layer in trainer.strategy.local_layers.items() if i < self.upto]
         for i in changed:
             trainer.strategy.local_layers[i].cost.fwd_ms = 0.0
             trainer.strategy.local_layers[i].cost.bwd_ms = 0.0
@@ -45,7 +49,13 @@ class PruneFirstHalf(pl.Callback):
 
 
 def fit_with_callback(
-    rank: int, world_size: int, callback_kwargs: dict[str, Any], restore: dict[str, Any] | None = None
+    rank: int,
+    world_size: int,
+    callback_kwargs: dict[str, Any],
+    restore: dict[str, Any] | None = None,
+    run: Run = RUN,
+    prune_upto: int = 4,
+    sleep_ms: list[float] | None = None,
 ) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
@@ -54,13 +64,14 @@ def fit_with_callback(
         dynmo.load_state_dict(restore)
     trainer = pl.Trainer(
         devices=world_size,
-        strategy=make_strategy(RUN),
+        strategy=make_strategy(run),
         use_distributed_sampler=False,
-        callbacks=[recorder, PruneFirstHalf(), dynmo],
-        **RUN.trainer_kwargs(),
+        callbacks=[recorder, PruneFirstHalf(prune_upto), dynmo],
+        **run.trainer_kwargs(),
     )
-    model = DemoGPT(num_layers=RUN.num_layers, lr_gamma=RUN.lr_gamma, sleep_ms=[SLEEP_MS] * RUN.num_layers)
-    trainer.fit(model, RUN.datamodule())
+    sleep_ms = sleep_ms or [SLEEP_MS] * run.num_layers
+    model = DemoGPT(num_layers=run.num_layers, lr_gamma=run.lr_gamma, sleep_ms=sleep_ms)
+    trainer.fit(model, run.datamodule())
     return {
         "losses": recorder.losses,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -139,3 +150,27 @@ def test_a_restored_callback_reapplies_its_placement(tmp_path: Any) -> None:
         # the restored history, then this run's own event (recorded even with on_events=False)
         assert r["events"][:1] == saved.events
         assert [e.step for e in r["events"][1:]] == [CHANGE_AT]
+
+
+def test_virtual_stages_are_rebalanced_per_rank(tmp_path: Any) -> None:
+    # Interleaved 1F1B: 4 stages on 2 ranks, stage s on rank s % 2. Blocks cost 3,1,4,6,1,6,6,5 units and
+    # training starts at the per-stage optimum 0-0|1-3|4-5|6-7 (stages 3|11|7|11), which gives rank 1
+    # (stages 1 and 3) 22 of the 32 units. Balancing stage by stage would keep it; balancing the ranks
+    # finds a 16 + 16 split.
+    units = [3.0, 1.0, 4.0, 6.0, 1.0, 6.0, 6.0, 5.0]
+    run = replace(RUN, schedule="Interleaved1F1B", placement="0-0|1-3|4-5|6-7")
+    kwargs = {"balancer": "partition", "on_events": False, "every_n_steps": 3, "profile_steps": 2}
+    sleep_ms = [2.0 * u for u in units]
+    args = (kwargs, None, run, 0, sleep_ms)
+    results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=args)
+    designed = [LayerCost(fwd_time_s=u) for u in units]
+    for r in results:
+        first = r["rebalances"][0]
+        assert first["applied"] and first["old"] == "0-0|1-3|4-5|6-7"
+        new = Placement.from_string(first["new"])
+        assert max(worker_loads(designed, new, [0, 1, 0, 1]).values()) <= 17, first["new"]
+        assert first["predicted_gain"] > 0.2
+    ref = reference(run)
+    for r in results:
+        diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+        assert diff < TOL, f"losses differ from the reference by {diff:.3e}"

@@ -11,6 +11,8 @@ def test_quick_benchmark_runs_and_writes_its_report(tmp_path, capsys):
     assert "python -m benchmarks.balancing --quick" in report
     assert "| early_exit | 48x24 | partition by time | 1.000 |" in report
     assert "DeepSpeed partition_balanced (ours)" in capsys.readouterr().out
+    assert "## Two (virtual) stages per worker" in report
+    assert "| early_exit | 48x16 | V |" in report
 
 
 def test_deepspeed_comparison_is_not_the_min_max_optimum():

@@ -1,0 +1,269 @@
+"""Placements for schedules that run several (virtual) stages per worker: balance the workers.
+
+Interleaved 1F1B, looped BFS and the zero-bubble V schedules give each worker (rank) more than one stage:
+stage ``s`` runs on worker ``stage_workers[s]``. A worker's step is bounded by the work of all its stages
+together, so the quantity to minimise is the heaviest *worker*, not the heaviest stage that
+:func:`~lightning_dynmo.balancing.partition` minimises. Layers stay in order and every stage keeps at
+least one layer, as everywhere in this package.
+
+The heaviest sum of non-adjacent stages is a harder objective than the contiguous min-max (no exact
+polynomial search for it is known to us), so :func:`partition_workers` is a local search with two
+guarantees: it starts from the per-stage optimum, from an even split and from the current placement
+(when given), and it only ever accepts moves that lower ``(memory overflow, heaviest worker, sum of
+squared worker loads)``, so it is never worse than any of its starting points. A move shifts one stage
+boundary anywhere between its neighbours, or two boundaries by one layer each (a layer passed along a
+chain of stages). The tests compare it with brute force on small cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing._checks import check_num_stages
+from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view, layer_weights
+from lightning_dynmo.balancing.partition import partition
+from lightning_dynmo.balancing.placement import Placement
+
+WorkerCapacity = float | Sequence[float] | Mapping[int, float] | None
+
+
+@dataclass(frozen=True)
+class WorkerPartitionResult:
+    """A placement balanced per worker, and what each worker then carries.
+
+    Attributes:
+        placement: The placement (stage ``s`` on worker ``stage_workers[s]``).
+        bottleneck: The heaviest worker's load: the sum of its stages' loads.
+        worker_loads: Load of every worker, by worker id.
+        worker_memory_bytes: Memory of every worker (its stages' layers), by worker id.
+    """
+
+    placement: Placement
+    bottleneck: float
+    worker_loads: Mapping[int, float]
+    worker_memory_bytes: Mapping[int, float]
+
+
+def worker_loads(
+    costs: Sequence[LayerCost], placement: Placement, stage_workers: Sequence[int], by: str = "time"
+) -> dict[int, float]:
+    """Each worker's load under ``placement``: the summed ``by`` weight of the layers of all its stages."""
+    _check_workers(stage_workers, placement.num_stages)
+    loads: dict[int, float] = dict.fromkeys(sorted(set(stage_workers)), 0.0)
+    for stage, load in enumerate(placement.stage_loads(costs, by)):
+        loads[stage_workers[stage]] += load
+    return loads
+
+
+def partition_workers(
+    costs: Sequence[LayerCost],
+    stage_workers: Sequence[int],
+    by: str = "time",
+    memory_capacity_bytes: WorkerCapacity = None,
+    current: Placement | None = None,
+) -> WorkerPartitionResult:
+    """A placement over ``len(stage_workers)`` stages whose heaviest worker is as light as we can find.
+
+    Args:
+        costs: One record per layer, in layer order.
+        stage_workers: The worker of every stage, e.g. ``[0, 1, 0, 1]`` (interleaved, 2 workers) or
+            ``[0, 1, 1, 0]`` (V schedules). Every stage gets at least one layer.
+        by: ``"time"`` (forward + backward seconds) or ``"params"`` (parameter count).
+        memory_capacity_bytes: ``None`` (unlimited), one capacity for every worker, or one per worker
+            (a sequence indexed by worker id, or a mapping worker id -> bytes). A worker's memory is
+            the summed ``memory_bytes`` of the layers of all its stages.
+        current: The placement in use, tried as a starting point too (so the result is never worse).
+
+    Returns:
+        The best placement found; deterministic for the same input.
+
+    Raises:
+        ValueError: on bad input, or if no placement found fits memory (the message gives the smallest
+            overflow found in bytes and the worker that overflows).
+    """
+    check_costs(costs)
+    check_view(by)
+    num_stages = check_num_stages(len(stage_workers), len(costs), name="len(stage_workers)")
+    _check_workers(stage_workers, num_stages)
+    if current is not None and (current.num_stages != num_stages or current.num_layers != len(costs)):
+        raise ValueError(
+            f"current={current} has {current.num_stages} stages and {current.num_layers} layers; "
+            f"expected {num_stages} stages (one per stage_workers entry) and {len(costs)} layers."
+        )
+    search = _Search(costs, stage_workers, by, _worker_caps(memory_capacity_bytes, stage_workers))
+    starts = [partition(costs, num_stages, by=by).boundaries, _even(len(costs), num_stages)]
+    if current is not None:
+        starts.append(current.boundaries)
+    best = min((search.descend(list(b)) for b in starts), key=search.score)
+    over, worst = search.overflow(best)
+    if over > 0:
+        raise ValueError(
+            f"no placement found that fits memory: the best one needs {over:.0f} bytes more than worker "
+            f"{worst} has. Raise memory_capacity_bytes, use more workers, or a model that fits."
+        )
+    placement = Placement(tuple(best))
+    loads = search.worker_loads(best)
+    return WorkerPartitionResult(placement, max(loads.values()), loads, search.worker_memory(best))
+
+
+class _Search:
+    """Worker loads and memory of boundary lists, and the descent over boundary moves.
+
+    Workers are kept in slots ``0..W-1`` (sorted ids). A move changes some boundaries; moving boundary
+    ``i`` from ``x`` to ``y`` hands the layers in between from one of its stages to the other, so stage
+    ``i - 1`` gains ``P[y] - P[x]`` (prefix sums ``P``) and stage ``i`` loses it. Moves are therefore
+    scored from the current worker totals in O(workers), without re-summing the stages.
+    """
+
+    def __init__(
+        self,
+        costs: Sequence[LayerCost],
+        stage_workers: Sequence[int],
+        by: str,
+        caps: Mapping[int, float],
+    ) -> None:
+        self.ids = sorted(set(stage_workers))
+        slot = {w: k for k, w in enumerate(self.ids)}
+        self.owner = [slot[w] for w in stage_workers]
+        self.caps = [caps[w] for w in self.ids]
+        self.prefix_load = [0.0]
+        self.prefix_memory = [0.0]
+        for w, c in zip(layer_weights(costs, by), costs, strict=True):
+            self.prefix_load.append(self.prefix_load[-1] + w)
+            self.prefix_memory.append(self.prefix_memory[-1] + float(c.memory_bytes))
+        # Strict improvement below this is float noise, not progress (it keeps the descent finite).
+        self.eps = 1e-12 * max(self.prefix_load[-1], 1.0)
+
+    def _totals(self, b: Sequence[int]) -> tuple[list[float], list[float]]:
+        loads, memory = [0.0] * len(self.ids), [0.0] * len(self.ids)
+        for s, k in enumerate(self.owner):
+            loads[k] += self.prefix_load[b[s + 1]] - self.prefix_load[b[s]]
+            memory[k] += self.prefix_memory[b[s + 1]] - self.prefix_memory[b[s]]
+        return loads, memory
+
+    def _score(self, loads: list[float], memory: list[float]) -> tuple[float, float, float]:
+        over = sum(max(0.0, m - c) for m, c in zip(memory, self.caps, strict=True))
+        return over, max(loads), sum(v * v for v in loads)
+
+    def worker_loads(self, b: Sequence[int]) -> dict[int, float]:
+        return dict(zip(self.ids, self._totals(b)[0], strict=True))
+
+    def worker_memory(self, b: Sequence[int]) -> dict[int, float]:
+        return dict(zip(self.ids, self._totals(b)[1], strict=True))
+
+    def overflow(self, b: Sequence[int]) -> tuple[float, int]:
+        """Largest bytes over capacity (<= 0 when everything fits) and the worker where it happens."""
+        memory = self._totals(b)[1]
+        worst = max(range(len(self.ids)), key=lambda k: memory[k] - self.caps[k])
+        return memory[worst] - self.caps[worst], self.ids[worst]
+
+    def score(self, b: Sequence[int]) -> tuple[float, float, float]:
+        return self._score(*self._totals(b))
+
+    def descend(self, b: list[int]) -> list[int]:
+        """Steepest descent over the moves of :meth:`_moves`; returns a local optimum."""
+        b = list(b)
+        loads, memory = self._totals(b)
+        current = self._score(loads, memory)
+        pl, pm, owner = self.prefix_load, self.prefix_memory, self.owner
+        while True:
+            best: tuple[list[tuple[int, int]], list[float], list[float]] | None = None
+            best_score = current
+            for changes in self._moves(b):
+                new_loads, new_memory = loads[:], memory[:]
+                for i, y in changes:
+                    x = b[i]
+                    dl, dm = pl[y] - pl[x], pm[y] - pm[x]
+                    new_loads[owner[i - 1]] += dl
+                    new_loads[owner[i]] -= dl
+                    new_memory[owner[i - 1]] += dm
+                    new_memory[owner[i]] -= dm
+                score = self._score(new_loads, new_memory)
+                if _better(score, best_score, self.eps):
+                    best, best_score = (changes, new_loads, new_memory), score
+            if best is None:
+                return b
+            changes, loads, memory = best
+            for i, y in changes:
+                b[i] = y
+            current = best_score
+
+    @staticmethod
+    def _moves(b: list[int]) -> list[list[tuple[int, int]]]:
+        """Moves as (boundary index, new position) lists; every stage keeps at least one layer."""
+        num_stages = len(b) - 1
+        moves: list[list[tuple[int, int]]] = []
+        for i in range(1, num_stages):  # boundary i anywhere strictly between its neighbours
+            moves.extend([(i, y)] for y in range(b[i - 1] + 1, b[i + 1]) if y != b[i])
+        for i in range(1, num_stages):
+            for j in range(i + 1, num_stages):
+                for di in (-1, 1):  # two boundaries by one layer each
+                    for dj in (-1, 1):
+                        yi, yj = b[i] + di, b[j] + dj
+                        right_of_i = yj if j == i + 1 else b[i + 1]
+                        left_of_j = yi if j == i + 1 else b[j - 1]
+                        if b[i - 1] < yi < right_of_i and left_of_j < yj < b[j + 1]:
+                            moves.append([(i, yi), (j, yj)])
+                if j > i + 1:  # a run of boundaries by one layer: a layer passed down a chain of stages
+                    for d in (-1, 1):
+                        if b[i - 1] < b[i] + d and b[j] + d < b[j + 1]:
+                            moves.append([(k, b[k] + d) for k in range(i, j + 1)])
+        return moves
+
+
+def _better(a: tuple[float, float, float], b: tuple[float, float, float], eps: float) -> bool:
+    """``a`` strictly better than ``b`` (lexicographic, with a tolerance for float noise)."""
+    for x, y in zip(a, b, strict=True):
+        if x < y - eps:
+            return True
+        if x > y + eps:
+            return False
+    return False
+
+
+def _even(num_layers: int, num_stages: int) -> tuple[int, ...]:
+    return tuple(round(num_layers * s / num_stages) for s in range(num_stages + 1))
+
+
+def _check_workers(stage_workers: Sequence[int], num_stages: int) -> None:
+    if len(stage_workers) != num_stages or num_stages < 1:
+        raise ValueError(
+            f"stage_workers has {len(stage_workers)} entries for {num_stages} stages; give the worker of "
+            "every stage (at least one)."
+        )
+    bad = [w for w in stage_workers if isinstance(w, bool) or not isinstance(w, int) or w < 0]
+    if bad:
+        raise ValueError(f"stage_workers={list(stage_workers)} holds {bad!r}; worker ids are integers >= 0.")
+
+
+def _worker_caps(capacity: WorkerCapacity, stage_workers: Sequence[int]) -> dict[int, float]:
+    ids = sorted(set(stage_workers))
+    if capacity is None:
+        return dict.fromkeys(ids, math.inf)
+    if isinstance(capacity, (int, float)) and not isinstance(capacity, bool):
+        caps = dict.fromkeys(ids, float(capacity))
+    elif isinstance(capacity, Mapping):
+        missing = [w for w in ids if w not in capacity]
+        if missing:
+            raise ValueError(
+                f"memory_capacity_bytes has no entry for workers {missing}; give one per worker."
+            )
+        caps = {w: float(capacity[w]) for w in ids}
+    elif isinstance(capacity, Sequence) and not isinstance(capacity, str):
+        values = [float(c) for c in capacity]
+        if len(values) <= ids[-1]:
+            raise ValueError(
+                f"memory_capacity_bytes has {len(values)} entries but worker ids go up to {ids[-1]}; give "
+                "one per worker, indexed by worker id."
+            )
+        caps = {w: values[w] for w in ids}
+    else:
+        raise ValueError(
+            f"memory_capacity_bytes={capacity!r} must be None, a number of bytes, or one number per worker."
+        )
+    bad = {w: c for w, c in caps.items() if not c > 0}
+    if bad:
+        raise ValueError(f"memory_capacity_bytes must be > 0 for every worker; got {bad}.")
+    return caps
