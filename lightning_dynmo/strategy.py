@@ -16,7 +16,9 @@ model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on e
 
 ``validation_step`` / ``test_step`` run a forward-only pipeline step (see
 :mod:`lightning_dynmo.pipeline.evaluation`) and log the batch's mean loss, the same on every rank, as
-``val_loss`` / ``test_loss``; ``predict_step`` raises (pipelined prediction is not supported yet).
+``val_loss`` / ``test_loss``; ``predict_step`` runs the same forward-only step without a loss and
+broadcasts the last stage's output, so ``Trainer.predict`` returns the whole model's predictions on
+every rank.
 
 Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
 Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules
@@ -71,13 +73,14 @@ from lightning_dynmo.pipeline.contract import (
     check_model_contract,
     check_no_shared_parameters,
 )
-from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, global_mean_loss
+from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
 from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.layout import (
     PlannedMove,
     RankGrid,
     check_placement,
     initial_placement,
+    stage_to_pipeline_rank,
     unit_moves,
     unit_owners,
 )
@@ -913,21 +916,50 @@ class DynMoStrategy(ParallelStrategy):
             return self._evaluation_step("test", *args, **kwargs)
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            "DynMoStrategy does not support Trainer.predict yet: the outputs of a pipelined model exist "
-            "only on the last stage. Predict on a single device instead: save a checkpoint "
-            "(trainer.save_checkpoint), load it into the whole model (YourModel.load_from_checkpoint) and "
-            "run Trainer(devices=1).predict(model, dataloaders)."
-        )
+    def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One forward-only pipeline step without a loss; every rank returns the whole batch's output.
 
-    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        The model's ``pipeline_batch(batch)`` gives the inputs (its target is ignored) and the output is
+        what ``pipeline_last`` returns, computed on the last stage and broadcast to the other ranks of
+        the pipeline, so ``Trainer.predict`` returns the same predictions on every rank (as a
+        single-device run would). The model's own ``predict_step`` is not called.
+        """
+        self._check_not_released("predict")
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, _ = module.pipeline_batch(batch)
+        if self._evaluator is None:
+            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+        placement = self.placement
+        last = stage_to_pipeline_rank(
+            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
+        )
+        src = self._pipeline_global_ranks()[last]
+        with (
+            self.precision_plugin.predict_step_context(),
+            communication_guard("a predict step", self._comm_context()),
+        ):
+            output = self._evaluator.predict(
+                self._require_pipe(), inputs, device=self.root_device, group=self._pipeline_group
+            )
+            return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
+
+    def _pipeline_global_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, by pipeline position."""
+        if self._pipeline_group is None:
+            return [self.global_rank]
+        return dist.get_process_group_ranks(self._pipeline_group)
+
+    def _check_not_released(self, phase: str) -> None:
         if self._released:
             raise RuntimeError(
                 f"rank {self.global_rank} was released by a re-pack and holds no part of the model, so it "
-                f"cannot {phase}; run evaluation on the active ranks {list(self._active_ranks)} (check "
+                f"cannot {phase}; run it on the active ranks {list(self._active_ranks)} (check "
                 "strategy.is_released) or on a single device from a checkpoint."
             )
+
+    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        self._check_not_released(phase)
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
         inputs, target = module.pipeline_batch(batch)

@@ -108,13 +108,13 @@ def eval_microbatches(batch_size: int, num_microbatches: int) -> int:
 @dataclass
 class _EvalPipeline:
     source: BuiltPipeline
-    shape: tuple[tuple[int, ...], ...]
+    shape: tuple[tuple[int, ...] | None, ...]
     num_microbatches: int
     schedule: _PipelineSchedule
 
 
 class PipelineEvaluator:
-    """Runs forward-only pipeline steps for validation and test, next to a training pipeline.
+    """Runs forward-only pipeline steps for validation, test and predict, next to a training pipeline.
 
     Args:
         schedule: The training schedule (its stage layout decides the evaluation schedule).
@@ -166,16 +166,38 @@ class PipelineEvaluator:
             )
         return losses
 
+    def predict(
+        self, source: BuiltPipeline, inputs: Tensor, *, device: torch.device, group: dist.ProcessGroup | None
+    ) -> Tensor | None:
+        """Run one batch forward through the pipeline without a loss; the output, on the last stage only.
+
+        Args:
+            source: The current training pipeline (its stage modules are reused).
+            inputs: The whole batch's first-stage input (every rank passes it; only stage 0 uses it).
+            device: This rank's device.
+            group: The pipeline's process group.
+
+        Returns:
+            The last stage's output for the whole batch (micro-batches merged) on the rank running the
+            last stage, ``None`` elsewhere.
+        """
+        pipe = self._pipeline_for(source, inputs, None, None, device, group)
+        args = (inputs,) if source.has_first else ()
+        with torch.no_grad():
+            output = pipe.schedule.eval(*args)
+        return output if source.has_last else None
+
     def _pipeline_for(
         self,
         source: BuiltPipeline,
         inputs: Tensor,
-        target: Tensor,
+        target: Tensor | None,
         loss_fn: Any,
         device: torch.device,
         group: dist.ProcessGroup | None,
     ) -> _EvalPipeline:
-        shape = (tuple(inputs.shape), tuple(target.shape))
+        # A predict pipeline (no target, no loss) is never reused for a loss, nor the other way round.
+        shape = (tuple(inputs.shape), None if target is None else tuple(target.shape))
         current = self._pipe
         if current is not None and current.source is source and current.shape == shape:
             return current
@@ -254,3 +276,30 @@ def global_mean_loss(
             "the same evaluation step as the other ranks."
         )
     return (box[0] / total).to(dtype), total
+
+
+def broadcast_from(
+    value: Tensor | None, src: int, *, group: dist.ProcessGroup | None, device: torch.device
+) -> Tensor:
+    """``value`` from global rank ``src`` on every rank of ``group`` (shape and dtype travel first).
+
+    Args:
+        value: The tensor on ``src``; ignored elsewhere (pass ``None``).
+        src: The global rank that holds the tensor.
+        group: The process group to broadcast over (``src`` must belong to it).
+        device: Where the received tensor lives (the collective's device).
+    """
+    meta: list[Any] = [None]
+    if dist.get_rank() == src:
+        if value is None:
+            raise RuntimeError(f"broadcast_from: rank {src} is the source but holds no tensor.")
+        meta[0] = (tuple(value.shape), value.dtype)
+    dist.broadcast_object_list(meta, src=src, group=group, device=device)
+    shape, dtype = meta[0]
+    out = (
+        value.to(device).contiguous()
+        if dist.get_rank() == src
+        else torch.empty(shape, dtype=dtype, device=device)
+    )
+    dist.broadcast(out, src=src, group=group)
+    return out

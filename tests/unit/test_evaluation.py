@@ -1,5 +1,5 @@
 """Pipelined evaluation pieces that need no process group: micro-batch counts, the forward-only order,
-the strategy's evaluation arguments, the predict error and the training-step hook of the contract."""
+the strategy's evaluation arguments, the released-rank predict error and the contract's step hook."""
 
 from __future__ import annotations
 
@@ -72,9 +72,11 @@ def test_evaluation_log_names_accept_none_and_names() -> None:
     assert strategy._eval_log_names == {"validate": None, "test": "holdout/loss"}
 
 
-def test_predict_step_says_what_to_do_instead() -> None:
-    with pytest.raises(RuntimeError, match=r"does not support Trainer.predict yet.*load_from_checkpoint"):
-        DynMoStrategy().predict_step(torch.zeros(2, 3), 0)
+def test_a_released_rank_cannot_predict() -> None:
+    strategy = DynMoStrategy()
+    strategy._released = True
+    with pytest.raises(RuntimeError, match=r"was released by a re-pack .* so it cannot predict"):
+        strategy.predict_step(torch.zeros(2, 3), 0)
 
 
 class _Hooked(nn.Module):
