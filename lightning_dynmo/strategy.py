@@ -11,8 +11,11 @@ One schedule step replaces the LightningModule's ``training_step``: the strategy
 true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
 gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
 stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
-data-parallel group when Lightning would sync (not inside an accumulation window). After each step the
-model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on every rank (user logging).
+data-parallel group when Lightning would sync (not inside an accumulation window). A parameter the
+first-stage and last-stage parts share (a tied embedding and head) lives as one copy on each of the two
+ranks when they differ: the copies' gradients are summed over a two-rank group at the same moment, and
+the last stage's copy is left out of the clipping norm, so both take the single-process step. After
+each step the model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on every rank.
 
 ``validation_step`` / ``test_step`` run a forward-only pipeline step (see
 :mod:`lightning_dynmo.pipeline.evaluation`) and log the batch's mean loss, the same on every rank, as
@@ -69,9 +72,10 @@ from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
+    TiedParameter,
     call_step_end_hook,
     check_model_contract,
-    check_no_shared_parameters,
+    find_tied_parameters,
 )
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
 from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
@@ -213,6 +217,11 @@ class DynMoStrategy(ParallelStrategy):
         self._spec: ModelSpec | None = None
         self._placement: Placement | None = None
         self._pipe: BuiltPipeline | None = None
+        # First/last-part parameter ties; a group and this rank's side when the two parts are on
+        # different ranks (the copies' gradients are summed there), else None.
+        self._ties: tuple[TiedParameter, ...] = ()
+        self._tie_group: dist.ProcessGroup | None = None
+        self._tie_side: str | None = None
         self._batch_shape: tuple[tuple[int, ...], ...] | None = None
         self._sync_blocked = False
 
@@ -420,6 +429,46 @@ class DynMoStrategy(ParallelStrategy):
                 if me in ranks:
                     self._data_parallel_group = group
 
+    def _build_tie_groups(self) -> None:
+        """One group per replica over the ranks of its first and last stage, if they differ and share."""
+        placement, grid = self.placement, self._require_grid()
+        last = stage_to_pipeline_rank(
+            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
+        )
+        if not self._ties or last == 0:
+            return  # nothing shared, or both parts on one rank: the tie is still one local parameter
+        for replica in range(grid.data_parallel_size):  # collective over WORLD, same order everywhere
+            ranks = [grid.global_rank(replica, 0), grid.global_rank(replica, last)]
+            group = dist.new_group(ranks, timeout=self._timeout)
+            if self.global_rank in ranks:
+                self._tie_group = group
+                self._tie_side = "first" if self.global_rank == ranks[0] else "last"
+        log.info(
+            "rank %d: %s shared by the first and last stage; their gradients are summed across ranks",
+            self.global_rank,
+            ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
+        )
+
+    @property
+    def tied_parameters(self) -> tuple[TiedParameter, ...]:
+        """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
+        return self._ties
+
+    def _tied_local_params(self) -> list[nn.Parameter]:
+        """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
+        if self._tie_group is None:
+            return []
+        module = self._module()
+        side_first = self._tie_side == "first"
+        return [module.get_parameter(t.first_name if side_first else t.last_name) for t in self._ties]
+
+    def _sync_tied_grads(self) -> None:
+        """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
+        for param in self._tied_local_params():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self._tie_group)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
@@ -430,8 +479,9 @@ class DynMoStrategy(ParallelStrategy):
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
-                check_no_shared_parameters(module, self._spec)
+                self._ties = find_tied_parameters(module, self._spec)
             self._placement = self._resolve_placement(self._spec, module)
+            self._build_tie_groups()
             self._keep_only_local_units()
             self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
@@ -554,6 +604,13 @@ class DynMoStrategy(ParallelStrategy):
                 "and resume it with more devices: DynMo checkpoints load at any placement."
             )
         if target.num_stages < self.placement.num_stages:
+            if self._ties:
+                raise ValueError(
+                    f"placement {target} re-packs onto fewer stages, but the first and last stage share "
+                    f"{', '.join(f'{t.first_name} = {t.last_name}' for t in self._ties)}; re-packing a "
+                    "model with tied first/last parameters is not supported yet. Keep the stage count "
+                    "(DynMoCallback(repack=False)) or untie the parameters."
+                )
             return self._repack(target)
         check_placement(target, spec.num_layers, self._num_stages_of_run())
         old = self.placement
@@ -772,7 +829,9 @@ class DynMoStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
-        load_local_state(full, self._local_units(), list(self.optimizers))
+        # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
+        aliases = {t.last_name: t.first_name for t in self._ties}
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=aliases)
 
     def _check_same_on_all_ranks(self, text: str) -> None:
         gathered: list[Any] = [None] * len(self._active_ranks)
@@ -867,6 +926,7 @@ class DynMoStrategy(ParallelStrategy):
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if not self._sync_blocked:
             self._sync_data_parallel_grads()
+            self._sync_tied_grads()
         return out
 
     def _sync_data_parallel_grads(self) -> None:
@@ -893,7 +953,10 @@ class DynMoStrategy(ParallelStrategy):
 
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
-            pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group)
+            # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
+            second = {id(p) for p in self._tied_local_params()} if self._tie_side == "last" else set()
+            counted = [p for p in params if id(p) not in second]
+            pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 

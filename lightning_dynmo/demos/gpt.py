@@ -38,6 +38,8 @@ class GPTConfig:
         sleep_ms: Emulated forward cost per block in milliseconds (backward sleeps twice as long);
             empty means no emulation, otherwise one value per block.
         seed: Seed for the initial weights.
+        tie_embeddings: The output head reuses the token embedding's weight (GPT-2 style); the head
+            then has no bias.
     """
 
     vocab_size: int = 64
@@ -51,6 +53,7 @@ class GPTConfig:
     lr_gamma: float = 1.0
     sleep_ms: Sequence[float] = field(default_factory=tuple)
     seed: int = 0
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads != 0:
@@ -115,7 +118,9 @@ class DemoGPT(pl.LightningModule):
             sleeps = list(cfg.sleep_ms) or [0.0] * cfg.num_layers
             self.layers = nn.ModuleDict({str(i): Block(cfg, sleeps[i]) for i in range(cfg.num_layers)})
             self.ln_f = nn.LayerNorm(cfg.d_model)
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=not cfg.tie_embeddings)
+            if cfg.tie_embeddings:
+                self.head.weight = self.tok_emb.weight
             for name, p in self.named_parameters():
                 if name.endswith("proj.weight") or name.endswith("fc2.weight"):
                     nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.num_layers))

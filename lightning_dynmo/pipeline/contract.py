@@ -27,9 +27,10 @@ A pipelined model is a chain ``first parts -> layers "0" .. "n-1" -> last parts 
     works exactly as there (e.g. ``self.log("train_ppl", loss.exp())``). Per-layer state is only on
     the rank that owns the layer: log it with ``sync_dist=True`` or from that rank's values only.
 
-Units (each block, each first or last part) must not share parameters when the pipeline has more than
-one stage: a GPT whose output head reuses the token embedding's weight is refused with a
-``TypeError`` that says how to untie it (:func:`check_no_shared_parameters`).
+Blocks must not share parameters with other units when the pipeline has more than one stage (they
+migrate one by one); a ``TypeError`` says how to untie them. A first-stage part and a last-stage part
+may share one (a GPT whose output head reuses the token embedding's weight): the strategy keeps the two
+copies equal across ranks (:func:`find_tied_parameters`).
 
 The strategy deletes what a rank does not own (blocks from ``layers``, parts set to ``None``) before
 ``configure_optimizers`` runs, so optimizers see local parameters only; ``training_step``,
@@ -110,12 +111,27 @@ def check_model_contract(model: nn.Module) -> ModelSpec:
     return ModelSpec(num_layers=len(keys), first_parts=first, last_parts=last)
 
 
-def check_no_shared_parameters(model: nn.Module, spec: ModelSpec) -> None:
-    """Refuse a parameter that two pipeline units share (e.g. an embedding tied to the output head).
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter shared by a first-stage part and a last-stage part (e.g. embedding and head).
 
-    Each rank keeps only its own units, so a tie across units would silently become two copies trained
-    apart, and the migration engine moves units one by one. Called when the pipeline has more than one
-    stage.
+    Attributes:
+        first_name: Its global name in the first-stage part (e.g. ``"tok_emb.weight"``), the name a
+            single-process ``named_parameters`` gives it.
+        last_name: Its global name in the last-stage part (e.g. ``"head.weight"``).
+    """
+
+    first_name: str
+    last_name: str
+
+
+def find_tied_parameters(model: nn.Module, spec: ModelSpec) -> tuple[TiedParameter, ...]:
+    """Parameters shared between pipeline units: first/last-part ties are returned, others refused.
+
+    A first-stage part and a last-stage part may share a parameter (a GPT's output head reusing the
+    token embedding): the strategy keeps the two copies equal when the first and last stage run on
+    different ranks (it sums their gradients). Blocks in ``layers`` must not share parameters with
+    anything: they migrate one by one, which would split the tie.
 
     Raises:
         TypeError: naming the shared parameter, the units that hold it, and how to untie it.
@@ -128,15 +144,25 @@ def check_no_shared_parameters(model: nn.Module, spec: ModelSpec) -> None:
         for pname, param in module.named_parameters(remove_duplicate=True):
             holders.setdefault(id(param), []).append((unit, pname))
     shared = [places for places in holders.values() if len({unit for unit, _ in places}) > 1]
-    if shared:
-        names = [f"{unit}.{pname}" for unit, pname in shared[0]]
-        tie = " is ".join(names) + (f" (and {len(shared) - 1} more shared)" if len(shared) > 1 else "")
+    with_blocks = [places for places in shared if any(unit.startswith("layers.") for unit, _ in places)]
+    if with_blocks:
+        names = [f"{unit}.{pname}" for unit, pname in with_blocks[0]]
+        more = len(with_blocks) - 1
+        tie = " is ".join(names) + (f" (and {more} more shared)" if more else "")
         raise TypeError(
-            f"{type(model).__name__} shares one parameter between pipeline units: {tie}. "
-            "Each pipeline rank keeps only its own units, so the tie would become separate copies trained "
-            "apart. Untie it before fitting (e.g. `self.head.weight = nn.Parameter(self.tok_emb.weight"
-            ".detach().clone())`), or train with a one-stage pipeline."
+            f"{type(model).__name__} shares one parameter between pipeline units: {tie}. Blocks in "
+            "`layers` migrate between ranks one by one, so the tie would become separate copies trained "
+            "apart. Untie it before fitting (e.g. `block.lin.weight = nn.Parameter(other.lin.weight"
+            ".detach().clone())`), or train with a one-stage pipeline. (Only the first-stage and "
+            "last-stage parts may share parameters, like a token embedding and an output head.)"
         )
+    ties = []
+    for places in shared:
+        firsts = [f"{u}.{n}" for u, n in places if u in spec.first_parts]
+        lasts = [f"{u}.{n}" for u, n in places if u in spec.last_parts]
+        if firsts and lasts:
+            ties.append(TiedParameter(first_name=firsts[0], last_name=lasts[0]))
+    return tuple(ties)
 
 
 def call_step_end_hook(model: nn.Module, loss: Tensor, batch: Any, batch_idx: int) -> None:

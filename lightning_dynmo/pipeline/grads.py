@@ -92,6 +92,7 @@ def clip_grad_norm(
     max_norm: float,
     group: dist.ProcessGroup | None,
     norm_type: float = 2.0,
+    counted: Sequence[Tensor] | None = None,
 ) -> Tensor:
     """Clip gradients by their total norm over every rank of ``group`` (e.g. all pipeline stages).
 
@@ -99,11 +100,19 @@ def clip_grad_norm(
     local norm is combined over ``group`` (sum of ``norm**p``, or max for ``inf``), then every rank
     scales its own gradients by the same factor. With ``group=None`` only local gradients count.
 
+    Args:
+        params: This rank's parameters; all of their gradients are scaled.
+        max_norm: The largest total norm allowed.
+        group: The ranks whose norms combine (``None``: this rank only).
+        norm_type: The p of the p-norm (``inf`` for the max norm).
+        counted: The parameters whose gradients count in the norm (default: ``params``). A copy of a
+            parameter held on two ranks (a tied embedding) counts once but is scaled on both.
+
     Returns:
         The total (global) norm.
     """
     with_grad = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in with_grad if p.grad is not None]
+    grads = [p.grad for p in (with_grad if counted is None else counted) if p.grad is not None]
     norm_type = float(norm_type)
     # Combine in float64 so ranks without gradients (frozen stages) agree on the collective's dtype; on
     # the parameters' device, since NCCL only reduces device tensors.
@@ -121,7 +130,7 @@ def clip_grad_norm(
             total = local**norm_type
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             total = total ** (1.0 / norm_type)
-    if grads:
-        total = total.to(grads[0].dtype)
+    if with_grad:
+        total = total.to(with_grad[0].dtype)
         torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total)
     return total

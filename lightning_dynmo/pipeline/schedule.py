@@ -152,11 +152,14 @@ def build_pipeline(
         for m, s in zip(modules, indices, strict=True)
     ]
     loss_fn = model.pipeline_loss
+    # torch divides each stage's gradients by the micro-batch count; a parameter two local stages share
+    # (a tied embedding under a V schedule) would be divided twice. run_schedule_step divides once.
+    kwargs = {"n_microbatches": num_microbatches, "loss_fn": loss_fn, "scale_grads": False}
     try:
         if schedule.stages_per_rank == 1:
-            built = schedule.cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)  # type: ignore[call-arg]
+            built = schedule.cls(stages[0], **kwargs)  # type: ignore[arg-type]
         else:
-            built = schedule.cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)  # type: ignore[call-arg]
+            built = schedule.cls(stages, **kwargs)  # type: ignore[arg-type]
     except ValueError as err:
         raise ValueError(
             f"num_microbatches={num_microbatches} is rejected by schedule {schedule.name!r} with "
@@ -180,7 +183,9 @@ def _check_stage_map(built: Any, schedule: ScheduleSpec, placement: Placement, p
 def run_schedule_step(pipe: BuiltPipeline, inputs: Tensor | None, target: Tensor | None) -> list[Tensor]:
     """Run one schedule step (forward and backward of every micro-batch) on this rank.
 
-    Gradients are accumulated into the stage parameters' ``.grad`` (averaged over micro-batches).
+    The stage parameters' ``.grad`` must be empty (``None``) before; afterwards it holds the step's
+    gradients averaged over micro-batches (the loss is a mean per micro-batch), each parameter divided
+    once even when several local stages share it.
 
     Returns:
         The per-micro-batch losses on the rank running the last stage, ``[]`` elsewhere.
@@ -193,4 +198,11 @@ def run_schedule_step(pipe: BuiltPipeline, inputs: Tensor | None, target: Tensor
         losses=losses if pipe.has_last else None,
         return_outputs=False,
     )
+    count = pipe.schedule._n_microbatches  # type: ignore[attr-defined]
+    seen: set[int] = set()
+    for module in pipe.modules:
+        for p in module.parameters():
+            if p.grad is not None and id(p) not in seen:
+                seen.add(id(p))
+                p.grad.div_(count)
     return losses

@@ -169,6 +169,7 @@ def load_local_state(
     full: Mapping[str, Any],
     local_units: Mapping[str, nn.Module],
     optimizers: Sequence[torch.optim.Optimizer],
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Load the state of the units this rank owns (any placement) from ``full``, in place, exactly.
 
@@ -181,6 +182,8 @@ def load_local_state(
         full: a :class:`FullState` (e.g. from :func:`gather_full_state`, possibly after ``torch.load``).
         local_units: the units this rank owns, keyed by global unit name.
         optimizers: this rank's optimizers, built like the ones that were saved.
+        aliases: another name to look a parameter's optimizer state up under when the full state has
+            none under its own (a tied parameter saved by a single process under its first name).
 
     Raises:
         ValueError: unknown format, a unit or parameter missing from ``full``, a shape mismatch, a different
@@ -202,7 +205,7 @@ def load_local_state(
         )
     names = _param_names(local_units)
     for k, (optimizer, saved) in enumerate(zip(optimizers, saved_opts, strict=True)):
-        _load_optimizer(k, optimizer, saved, names)
+        _load_optimizer(k, optimizer, saved, names, aliases or {})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -270,7 +273,11 @@ def _load_unit(unit_name: str, unit: nn.Module, model: Mapping[str, Any], saved_
 
 
 def _load_optimizer(
-    k: int, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], names: Mapping[int, str]
+    k: int,
+    optimizer: torch.optim.Optimizer,
+    saved: Mapping[str, Any],
+    names: Mapping[int, str],
+    aliases: Mapping[str, str],
 ) -> None:
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(
@@ -283,6 +290,8 @@ def _load_optimizer(
             fqn = names.get(id(param))
             if fqn is None:
                 continue  # not one of the units being loaded (the caller loads those elsewhere)
+            if fqn not in saved["state"] and fqn not in saved["param_group_of"] and fqn in aliases:
+                fqn = aliases[fqn]
             saved_index = saved["param_group_of"].get(fqn)
             if saved_index is not None and saved_index != i:
                 raise ValueError(

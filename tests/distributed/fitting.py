@@ -48,6 +48,8 @@ class Run:
     extra_samples: int = 0
     # (batch_idx, placement) pairs applied at on_train_batch_start.
     migrations: tuple[tuple[int, str], ...] = field(default_factory=tuple)
+    # The output head reuses the token embedding's weight (first and last stage share a parameter).
+    tie_embeddings: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -59,7 +61,7 @@ class Run:
         return RandomTokenDataModule(self.batch_size, self.num_samples, drop_last=not self.extra_samples)
 
     def model(self) -> DemoGPT:
-        return DemoGPT(num_layers=self.num_layers, lr_gamma=self.lr_gamma)
+        return DemoGPT(num_layers=self.num_layers, lr_gamma=self.lr_gamma, tie_embeddings=self.tie_embeddings)
 
     def trainer_kwargs(self) -> dict[str, Any]:
         return {
@@ -103,6 +105,13 @@ class ForcePlacement(pl.Callback):
         if batch_idx in self.at:
             trainer.strategy.apply_placement(self.at[batch_idx])
             self.applied.append(str(trainer.strategy.placement))
+
+
+class NoTieSyncStrategy(DynMoStrategy):
+    """Negative control: the two copies of a tied parameter are not kept in step."""
+
+    def _sync_tied_grads(self) -> None:
+        return None
 
 
 class LocalClipStrategy(DynMoStrategy):

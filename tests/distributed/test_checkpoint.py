@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynmo.demos import DemoGPT
+from lightning_dynmo.pipeline.checkpoint import full_state_from_checkpoint
+from lightning_dynmo.pipeline.state import load_local_state
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,
@@ -43,6 +45,8 @@ class EpochRun(Run):
     checkpoint_callback: bool = False
     # Negative control: resume the weights but not the optimizer state.
     skip_optimizer_restore: bool = False
+    # Negative control: a tied parameter's second copy does not look up its first name's state.
+    no_tie_alias: bool = False
 
     def trainer_kwargs(self) -> dict[str, Any]:
         return {
@@ -59,6 +63,14 @@ class WeightsOnlyResume(DynMoStrategy):
         pass
 
 
+class NoAliasResume(DynMoStrategy):
+    """Negative control: a tie's second copy does not look up the state saved under its first name."""
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
+        load_local_state(full, self._local_units(), list(self.optimizers))
+
+
 def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: bool) -> dict[str, Any]:
     """Train ``run``; without ``resume`` save ``ckpt`` at the end, with it start from ``ckpt``."""
     os.environ["LOCAL_RANK"] = str(rank)
@@ -67,9 +79,14 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
     callbacks: list[pl.Callback] = [recorder, ForcePlacement(dict(run.migrations))]
     if run.checkpoint_callback:
         callbacks.append(ModelCheckpoint(dirpath=ckpt.parent, filename=ckpt.stem, save_top_k=1))
-    strategy = make_strategy(
-        run, strategy_cls=WeightsOnlyResume if run.skip_optimizer_restore else DynMoStrategy
+    cls = (
+        WeightsOnlyResume
+        if run.skip_optimizer_restore
+        else NoAliasResume
+        if run.no_tie_alias
+        else DynMoStrategy
     )
+    strategy = make_strategy(run, strategy_cls=cls)
     trainer = pl.Trainer(
         devices=world_size,
         strategy=strategy,
@@ -170,3 +187,29 @@ def test_resume_without_optimizer_state_is_detected(saved_checkpoint: Path, tmp_
     )
     with pytest.raises(AssertionError, match="resumed losses differ from the uninterrupted run"):
         assert_continues_exactly(train(run, tmp_path, saved_checkpoint, resume=True), run)
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(1, 2), (2, 1)])
+def test_a_tied_embedding_resumes_exactly_across_pipeline_sizes(
+    saved_on: int, resumed_on: int, tmp_path: Path
+) -> None:
+    # One process saves the tie's Adam state once, as tok_emb.weight; two ranks save both copies.
+    ckpt = tmp_path / "tied.ckpt"
+    placements = {1: "0-5", 2: "0-2|3-5"}
+    first = EpochRun(
+        world_size=saved_on,
+        num_layers=6,
+        placement=placements[saved_on],
+        steps=4,
+        epochs=1,
+        tie_embeddings=True,
+    )
+    train(first, tmp_path, ckpt, resume=False)
+    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["state"]
+    assert ("head.weight" in saved) == (saved_on == 2)
+    run = replace(first, world_size=resumed_on, placement=placements[resumed_on], epochs=2)
+    assert_continues_exactly(train(run, tmp_path, ckpt, resume=True), run)
+    if saved_on == 1:
+        unaliased = train(replace(run, no_tie_alias=True), tmp_path, ckpt, resume=True)
+        with pytest.raises(AssertionError, match=r"differ from the uninterrupted run"):
+            assert_continues_exactly(unaliased, run)

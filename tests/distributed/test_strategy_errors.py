@@ -45,6 +45,8 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
     if case.get("tie_head"):
         model.head.weight = model.tok_emb.weight
+    if case.get("tie_blocks"):
+        model.layers["1"].ln1.weight = model.layers["0"].ln1.weight
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -115,6 +117,14 @@ def test_batch_not_divisible_into_microbatches(tmp_path: Any) -> None:
         _raise_as_on_every_rank(case, tmp_path)
 
 
-def test_embedding_tied_to_the_head_fails_before_training(tmp_path: Any) -> None:
-    with pytest.raises(TypeError, match=r"shares one parameter between pipeline units: tok_emb.weight is"):
-        _raise_as_on_every_rank({"tie_head": True}, tmp_path)
+def test_re_packing_a_model_with_a_tied_embedding_is_refused(tmp_path: Any) -> None:
+    case = {"tie_head": True, "per_rank": ["0-3", "0-3"]}
+    with pytest.raises(ValueError, match=r"share tok_emb.weight = head.weight; re-packing a model with tied"):
+        _raise_as_on_every_rank(case, tmp_path)
+
+
+def test_blocks_sharing_a_parameter_fail_before_training(tmp_path: Any) -> None:
+    with pytest.raises(
+        TypeError, match=r"shares one parameter between pipeline units: layers.0.ln1.weight is"
+    ):
+        _raise_as_on_every_rank({"tie_blocks": True}, tmp_path)

@@ -8,7 +8,12 @@ import pytest
 from torch import nn
 
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.pipeline.contract import ModelSpec, check_model_contract, check_no_shared_parameters
+from lightning_dynmo.pipeline.contract import (
+    ModelSpec,
+    TiedParameter,
+    check_model_contract,
+    find_tied_parameters,
+)
 
 
 class _Minimal(nn.Module):
@@ -71,18 +76,16 @@ def test_parts_must_name_submodules() -> None:
         check_model_contract(model)
 
 
-def test_untied_model_passes_the_shared_parameter_check() -> None:
+def test_untied_model_has_no_ties() -> None:
     model = DemoGPT(num_layers=3)
-    check_no_shared_parameters(model, check_model_contract(model))  # negative control for the two below
+    assert find_tied_parameters(model, check_model_contract(model)) == ()
 
 
-def test_embedding_tied_to_the_head_is_refused() -> None:
-    model = DemoGPT(num_layers=3)
-    model.head.weight = model.tok_emb.weight  # the usual GPT tie: first stage and last stage
-    with pytest.raises(
-        TypeError, match=r"shares one parameter between pipeline units: tok_emb.weight is head.weight\."
-    ):
-        check_no_shared_parameters(model, check_model_contract(model))
+def test_embedding_tied_to_the_head_is_found() -> None:
+    model = DemoGPT(num_layers=3, tie_embeddings=True)
+    assert model.head.weight is model.tok_emb.weight
+    ties = find_tied_parameters(model, check_model_contract(model))
+    assert ties == (TiedParameter(first_name="tok_emb.weight", last_name="head.weight"),)
 
 
 def test_blocks_sharing_weights_are_refused() -> None:
@@ -93,4 +96,4 @@ def test_blocks_sharing_weights_are_refused() -> None:
     with pytest.raises(
         TypeError, match=r"layers.0.weight is layers.1.weight is layers.3.weight \(and 1 more shared\)"
     ):
-        check_no_shared_parameters(model, check_model_contract(model))
+        find_tied_parameters(model, check_model_contract(model))
