@@ -11,8 +11,10 @@ polynomial search for it is known to us), so :func:`partition_workers` is a loca
 guarantees: it starts from the per-stage optimum, from an even split and from the current placement
 (when given), and it only ever accepts moves that lower ``(memory overflow, heaviest worker, sum of
 squared worker loads)``, so it is never worse than any of its starting points. A move shifts one stage
-boundary anywhere between its neighbours, or two boundaries by one layer each (a layer passed along a
-chain of stages). The tests compare it with brute force on small cases.
+boundary anywhere between its neighbours, two boundaries by one layer each, or a run of boundaries by
+one layer (a layer passed along a chain of stages). On small problems an escape phase then descends
+again from every neighbour of the optimum found (within ``KICK_WORK``). The tests and
+``benchmarks.balancing`` compare it with brute force on small cases.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 
 WorkerCapacity = float | Sequence[float] | Mapping[int, float] | None
+#: Work the escape phase may spend after the first local optimum, in descents x layers x stages (see
+#: ``_Search.kick``): small problems get many extra descents, large ones none.
+KICK_WORK = 4000
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ def partition_workers(
     if current is not None:
         starts.append(current.boundaries)
     best = min((search.descend(list(b)) for b in starts), key=search.score)
+    best = search.kick(best, budget=KICK_WORK // (len(costs) * num_stages))
     over, worst = search.overflow(best)
     if over > 0:
         raise ValueError(
@@ -189,6 +195,30 @@ class _Search:
             for i, y in changes:
                 b[i] = y
             current = best_score
+
+    def kick(self, b: list[int], budget: int) -> list[int]:
+        """Escape the local optimum: from every neighbour of ``b``, descend again; keep what is better.
+
+        Repeats from each improvement, for at most ``budget`` descents in all.
+        """
+        current = self.score(b)
+        spent = 0
+        improved = True
+        while improved:
+            improved = False
+            for changes in self._moves(b):
+                spent += 1
+                if spent > budget:
+                    return b
+                neighbour = list(b)
+                for i, y in changes:
+                    neighbour[i] = y
+                candidate = self.descend(neighbour)
+                score = self.score(candidate)
+                if _better(score, current, self.eps):
+                    b, current, improved = candidate, score, True
+                    break
+        return b
 
     @staticmethod
     def _moves(b: list[int]) -> list[list[tuple[int, int]]]:
