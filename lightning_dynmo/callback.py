@@ -235,12 +235,6 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         self._resolve_memory_capacity(strategy.root_device)
         self.balance.check_pipeline(strategy.num_stages)
-        if self.balance.repack and strategy.tied_parameters:
-            tied = ", ".join(f"{t.first_name} = {t.last_name}" for t in strategy.tied_parameters)
-            raise ValueError(
-                f"repack=True, but the model's first and last stage share {tied}; re-packing a model with "
-                "tied first/last parameters is not supported yet. Use repack=False or untie them."
-            )
         self._busy = StageBusyTimer(StepClock(strategy.root_device))
         if self._restored_placement and self._restored_placement != str(strategy.placement):
             log.info("DynMo: restoring placement %s from the checkpoint", self._restored_placement)

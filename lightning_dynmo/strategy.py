@@ -13,9 +13,11 @@ gradients into Lightning's ``backward``, so gradient accumulation, clipping (by 
 stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
 data-parallel group when Lightning would sync (not inside an accumulation window). A parameter the
 first-stage and last-stage parts share (a tied embedding and head) lives as one copy on each of the two
-ranks when they differ: the copies' gradients are summed over a two-rank group at the same moment, and
-the last stage's copy is left out of the clipping norm, so both take the single-process step. After
-each step the model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on every rank.
+ranks when they differ: the two ranks exchange the copies' gradients point to point and add them at the
+same moment, and the last stage's copy is left out of the clipping norm, so both take the
+single-process step (after a re-pack that puts both parts on one rank, they are one parameter again).
+After each step the model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on
+every rank.
 
 ``validation_step`` / ``test_step`` run a forward-only pipeline step (see
 :mod:`lightning_dynmo.pipeline.evaluation`) and log the batch's mean loss, the same on every rank, as
@@ -217,10 +219,10 @@ class DynMoStrategy(ParallelStrategy):
         self._spec: ModelSpec | None = None
         self._placement: Placement | None = None
         self._pipe: BuiltPipeline | None = None
-        # First/last-part parameter ties; a group and this rank's side when the two parts are on
-        # different ranks (the copies' gradients are summed there), else None.
+        # First/last-part parameter ties; when the two parts are on different ranks, the global rank
+        # holding the other copy and this rank's side ("first" or "last"), else None.
         self._ties: tuple[TiedParameter, ...] = ()
-        self._tie_group: dist.ProcessGroup | None = None
+        self._tie_peer: int | None = None
         self._tie_side: str | None = None
         self._batch_shape: tuple[tuple[int, ...], ...] | None = None
         self._sync_blocked = False
@@ -429,25 +431,56 @@ class DynMoStrategy(ParallelStrategy):
                 if me in ranks:
                     self._data_parallel_group = group
 
-    def _build_tie_groups(self) -> None:
-        """One group per replica over the ranks of its first and last stage, if they differ and share."""
-        placement, grid = self.placement, self._require_grid()
+    def _pair_tied_copies(self) -> None:
+        """Find the rank holding the other copy of the tied parameters, if the tie spans two ranks.
+
+        The first stage runs on the pipeline's first rank; the last stage on its last rank (loop
+        layouts) or on the first one too (V layouts, or a single stage). When one rank runs both, the
+        tie is one local parameter: a last-stage copy that arrived there by a re-pack is merged back
+        (:meth:`_merge_tied_copies`). No process group is created: the copies' gradients travel over
+        the pipeline group, point to point, so every rank keeps the same set of groups.
+        """
+        self._tie_peer = self._tie_side = None
+        if not self._ties:
+            return
+        placement = self.placement
         last = stage_to_pipeline_rank(
             placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
         )
-        if not self._ties or last == 0:
-            return  # nothing shared, or both parts on one rank: the tie is still one local parameter
-        for replica in range(grid.data_parallel_size):  # collective over WORLD, same order everywhere
-            ranks = [grid.global_rank(replica, 0), grid.global_rank(replica, last)]
-            group = dist.new_group(ranks, timeout=self._timeout)
-            if self.global_rank in ranks:
-                self._tie_group = group
-                self._tie_side = "first" if self.global_rank == ranks[0] else "last"
-        log.info(
-            "rank %d: %s shared by the first and last stage; their gradients are summed across ranks",
-            self.global_rank,
-            ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
-        )
+        ranks = self._pipeline_global_ranks()
+        if last == 0:
+            if self.global_rank == ranks[0]:
+                self._merge_tied_copies()
+            return
+        if self.global_rank in (ranks[0], ranks[last]):
+            first = self.global_rank == ranks[0]
+            self._tie_peer, self._tie_side = (ranks[last], "first") if first else (ranks[0], "last")
+            log.info(
+                "rank %d: %s shared with rank %d; the two copies' gradients are summed every step",
+                self.global_rank,
+                ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
+                self._tie_peer,
+            )
+
+    def _merge_tied_copies(self) -> None:
+        """Make an arrived last-stage copy the local first-stage parameter again (see the caller).
+
+        The two copies have taken the same steps, so nothing changes in value; a gradient the dropped
+        copy held (inside an accumulation window) is added to the kept one.
+        """
+        module = self._module()
+        for tie in self._ties:
+            kept, arrived = module.get_parameter(tie.first_name), module.get_parameter(tie.last_name)
+            if kept is arrived:
+                continue
+            if arrived.grad is not None:
+                kept.grad = arrived.grad if kept.grad is None else kept.grad + arrived.grad
+            owner, _, attr = tie.last_name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, kept)
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    group["params"][:] = [p for p in group["params"] if p is not arrived]
+                optimizer.state.pop(arrived, None)
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
@@ -456,7 +489,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def _tied_local_params(self) -> list[nn.Parameter]:
         """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
-        if self._tie_group is None:
+        if self._tie_peer is None:
             return []
         module = self._module()
         side_first = self._tie_side == "first"
@@ -464,10 +497,24 @@ class DynMoStrategy(ParallelStrategy):
 
     def _sync_tied_grads(self) -> None:
         """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
-        for param in self._tied_local_params():
+        params = self._tied_local_params()
+        if not params:
+            return
+        received = []
+        ops = []
+        for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self._tie_group)
+            buffer = torch.empty_like(param.grad)
+            received.append(buffer)
+            ops.append(dist.P2POp(dist.isend, param.grad, self._tie_peer, self._pipeline_group))
+            ops.append(dist.P2POp(dist.irecv, buffer, self._tie_peer, self._pipeline_group))
+        with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for param, buffer in zip(params, received, strict=True):
+            assert param.grad is not None
+            param.grad.add_(buffer)  # a + b on one rank, b + a on the other: the same in floating point
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -481,7 +528,7 @@ class DynMoStrategy(ParallelStrategy):
             if self._num_stages_of_run() > 1:
                 self._ties = find_tied_parameters(module, self._spec)
             self._placement = self._resolve_placement(self._spec, module)
-            self._build_tie_groups()
+            self._pair_tied_copies()
             self._keep_only_local_units()
             self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
@@ -604,13 +651,6 @@ class DynMoStrategy(ParallelStrategy):
                 "and resume it with more devices: DynMo checkpoints load at any placement."
             )
         if target.num_stages < self.placement.num_stages:
-            if self._ties:
-                raise ValueError(
-                    f"placement {target} re-packs onto fewer stages, but the first and last stage share "
-                    f"{', '.join(f'{t.first_name} = {t.last_name}' for t in self._ties)}; re-packing a "
-                    "model with tied first/last parameters is not supported yet. Keep the stage count "
-                    "(DynMoCallback(repack=False)) or untie the parameters."
-                )
             return self._repack(target)
         check_placement(target, spec.num_layers, self._num_stages_of_run())
         old = self.placement
@@ -683,8 +723,10 @@ class DynMoStrategy(ParallelStrategy):
             self._pipeline_group, self._active_group = build_repacked_groups(
                 new_grid, self.global_rank, self._timeout
             )
+            self._pair_tied_copies()
             self._rebuild_pipeline()
         else:
+            self._tie_peer = self._tie_side = None
             self._release()
         self._route_sigterm_broadcast()
         self._announce_release(event)

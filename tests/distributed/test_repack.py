@@ -125,7 +125,9 @@ def check_repack(results: list[dict[str, Any]], run: Run, released: tuple[int, .
     assert worst < TOL, f"parameters differ from the reference by up to {worst:.3e}"
 
 
-def test_four_stages_repacked_to_two_release_two_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied-embedding"])
+def test_four_stages_repacked_to_two_release_two_ranks(tmp_path: Path, tie_embeddings: bool) -> None:
+    # Tied: the head moves from rank 3 to rank 1, which pairs up with rank 0 to keep the copies summed.
     run = Run(
         world_size=4,
         num_layers=8,
@@ -133,15 +135,18 @@ def test_four_stages_repacked_to_two_release_two_ranks(tmp_path: Path) -> None:
         migrations=((3, "0-2|3-7"),),
         steps=8,
         clip=0.05,
+        tie_embeddings=tie_embeddings,
     )
     results = fit_with_repack(run, tmp_path)
     check_repack(results, run, released=(2, 3), at=3)
     assert [results[r]["stage_index"] for r in (0, 1)] == [0, 1]
 
 
-def test_data_parallel_replicas_repack_to_one_stage_each(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tie_embeddings", [False, True], ids=["untied", "tied-embedding"])
+def test_data_parallel_replicas_repack_to_one_stage_each(tmp_path: Path, tie_embeddings: bool) -> None:
     # 2 replicas x 2 stages -> 2 replicas x 1 stage: ranks 0 and 2 stay, 1 and 3 are released, and the
-    # data-parallel gradient average keeps running over the kept ranks 0 and 2.
+    # data-parallel gradient average keeps running over the kept ranks 0 and 2. Tied: the head arrives
+    # on the rank that holds the embedding and becomes the same parameter again.
     run = Run(
         world_size=4,
         pipeline_size=2,
@@ -149,9 +154,28 @@ def test_data_parallel_replicas_repack_to_one_stage_each(tmp_path: Path) -> None
         placement="0-1|2-3",
         migrations=((2, "0-3"),),
         steps=6,
+        tie_embeddings=tie_embeddings,
     )
     results = fit_with_repack(run, tmp_path)
     check_repack(results, run, released=(1, 3), at=2)
+
+
+def test_a_tied_head_rejoins_the_embedding_inside_an_accumulation_window(tmp_path: Path) -> None:
+    # 2 stages -> 1 at batch 3, between the two micro-steps of an optimizer step: the head's copy arrives
+    # on rank 0 holding half a window of gradient, which must join the embedding's.
+    run = Run(
+        num_layers=4,
+        placement="0-1|2-3",
+        migrations=((3, "0-3"),),
+        accumulate=2,
+        steps=4,
+        tie_embeddings=True,
+    )
+    kept = fit_with_repack(run, tmp_path)[0]
+    ref = reference(run)
+    diff = max(abs(a - b) for a, b in zip(kept["losses"], ref["losses"], strict=True))
+    assert len(kept["losses"]) == len(ref["losses"]) and diff < TOL, f"losses differ by {diff:.3e}"
+    assert max_param_diff([kept], ref) < TOL
 
 
 def test_repack_then_migrate_on_the_smaller_pipeline(tmp_path: Path) -> None:

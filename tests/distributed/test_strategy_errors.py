@@ -43,8 +43,6 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
-    if case.get("tie_head"):
-        model.head.weight = model.tok_emb.weight
     if case.get("tie_blocks"):
         model.layers["1"].ln1.weight = model.layers["0"].ln1.weight
     trainer = pl.Trainer(
@@ -114,12 +112,6 @@ def test_apply_placement_cannot_grow_the_pipeline(tmp_path: Any) -> None:
 def test_batch_not_divisible_into_microbatches(tmp_path: Any) -> None:
     case = {"batch_size": 6, "strategy": {"num_microbatches": 4}}
     with pytest.raises(ValueError, match="a batch of 6 samples cannot be cut into num_microbatches=4"):
-        _raise_as_on_every_rank(case, tmp_path)
-
-
-def test_re_packing_a_model_with_a_tied_embedding_is_refused(tmp_path: Any) -> None:
-    case = {"tie_head": True, "per_rank": ["0-3", "0-3"]}
-    with pytest.raises(ValueError, match=r"share tok_emb.weight = head.weight; re-packing a model with tied"):
         _raise_as_on_every_rank(case, tmp_path)
 
 

@@ -139,15 +139,3 @@ def test_every_step_windows_reuse_recent_activation_sizes_only():
     # Any other window meters every layer.
     for reason in ("event", "every_n_steps", "auto"):
         assert callback._known_activations(local, 60, reason) == {}
-
-
-def test_repack_with_a_tied_embedding_is_refused_when_training_starts():
-    import torch
-
-    from lightning_dynmo.pipeline.contract import TiedParameter
-
-    tie = TiedParameter(first_name="tok_emb.weight", last_name="head.weight")
-    strategy = SimpleNamespace(root_device=torch.device("cpu"), num_stages=2, tied_parameters=(tie,))
-    callback = DynMoCallback(repack=True, memory_capacity_bytes=1e9)
-    with pytest.raises(ValueError, match=r"share tok_emb.weight = head.weight; re-packing a model with tied"):
-        callback.on_train_start(SimpleNamespace(strategy=strategy), None)  # type: ignore[arg-type]
