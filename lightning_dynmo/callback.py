@@ -67,8 +67,9 @@ class DynMoCallback(Callback):
     """Profiles, rebalances and reports a pipeline trained with :class:`~lightning_dynmo.DynMoStrategy`.
 
     Args:
-        balancer: ``"partition"`` (exact min-max split), ``"diffusion"`` (iterative neighbour moves) or
-            ``"static"`` (never move layers; the callback then only measures and logs).
+        balancer: ``"partition"`` (exact min-max split; with several stages per rank it balances the
+            ranks, :func:`~lightning_dynmo.balancing.partition_workers`), ``"diffusion"`` (iterative
+            neighbour moves) or ``"static"`` (never move layers; the callback then only measures and logs).
         cost: What the balancer weighs: ``"time"`` (profiled forward + backward seconds) or
             ``"params"`` (parameter counts).
         every_n_steps: Rebalance every ``n`` optimizer steps; ``None`` disables it.
