@@ -443,10 +443,7 @@ class DynMoStrategy(ParallelStrategy):
         self._tie_peer = self._tie_side = None
         if not self._ties:
             return
-        placement = self.placement
-        last = stage_to_pipeline_rank(
-            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
-        )
+        last = self._last_stage_position()
         ranks = self._pipeline_global_ranks()
         if last == 0:
             if self.global_rank == ranks[0]:
@@ -1035,11 +1032,7 @@ class DynMoStrategy(ParallelStrategy):
         inputs, _ = module.pipeline_batch(batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
-        placement = self.placement
-        last = stage_to_pipeline_rank(
-            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
-        )
-        src = self._pipeline_global_ranks()[last]
+        src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
             communication_guard("a predict step", self._comm_context()),
@@ -1048,6 +1041,13 @@ class DynMoStrategy(ParallelStrategy):
                 self._require_pipe(), inputs, device=self.root_device, group=self._pipeline_group
             )
             return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
+
+    def _last_stage_position(self) -> int:
+        """The pipeline position (0 = the first stage's rank) of the rank running the last stage."""
+        placement = self.placement
+        return stage_to_pipeline_rank(
+            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
+        )
 
     def _pipeline_global_ranks(self) -> list[int]:
         """Global ranks of this rank's pipeline, by pipeline position."""

@@ -560,7 +560,7 @@ def _propose(
         return result.placement, f"diffusion by {config.cost}"
     if stage_workers is not None:
         balanced = partition_workers(
-            costs, stage_workers, config.cost, _worker_caps(caps, stage_workers), current=current
+            costs, stage_workers, config.cost, _stage_caps_per_worker(caps, stage_workers), current=current
         )
         return balanced.placement, f"partition of the workers by {config.cost}"
     comm = list(comm_time_s) if comm_time_s is not None and config.cost == "time" else None
@@ -584,7 +584,7 @@ def _worth_it(
     return False, f"predicted gain below min_gain={config.min_gain}"
 
 
-def _worker_caps(
+def _stage_caps_per_worker(
     caps: float | Sequence[float] | None, stage_workers: Sequence[int]
 ) -> float | dict[int, float] | None:
     """Per-stage memory caps as per-worker caps: a worker gets the smallest cap among its stages."""

@@ -116,6 +116,7 @@ class BuiltPipeline:
         schedule: The torch schedule driving them.
         has_first: Whether this rank runs stage 0 (it feeds the inputs).
         has_last: Whether this rank runs the last stage (it computes the loss).
+        num_microbatches: Micro-batches per step (the schedule's, which gradients are averaged over).
     """
 
     stage_indices: tuple[int, ...]
@@ -123,6 +124,7 @@ class BuiltPipeline:
     schedule: _PipelineSchedule
     has_first: bool
     has_last: bool
+    num_microbatches: int
 
 
 def build_pipeline(
@@ -167,7 +169,7 @@ def build_pipeline(
             "schedule accepts (1F1B and DualPipeV need at least one per stage)."
         ) from err
     _check_stage_map(built, schedule, placement, pipeline_size)
-    return BuiltPipeline(indices, modules, built, 0 in indices, last_stage in indices)
+    return BuiltPipeline(indices, modules, built, 0 in indices, last_stage in indices, num_microbatches)
 
 
 def _check_stage_map(built: Any, schedule: ScheduleSpec, placement: Placement, pipeline_size: int) -> None:
@@ -198,11 +200,10 @@ def run_schedule_step(pipe: BuiltPipeline, inputs: Tensor | None, target: Tensor
         losses=losses if pipe.has_last else None,
         return_outputs=False,
     )
-    count = pipe.schedule._n_microbatches  # type: ignore[attr-defined]
     seen: set[int] = set()
     for module in pipe.modules:
         for p in module.parameters():
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
-                p.grad.div_(count)
+                p.grad.div_(pipe.num_microbatches)
     return losses
