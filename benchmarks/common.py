@@ -6,12 +6,15 @@ import datetime as dt
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
+from lightning_dynmo.strategy import DynMoStrategy
 
 T = TypeVar("T")
 
@@ -46,6 +49,30 @@ def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[s
         start_method="spawn",
     )
     return elastic_launch(config, fn)(spec)[0]
+
+
+def fit_demo_gpt(
+    strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, sleep_ms: Sequence[float]
+) -> pl.Trainer:
+    """Fit a :class:`DemoGPT` with emulated block costs on 2 CPU ranks for ``steps`` steps (batches of 8).
+
+    The Trainer the end-to-end benchmarks share: no logger, checkpoints, progress bar or sampler.
+    """
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    model = DemoGPT(num_layers=len(sleep_ms), sleep_ms=list(sleep_ms))
+    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * steps))
+    return trainer
 
 
 class StepTimer(pl.Callback):

@@ -30,9 +30,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.common import launch, write_report
+from benchmarks.common import fit_demo_gpt, launch, write_report
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.dynamics import RoutingNoise
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -72,20 +71,8 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [clock, dynmo] if spec.with_dynmo else [clock]
     if spec.noise:
         callbacks.insert(0, RoutingNoise(amplitude=spec.noise))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DynMoStrategy(num_microbatches=4, schedule="1F1B"),
-        max_steps=spec.steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    model = DemoGPT(num_layers=len(spec.sleep_ms), sleep_ms=list(spec.sleep_ms))
-    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * spec.steps))
+    strategy = DynMoStrategy(num_microbatches=4, schedule="1F1B")
+    trainer = fit_demo_gpt(strategy, callbacks, spec.steps, spec.sleep_ms)
     return {
         "fit_s": clock.seconds,
         "overhead_s": dynmo.overhead_s if spec.with_dynmo else 0.0,

@@ -34,10 +34,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.common import StepTimer, launch, write_report
+from benchmarks.common import StepTimer, fit_demo_gpt, launch, write_report
 from lightning_dynmo.balancing import LayerCost, partition
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.dynamics import ScheduledCostChange
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -101,20 +100,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     strategy = DynMoStrategy(
         num_microbatches=spec.num_microbatches, schedule="1F1B", placement=spec.placement
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=spec.steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    model = DemoGPT(num_layers=spec.num_layers, sleep_ms=[spec.fwd_ms] * spec.num_layers)
-    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * spec.steps))
+    fit_demo_gpt(strategy, callbacks, spec.steps, [spec.fwd_ms] * spec.num_layers)
     return {
         "step_s": timer.step_s,
         "placement": str(strategy.placement),
