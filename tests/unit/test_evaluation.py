@@ -111,3 +111,18 @@ def test_step_end_hook_must_be_a_method() -> None:
     model.on_pipeline_step_end = 3  # type: ignore[assignment,method-assign]
     with pytest.raises(TypeError, match=r"_Hooked.on_pipeline_step_end is 3, not a method; define it as"):
         check_model_contract(model)
+
+
+def test_broadcast_from_a_source_without_a_tensor_is_an_error(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from lightning_dynmo.pipeline.evaluation import broadcast_from
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank 0 is the source but holds no tensor"):
+            broadcast_from(None, 0, group=None, device=torch.device("cpu"))
+        out = broadcast_from(torch.arange(3.0), 0, group=None, device=torch.device("cpu"))
+        assert out.tolist() == [0.0, 1.0, 2.0]
+    finally:
+        dist.destroy_process_group()

@@ -130,3 +130,10 @@ def test_bad_input_is_rejected(kwargs, match):
 def test_worker_loads_sum_the_stages_of_each_worker():
     costs = _costs([1, 2, 3, 4])
     assert worker_loads(costs, Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1, 1, 0]) == {0: 5.0, 1: 5.0}
+
+
+def test_capacity_of_the_wrong_kind_and_stage_count_mismatch_are_rejected():
+    with pytest.raises(ValueError, match=r"must be None, a number of bytes, or one number per worker"):
+        partition_workers(_costs([1, 2, 3, 4]), [0, 1, 0, 1], memory_capacity_bytes="lots")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"stage_workers has 2 entries for 4 stages"):
+        worker_loads(_costs([1, 2, 3, 4]), Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1])
