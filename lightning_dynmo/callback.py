@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
@@ -115,8 +115,9 @@ class DynMoCallback(Callback):
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
     ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
     ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
-    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps. One log line per
-    rebalance gives the old and new placement text with predicted and then measured gain.
+    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps (against the steps
+    right before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance
+    gives the old and new placement text with predicted and then measured gain.
     """
 
     def __init__(
@@ -196,7 +197,6 @@ class DynMoCallback(Callback):
         self._window_reason = ""
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
-        self._window_step_s = 0.0
         self._comm_s_per_byte: float | None = None
         # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
         self._activations: dict[int, tuple[int, int, int]] = {}
@@ -204,8 +204,12 @@ class DynMoCallback(Callback):
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
         self._step_start = 0.0
-        self._recent_step_s: deque[float] = deque(maxlen=max(profile_steps, 3))
-        self._after: dict[str, Any] | None = None
+        self._gain = GainMeter(
+            warmup_steps=profile_warmup_steps, measure_steps=profile_steps, history=max(profile_steps, 3)
+        )
+        self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
+        self._step_phase: StepPhase = "quiet"
+        self._window_steps = 0
         self._queued_metrics: dict[str, float] = {}
         self._averages = {
             # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
@@ -266,8 +270,11 @@ class DynMoCallback(Callback):
             if reason is not None and not (just_applied and reason == "auto"):
                 self._open_window(trainer, reason)
         self._busy.begin_step()
+        self._step_phase = "quiet"
         if self._profiler is not None:
             self._profiler.begin_step()
+            self._window_steps += 1
+            self._step_phase = "warmup" if self._window_steps <= self.profile_warmup_steps else "profiled"
         self._step_start = self._clock()
 
     @override
@@ -330,6 +337,8 @@ class DynMoCallback(Callback):
             known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
         )
         self._profiler.start()
+        self._window_steps = 0
+        self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
     def _known_activations(
@@ -372,7 +381,6 @@ class DynMoCallback(Callback):
         costs = smooth_costs(previous, costs, self.cost_smoothing)
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
-        self._window_step_s = result.step_time_s
         decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
         self._pending = decision
         self._pending_costs = {
@@ -484,11 +492,8 @@ class DynMoCallback(Callback):
         }
         self.rebalances.append(record)
         self._log_decision(trainer, decision, record)
-        # "Before" is the median hook-free step before the window, or (when windows follow each other,
-        # as with every_step) the window's own mean step.
-        before_s = statistics.median(self._recent_step_s) if self._recent_step_s else self._window_step_s
-        if decision.apply and before_s > 0:
-            self._after = {"record": record, "before_s": before_s, "steps": []}
+        if decision.apply and self._gain.rebalanced():
+            self._gain_record = record
 
     def _log_decision(self, trainer: pl.Trainer, decision: RebalanceDecision, record: dict[str, Any]) -> None:
         what = "rebalance" if decision.apply else "kept placement"
@@ -534,7 +539,7 @@ class DynMoCallback(Callback):
         if rows[:, _COST].max() > 0:
             self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
         step_max = float(rows[:, _STEP].max())
-        self._follow_measured_gain(trainer, step_max)
+        self._follow_measured_gain(trainer, step_max, cost_changed=bool(rows[:, _EVENTS].any()))
         if (rows[:, _BUSY] >= 0).all():
             stage_busy = _busy_per_pipeline_rank(rows[:, _BUSY].tolist(), strategy)
             if self.triggers.auto and self._profiler is None and self._pending is None:
@@ -549,21 +554,18 @@ class DynMoCallback(Callback):
             part = strategy.broadcast(mine if source == strategy.global_rank else None, src=source)
             self.events.extend(DynamismEvent.from_dict(e) for e in part or [])
 
-    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float) -> None:
-        if self._profiler is None and self._pending is None and self._after is None:
-            self._recent_step_s.append(step_s)
-        if self._after is None:
-            return
-        self._after["steps"].append(step_s)
-        if len(self._after["steps"]) <= self.profile_warmup_steps + self.profile_steps - 1:
-            return  # the first steps on a new pipeline include its rebuild and shape inference
-        after_s = statistics.median(self._after["steps"][self.profile_warmup_steps :])
-        before_s = self._after["before_s"]
-        gain = 1.0 - after_s / before_s if before_s > 0 else 0.0
-        record = self._after["record"]
-        record["measured_gain"] = gain
-        self._after = None
-        self._recent_step_s.clear()
+    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float, cost_changed: bool) -> None:
+        measured = self._gain.observe(step_s, self._step_phase)
+        if cost_changed:
+            self._gain.cost_changed()  # after observing: this step ran (mostly) before the change
+        if measured is not None and self._gain_record is not None:
+            self._report_measured_gain(trainer, self._gain_record, measured)
+            self._gain_record = None
+
+    def _report_measured_gain(
+        self, trainer: pl.Trainer, record: dict[str, Any], measured: MeasuredGain
+    ) -> None:
+        record["measured_gain"] = measured.gain
         if trainer.global_rank == trainer.strategy.active_ranks[0]:
             log.info(
                 "DynMo rebalance at step %d (%s -> %s): measured step time %.4g s -> %.4g s (%+.1f%%), "
@@ -571,12 +573,12 @@ class DynMoCallback(Callback):
                 record["step"],
                 record["old"],
                 record["new"],
-                before_s,
-                after_s,
-                100 * gain,
+                measured.before_s,
+                measured.after_s,
+                100 * measured.gain,
                 100 * record["predicted_gain"],
             )
-        self._queued_metrics["dynmo/measured_gain"] = gain
+        self._queued_metrics["dynmo/measured_gain"] = measured.gain
 
     def _log_step(self, trainer: pl.Trainer, stage_busy: list[float], step_s: float) -> None:
         measured_imbalance = imbalance(stage_busy)

@@ -14,7 +14,13 @@ from lightning_dynmo.strategy import DynMoStrategy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 # Set by the Trainer, not by users: the table leaves them out.
-_SET_BY_TRAINER = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+_SET_BY_TRAINER = {
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+}
 # Defaults the table describes in words, and the constructor value each description stands for.
 _DESCRIBED = {
     ("pipeline_size", "all devices"): None,
