@@ -104,6 +104,7 @@ from lightning_dynmo.pipeline.schedule import (
     run_schedule_step,
 )
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -519,6 +520,8 @@ class DynMoStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         module = self._module()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        check_trainer_setup(module, self.precision_plugin, self._layer_sync, trainer.callbacks, fitting)
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
@@ -531,10 +534,10 @@ class DynMoStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._rebuild_pipeline()
         log.info(
@@ -797,6 +800,16 @@ class DynMoStrategy(ParallelStrategy):
             if trainer is not None:
                 trainer.should_stop = True
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
+        if batch_idx == 0 and len(self._active_ranks) > 1:
+            grid = self._require_grid()
+            check_same_batch_in_pipeline(
+                batch,
+                batch_idx,
+                group=self._active_group,
+                ranks=self._active_ranks,
+                pipeline_of_rank=[grid.data_parallel_rank(r) for r in self._active_ranks],
+                device=self.root_device,
+            )
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
