@@ -227,6 +227,7 @@ class DynMoStrategy(ParallelStrategy):
         self._tie_side: str | None = None
         self._batch_shape: tuple[tuple[int, ...], ...] | None = None
         self._sync_blocked = False
+        self._step_in_flight = False  # see training_step and apply_placement
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
@@ -607,6 +608,10 @@ class DynMoStrategy(ParallelStrategy):
     def apply_placement(self, new: Placement | str) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
 
+        Step boundaries: a callback's ``on_train_batch_start`` / ``on_train_batch_end``, or
+        ``on_before_optimizer_step`` (gradients move with their layers). Inside a step (from
+        ``on_pipeline_step_end`` up to ``on_after_backward``) it raises: the gradients would be lost.
+
         Every moved unit travels with its parameters, gradients, buffers, ``requires_grad`` flags,
         plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
         the split works (several layers at once, moves between non-neighbouring stages).
@@ -630,7 +635,8 @@ class DynMoStrategy(ParallelStrategy):
         Raises:
             ValueError: if ranks passed different placements, or ``new`` does not fit the model or has
                 more stages than now.
-            RuntimeError: if this rank was released, or a peer was lost during the transfer.
+            RuntimeError: if this rank was released, it is called inside a training step, or a peer was
+                lost during the transfer.
         """
         from lightning_dynmo.pipeline.migration import MigrationReport
 
@@ -639,6 +645,7 @@ class DynMoStrategy(ParallelStrategy):
                 f"apply_placement was called on rank {self.global_rank}, which a re-pack released; only the "
                 f"active ranks {list(self._active_ranks)} take part. Check strategy.is_released first."
             )
+        pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         self._check_same_on_all_ranks(str(target))
@@ -920,6 +927,7 @@ class DynMoStrategy(ParallelStrategy):
             # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
             zero = torch.zeros((), device=self.root_device)
             return pipeline_grads.loss_carrying_grads(zero, [], [])
+        self._step_in_flight = True  # until backward has put this step's gradients into .grad
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
         inputs, target = module.pipeline_batch(batch)
@@ -976,6 +984,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._step_in_flight = False
         if not self._sync_blocked:
             self._sync_data_parallel_grads()
             self._sync_tied_grads()

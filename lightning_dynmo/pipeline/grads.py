@@ -23,6 +23,26 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 
+def check_no_step_in_flight(in_flight: bool, call: str) -> None:
+    """Refuse ``call`` (a migration) while a step's gradients wait in the loss that carries them.
+
+    Between the schedule step and Lightning's ``backward`` the step's gradients are not in ``.grad`` but
+    in that loss: layers moved then would arrive without them, and the step's update would be lost.
+
+    Raises:
+        RuntimeError: saying where to call it instead.
+    """
+    if in_flight:
+        raise RuntimeError(
+            f"{call} was called inside a training step (between the pipeline schedule step and Lightning's "
+            "backward: on_pipeline_step_end, on_before_zero_grad, on_before_backward or on_after_backward), "
+            "where the step's gradients are held by the loss that carries them into backward; moved layers "
+            "would arrive without them and the step's update would be lost. Call it at a step boundary: in a "
+            "callback's on_train_batch_start or on_train_batch_end, or in on_before_optimizer_step (the "
+            "gradients are in .grad there and move with the layers)."
+        )
+
+
 def take_grads(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
     """Detach every ``.grad`` from ``params`` and return them (``None`` where there was none)."""
     grads = [p.grad for p in params]
