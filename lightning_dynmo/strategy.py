@@ -993,8 +993,9 @@ class DynMoStrategy(ParallelStrategy):
     def _sync_data_parallel_grads(self) -> None:
         if self._data_parallel_group is None:
             return
-        grads = [p.grad for p in self._module().parameters() if p.grad is not None]
-        pipeline_grads.all_reduce_mean(grads, self._data_parallel_group, self.data_parallel_size)
+        # By name: every replica's stage lists the same parameters in the same order.
+        params = [p for _, p in sorted(self._module().named_parameters())]
+        pipeline_grads.average_grads(params, self._data_parallel_group, self.data_parallel_size)
 
     @contextmanager
     @override
