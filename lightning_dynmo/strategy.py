@@ -690,6 +690,7 @@ class DynMoStrategy(ParallelStrategy):
                     self.optimizers,
                     device=self.root_device,
                     group=self._active_group,
+                    lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
                 )
             reports.append(report)
             for move in moves:

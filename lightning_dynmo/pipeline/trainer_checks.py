@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import (
     BitsandbytesPrecision,
@@ -42,6 +41,7 @@ from lightning.pytorch.plugins.precision import (
     TransformerEnginePrecision,
     XLAPrecision,
 )
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 __all__ = ["check_same_batch_in_pipeline", "check_trainer_setup"]
