@@ -105,6 +105,7 @@ from lightning_dynmo.pipeline.schedule import (
 )
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
 from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
+from lightning_dynmo.pipeline.unit_state import check_no_user_hooks
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -528,6 +529,7 @@ class DynMoStrategy(ParallelStrategy):
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
                 self._ties = find_tied_parameters(module, self._spec)
+                check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
             self._keep_only_local_units()

@@ -10,8 +10,9 @@ pickled with every tensor replaced by a placeholder; that small *structure* goes
 tensor. The tensors (parameters, buffers, ``.grad``, optimizer state) then go as separate point-to-point
 messages on ``device`` so that NCCL moves device memory directly; on CPU/gloo the same code runs. Tensors
 that share storage inside a unit (tied weights, views) are sent once as their common storage span and
-rebuilt as views of it, so the sharing survives. Forward/backward hooks are not sent (profilers register
-them; the receiver registers its own); ``state_dict`` hooks are part of a module's semantics and travel.
+rebuilt as views of it, so the sharing survives. Forward/backward and tensor hooks do not travel: a unit
+with hooks a user registered is refused, the profiler's own are left behind, and parametrized modules are
+rebuilt on arrival (:mod:`lightning_dynmo.pipeline.unit_state`); ``state_dict`` hooks travel.
 
 Optimizer state. A sent parameter is removed from every optimizer's ``param_groups`` and its state is
 dropped; a received parameter joins the param_group with the hyper-parameters of its sender-side group
@@ -51,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dynmo.pipeline.param_groups import group_for
+from lightning_dynmo.pipeline.unit_state import check_no_user_hooks, reduce_parametrized
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,8 @@ __all__ = [
     "unpack_unit",
 ]
 
-# Forward/backward hooks are runtime instrumentation (profilers, debuggers): they may hold unpicklable
-# closures and belong to the rank that registered them, so they never travel. The receiver gets empty
+# Forward/backward hooks never travel; user hooks are refused before packing (unit_state), so what is
+# left are the profiler's (runtime instrumentation of the sending rank). The receiver gets empty
 # tables of the type torch uses (OrderedDict: hook handles keep weak references to the tables, which a
 # plain dict does not support), so hooks can be registered on a migrated unit as on any other.
 _RUNTIME_HOOK_ATTRS: dict[str, Callable[[], Any]] = {
@@ -272,6 +274,7 @@ def pack_unit(
             f"local_units[{name!r}] must be an nn.Module, got {type(module).__name__}. "
             "Pass the unit modules themselves (e.g. model.layers['7'])."
         )
+    check_no_user_hooks({name: module})  # hooks do not travel: state kept in one would be lost
     registry = _TensorRegistry(name, device)
     record = {
         "format": _FORMAT,
@@ -445,15 +448,22 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, nn.Module):
             return NotImplemented
+        parametrized = reduce_parametrized(obj, _without_runtime_hooks(obj.__dict__))
+        if parametrized is not None:
+            return parametrized
         reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if not (isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict)):
             return NotImplemented
-        # A copy of the state: the sender's module keeps its hooks while it is still in use.
-        state = dict(reduced[2])
-        for attr, empty in _RUNTIME_HOOK_ATTRS.items():
-            if attr in state:
-                state[attr] = empty()
-        return (reduced[0], reduced[1], state, *reduced[3:])
+        return (reduced[0], reduced[1], _without_runtime_hooks(reduced[2]), *reduced[3:])
+
+
+def _without_runtime_hooks(state: dict[str, Any]) -> dict[str, Any]:
+    # A copy of the state: the sender's module keeps its hooks while it is still in use.
+    state = dict(state)
+    for attr, empty in _RUNTIME_HOOK_ATTRS.items():
+        if attr in state:
+            state[attr] = empty()
+    return state
 
 
 class _Unpickler(pickle.Unpickler):
