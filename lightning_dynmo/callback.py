@@ -239,7 +239,8 @@ class DynMoCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         self._resolve_memory_capacity(strategy.root_device)
-        self.balance.check_pipeline(strategy.num_stages)
+        layouts = _repack_layouts(strategy)
+        self.balance.check_pipeline(strategy.num_stages, None if layouts is None else list(layouts))
         self._busy = StageBusyTimer(StepClock(strategy.root_device))
         if self._restored_placement and self._restored_placement != str(strategy.placement):
             log.info("DynMo: restoring placement %s from the checkpoint", self._restored_placement)
@@ -412,6 +413,7 @@ class DynMoCallback(Callback):
                     comm,
                     stage_workers=_stage_workers(strategy, placement),
                     min_saving=self._min_saving(trainer_step),
+                    repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -616,6 +618,22 @@ def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
         stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
         for s in range(placement.num_stages)
     ]
+
+
+def _repack_layouts(strategy: Any) -> dict[int, list[int]] | None:
+    """The pipelines a re-pack may propose when ranks run several stages (``None``: any stage count)."""
+    stages_per_rank = strategy.num_stages // strategy.pipeline_size
+    if stages_per_rank == 1:
+        return None
+    from lightning_dynmo.pipeline.release import repack_layouts
+
+    return repack_layouts(
+        strategy.schedule_name,
+        strategy.stage_style,
+        strategy.pipeline_size,
+        stages_per_rank,
+        strategy.num_microbatches,
+    )
 
 
 def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:

@@ -116,6 +116,33 @@ def test_callback_repacks_onto_one_rank_and_releases_the_other(tmp_path: Path) -
     assert worst < TOL
 
 
+def test_callback_repacks_a_v_schedule_onto_a_pipeline_it_can_run(tmp_path: Path) -> None:
+    # ZBV runs 2 stages per rank in a V: from 4 stages on 2 ranks the planner may only propose 2 stages
+    # (rank 0 alone), never 1 or 3. By parameter count one rank holding everything is 2x slower, accepted
+    # through max_slowdown.
+    run = EpochRun(schedule="ZBVZeroBubble", num_layers=8, steps=8, epochs=1)
+    kwargs = {
+        "repack": True,
+        "cost": "params",
+        "max_slowdown": 10.0,
+        "every_n_steps": 2,
+        "profile_steps": 1,
+        "memory_capacity_bytes": 2**40,
+    }
+    rank0, rank1 = run_distributed(
+        worker, 2, tmp_path, timeout_s=150, args=(run, range(0), kwargs, None, False)
+    )
+    assert not rank0["released"] and rank1["released"]
+    repack = next(r for r in rank0["callback"]["rebalances"] if r["applied"])
+    assert repack["old"] == "0-1|2-3|4-5|6-7" and repack["new"].count("|") == 1  # 2 stages, both on rank 0
+    assert rank0["placement"] == repack["new"]
+    ref = reference(replace(run, epochs=1))
+    diff = max(abs(a - b) for a, b in zip(rank0["losses"], ref["losses"], strict=True))
+    assert len(rank0["losses"]) == run.steps and diff < TOL, f"losses differ from the reference by {diff:.3e}"
+    worst = max((rank0["state"][k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst < TOL
+
+
 def test_resume_from_a_checkpoint_restores_the_callbacks_placement_and_history(tmp_path: Path) -> None:
     run = EpochRun(num_layers=8, steps=12, epochs=1)
     ckpt = tmp_path / "epoch1.ckpt"
