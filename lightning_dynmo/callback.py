@@ -41,6 +41,8 @@ from lightning_dynmo.balancing.policy import (
     RebalanceTrigger,
     TriggerConfig,
     decide,
+    pipeline_layout,
+    resume_plan,
     smooth_costs,
     validate_policy,
 )
@@ -106,6 +108,11 @@ class DynMoCallback(Callback):
             the balancer (single-stage schedules only).
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
+
+    Resuming from a checkpoint restores the history and, when the run has the same pipeline (schedule,
+    ranks, stages), the saved placement. On another pipeline (other devices or schedule) the run keeps
+    its own initial placement and rebalances it after profiling its first steps, without re-packing then
+    (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at start-up.
 
     Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
     the running means cover every step, and decision metrics appear at the next written step):
@@ -189,7 +196,10 @@ class DynMoCallback(Callback):
         self.placement: str | None = None
         self.overhead_s = 0.0
         self.last_costs: list[LayerCost] | None = None
+        self._layout: dict[str, Any] | None = None  # the pipeline ``placement`` is for
         self._restored_placement: str | None = None
+        self._restored_layout: dict[str, Any] | None = None
+        self._resume_window = False  # resumed on another pipeline: profile and rebalance at once
         # Per-run state.
         self._unsubscribe: Callable[[], None] | None = None
         self._new_events: list[DynamismEvent] = []
@@ -242,11 +252,24 @@ class DynMoCallback(Callback):
         layouts = _repack_layouts(strategy)
         self.balance.check_pipeline(strategy.num_stages, None if layouts is None else list(layouts))
         self._busy = StageBusyTimer(StepClock(strategy.root_device))
-        if self._restored_placement and self._restored_placement != str(strategy.placement):
-            log.info("DynMo: restoring placement %s from the checkpoint", self._restored_placement)
-            strategy.apply_placement(self._restored_placement)
-        self._restored_placement = None
-        self.placement = str(strategy.placement)
+        layout = _layout_of(strategy)
+        saved = self._restored_placement
+        plan = resume_plan(saved, self._restored_layout, layout, self.balance.balancer)
+        if plan == "restore" and saved != str(strategy.placement):
+            log.info("DynMo: restoring placement %s from the checkpoint", saved)
+            strategy.apply_placement(saved)
+        elif plan == "repartition":
+            log.info(
+                "DynMo: the checkpoint's placement %s was for another pipeline (%s); this run (%s) starts "
+                "at %s and rebalances it after profiling its first steps",
+                saved,
+                self._restored_layout,
+                layout,
+                strategy.placement,
+            )
+            self._resume_window = True
+        self._restored_placement = self._restored_layout = None
+        self.placement, self._layout = str(strategy.placement), layout
 
     @override
     def on_train_batch_start(
@@ -265,7 +288,8 @@ class DynMoCallback(Callback):
         step = trainer.global_step
         if self._profiler is None and step != self._last_checked_step:
             self._last_checked_step = step
-            reason = self._trigger.check(step)
+            reason = "resume" if self._resume_window else self._trigger.check(step)
+            self._resume_window = False
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
             # agree on its cost, at this step's end): its auto cooldown would not hold yet.
             if reason is not None and not (just_applied and reason == "auto"):
@@ -307,6 +331,7 @@ class DynMoCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "placement": self.placement,
+            "layout": self._layout,
             "events": [e.to_dict() for e in self.events],
             "rebalances": [dict(r) for r in self.rebalances],
             "trigger": self._trigger.state_dict(),
@@ -317,6 +342,7 @@ class DynMoCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.placement = state_dict["placement"]
         self._restored_placement = state_dict["placement"]
+        self._restored_layout = state_dict.get("layout")
         self.events = [DynamismEvent.from_dict(e) for e in state_dict["events"]]
         self.rebalances = [dict(r) for r in state_dict["rebalances"]]
         self._trigger.load_state_dict(state_dict["trigger"])
@@ -407,7 +433,10 @@ class DynMoCallback(Callback):
                 outcome = decide(
                     costs,
                     placement,
-                    self.balance,
+                    # After a resume onto another pipeline: re-partition it, never release ranks at once.
+                    self.balance
+                    if self._window_reason != "resume"
+                    else dataclasses.replace(self.balance, repack=False, target_num_stages=None),
                     strategy.num_microbatches,
                     strategy.schedule_name,
                     comm,
@@ -479,7 +508,7 @@ class DynMoCallback(Callback):
         total = costs["profiling_s"] + costs["decision_s"] + migration_s
         self._cost_to_share = total
         self.overhead_s += total
-        self.placement = str(strategy.placement)
+        self.placement, self._layout = str(strategy.placement), _layout_of(strategy)
         record = {
             "step": trainer.global_step,
             "reason": self._window_reason,
@@ -618,6 +647,10 @@ def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
         stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
         for s in range(placement.num_stages)
     ]
+
+
+def _layout_of(strategy: Any) -> dict[str, Any]:
+    return pipeline_layout(strategy.schedule_name, strategy.pipeline_size, strategy.num_stages)
 
 
 def _repack_layouts(strategy: Any) -> dict[int, list[int]] | None:

@@ -332,6 +332,44 @@ class BalanceConfig:
             )
 
 
+def resume_plan(
+    saved_placement: str | None,
+    saved_layout: Mapping[str, Any] | None,
+    layout: Mapping[str, Any],
+    balancer: str,
+) -> str:
+    """What a resumed run does with the placement its checkpoint saved.
+
+    A placement is a split for one pipeline (schedule, ranks, stages). The resumed run's pipeline is
+    set by its own devices and schedule; a placement saved for another pipeline would not fit it (or,
+    with fewer stages, would re-pack and release ranks at start-up).
+
+    Args:
+        saved_placement: The placement in the checkpoint (``None``: nothing saved).
+        saved_layout: The pipeline it was for, as :func:`pipeline_layout` gives it (``None`` in
+            checkpoints written before layouts were saved: then the stage count decides).
+        layout: The resumed run's pipeline.
+        balancer: The resumed run's balancer.
+
+    Returns:
+        ``"restore"`` (same pipeline: apply the saved placement), ``"repartition"`` (another pipeline:
+        keep the run's initial placement, profile and rebalance it at the first step, without re-packing)
+        or ``"keep"`` (nothing saved, or the static balancer, which never moves layers).
+    """
+    if not saved_placement or balancer == "static":
+        return "keep"
+    if saved_layout is None:
+        same = Placement.from_string(saved_placement).num_stages == layout["num_stages"]
+    else:
+        same = dict(saved_layout) == dict(layout)
+    return "restore" if same else "repartition"
+
+
+def pipeline_layout(schedule: str, pipeline_size: int, num_stages: int) -> dict[str, Any]:
+    """The pipeline a placement is for, as :func:`resume_plan` compares it (and checkpoints keep it)."""
+    return {"schedule": schedule, "pipeline_size": pipeline_size, "num_stages": num_stages}
+
+
 def validate_policy(balance: BalanceConfig, triggers: TriggerConfig) -> None:
     """Raise ``ValueError`` for options that contradict each other across the two configs."""
     if balance.balancer == "static":

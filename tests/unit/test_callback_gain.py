@@ -64,6 +64,9 @@ def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
         active_ranks=(0,),
         global_rank=0,
         placement=Placement.from_string("0-1"),
+        schedule_name="1F1B",
+        pipeline_size=1,
+        num_stages=1,
         applied=[],
     )
 
