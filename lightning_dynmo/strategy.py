@@ -90,6 +90,7 @@ from lightning_dynmo.pipeline.layout import (
     unit_moves,
     unit_owners,
 )
+from lightning_dynmo.pipeline.loss_scaling import PipelineLossScaling
 from lightning_dynmo.pipeline.release import (
     ReleaseEvent,
     active_ranks_of,
@@ -229,6 +230,7 @@ class DynMoStrategy(ParallelStrategy):
         self._batch_shape: tuple[tuple[int, ...], ...] | None = None
         self._sync_blocked = False
         self._step_in_flight = False  # see training_step and apply_placement
+        self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
@@ -540,8 +542,12 @@ class DynMoStrategy(ParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._loss_scaling = PipelineLossScaling(
+            self.precision_plugin, lambda: self._active_group, self.root_device
+        )
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._loss_scaling.agree_on_overflow()
         self._rebuild_pipeline()
         log.info(
             "rank %d: placement %s, schedule %s, stages %s, layers %s",
@@ -939,8 +945,13 @@ class DynMoStrategy(ParallelStrategy):
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
         context = self._comm_context()
-        with self.precision_plugin.train_step_context(), communication_guard("a schedule step", context):
-            losses = run_schedule_step(self._require_pipe(), inputs, target)
+        pipe = self._require_pipe()
+        with (
+            self.precision_plugin.train_step_context(),
+            communication_guard("a schedule step", context),
+            self._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
+        ):
+            losses = run_schedule_step(pipe, inputs, target)
         step_grads = pipeline_grads.take_grads(params)
         pipeline_grads.restore_grads(params, accumulated)
         with communication_guard("the loss reduction", context):
