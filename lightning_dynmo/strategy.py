@@ -105,6 +105,7 @@ from lightning_dynmo.pipeline.schedule import (
     run_schedule_step,
 )
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.ties import add_peer_grads, merge_tied_copies, tie_peer, tied_copies
 from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
 from lightning_dynmo.pipeline.unit_state import check_no_user_hooks
 
@@ -437,52 +438,27 @@ class DynMoStrategy(ParallelStrategy):
                     self._data_parallel_group = group
 
     def _pair_tied_copies(self) -> None:
-        """Find the rank holding the other copy of the tied parameters, if the tie spans two ranks.
+        """Find the rank holding the other copy of the tied parameters (:mod:`.pipeline.ties`).
 
-        The first stage runs on the pipeline's first rank; the last stage on its last rank (loop
-        layouts) or on the first one too (V layouts, or a single stage). When one rank runs both, the
-        tie is one local parameter: a last-stage copy that arrived there by a re-pack is merged back
-        (:meth:`_merge_tied_copies`). No process group is created: the copies' gradients travel over
-        the pipeline group, point to point, so every rank keeps the same set of groups.
+        When this rank runs both the first and the last stage, a last-stage copy that arrived by a
+        re-pack is merged back into one parameter.
         """
         self._tie_peer = self._tie_side = None
         if not self._ties:
             return
-        last = self._last_stage_position()
-        ranks = self._pipeline_global_ranks()
-        if last == 0:
-            if self.global_rank == ranks[0]:
-                self._merge_tied_copies()
-            return
-        if self.global_rank in (ranks[0], ranks[last]):
-            first = self.global_rank == ranks[0]
-            self._tie_peer, self._tie_side = (ranks[last], "first") if first else (ranks[0], "last")
+        ranks, last = self._pipeline_global_ranks(), self._last_stage_position()
+        if last == 0 and self.global_rank == ranks[0]:
+            merge_tied_copies(self._module(), self._ties, self.optimizers)
+        pair = tie_peer(self.global_rank, ranks, last)
+        if pair is not None:
+            self._tie_peer, self._tie_side = pair
+            names = ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties)
             log.info(
-                "rank %d: %s shared with rank %d; the two copies' gradients are summed every step",
+                "rank %d: %s shared with rank %d; gradients summed every step",
                 self.global_rank,
-                ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
-                self._tie_peer,
+                names,
+                pair[0],
             )
-
-    def _merge_tied_copies(self) -> None:
-        """Make an arrived last-stage copy the local first-stage parameter again (see the caller).
-
-        The two copies have taken the same steps, so nothing changes in value; a gradient the dropped
-        copy held (inside an accumulation window) is added to the kept one.
-        """
-        module = self._module()
-        for tie in self._ties:
-            kept, arrived = module.get_parameter(tie.first_name), module.get_parameter(tie.last_name)
-            if kept is arrived:
-                continue
-            if arrived.grad is not None:
-                kept.grad = arrived.grad if kept.grad is None else kept.grad + arrived.grad
-            owner, _, attr = tie.last_name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, kept)
-            for optimizer in self.optimizers:
-                for group in optimizer.param_groups:
-                    group["params"][:] = [p for p in group["params"] if p is not arrived]
-                optimizer.state.pop(arrived, None)
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
@@ -491,32 +467,16 @@ class DynMoStrategy(ParallelStrategy):
 
     def _tied_local_params(self) -> list[nn.Parameter]:
         """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
-        if self._tie_peer is None:
+        if self._tie_peer is None or self._tie_side is None:
             return []
-        module = self._module()
-        side_first = self._tie_side == "first"
-        return [module.get_parameter(t.first_name if side_first else t.last_name) for t in self._ties]
+        return tied_copies(self._module(), self._ties, self._tie_side)
 
     def _sync_tied_grads(self) -> None:
         """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
         params = self._tied_local_params()
-        if not params:
-            return
-        received = []
-        ops = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            buffer = torch.empty_like(param.grad)
-            received.append(buffer)
-            ops.append(dist.P2POp(dist.isend, param.grad, self._tie_peer, self._pipeline_group))
-            ops.append(dist.P2POp(dist.irecv, buffer, self._tie_peer, self._pipeline_group))
-        with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for param, buffer in zip(params, received, strict=True):
-            assert param.grad is not None
-            param.grad.add_(buffer)  # a + b on one rank, b + a on the other: the same in floating point
+        if params and self._tie_peer is not None:
+            with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
+                add_peer_grads(params, self._tie_peer, self._pipeline_group)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -817,14 +777,9 @@ class DynMoStrategy(ParallelStrategy):
                 trainer.should_stop = True
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
         if batch_idx == 0 and len(self._active_ranks) > 1:
-            grid = self._require_grid()
+            replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
             check_same_batch_in_pipeline(
-                batch,
-                batch_idx,
-                group=self._active_group,
-                ranks=self._active_ranks,
-                pipeline_of_rank=[grid.data_parallel_rank(r) for r in self._active_ranks],
-                device=self.root_device,
+                batch, self._active_group, self._active_ranks, replicas, self.root_device
             )
 
     def _trainer(self) -> pl.Trainer | None:

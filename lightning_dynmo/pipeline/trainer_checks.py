@@ -135,8 +135,6 @@ def batch_fingerprint(batch: Any) -> Tensor:
 
 def check_same_batch_in_pipeline(
     batch: Any,
-    batch_idx: int,
-    *,
     group: dist.ProcessGroup | None,
     ranks: Sequence[int],
     pipeline_of_rank: Sequence[int],
@@ -144,9 +142,10 @@ def check_same_batch_in_pipeline(
 ) -> None:
     """Raise on every rank if the ranks of one pipeline read different batches (collective over ``group``).
 
+    Call it at the first batch of every epoch (each epoch may shuffle anew).
+
     Args:
         batch: This rank's batch.
-        batch_idx: Its index (for the message).
         group: The active ranks' group.
         ranks: The active global ranks, in ``group`` order.
         pipeline_of_rank: The data-parallel replica (pipeline) of each of ``ranks``.
@@ -164,8 +163,8 @@ def check_same_batch_in_pipeline(
         if len({p for _, p in members}) > 1:
             raise ValueError(
                 f"the ranks {[r for r, _ in members]} of pipeline {pipeline} read different batches at "
-                f"batch_idx={batch_idx}, but every stage of a pipeline must see the same batch (stage 0 "
-                "feeds its inputs, the last stage scores its targets). Use Trainer(use_distributed_sampler="
+                "the first batch of the epoch, but every stage of a pipeline must see the same batch (stage "
+                "0 feeds its inputs, the last stage scores its targets). Use Trainer(use_distributed_sampler="
                 "True): DynMoStrategy then shards the data by pipeline replica. With your own sampler, shard "
                 "by strategy.data_parallel_rank / strategy.data_parallel_size (not by global rank) and "
                 "shuffle with the same seed on every rank."
