@@ -80,7 +80,7 @@ def check_trainer_setup(
         precision_plugin: The Trainer's precision plugin.
         layer_sync: The strategy's ``_layer_sync`` (set by ``Trainer(sync_batchnorm=True)``), or None.
         callbacks: The Trainer's callbacks.
-        fitting: Whether this is ``Trainer.fit`` (optimization checks apply only then).
+        fitting: Whether this is ``Trainer.fit`` (only the precision plugin matters otherwise).
 
     Raises:
         ValueError: naming the flag, hook or callback, why it cannot work, and what to use instead.
@@ -94,7 +94,7 @@ def check_trainer_setup(
             "automatic_optimization=True and configure one optimizer (several models or learning rates: "
             "parameter groups of that optimizer; LR warm-up: an LR scheduler or an optimizer_step override)."
         )
-    if layer_sync is not None:
+    if fitting and layer_sync is not None:
         raise ValueError(
             f"Trainer(sync_batchnorm=True) (layer sync {type(layer_sync).__name__}) is not supported by "
             "DynMoStrategy: it would synchronise batch-norm statistics over all ranks, which hold different "
@@ -108,7 +108,7 @@ def check_trainer_setup(
                 f"{why}. Use Trainer(precision=...) with one of '32-true', '64-true', '16-true', "
                 "'bf16-true', 'bf16-mixed' or '16-mixed'."
             )
-    for callback in callbacks:
+    for callback in callbacks if fitting else ():
         for cls, why in _REFUSED_CALLBACKS.items():
             if isinstance(callback, cls):
                 raise ValueError(

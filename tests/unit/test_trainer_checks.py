@@ -54,7 +54,10 @@ def test_manual_optimization_is_refused_for_fit_only() -> None:
         ValueError, match=r"DemoGPT.automatic_optimization is False .* Use automatic optimization"
     ):
         _check(module)
-    check_trainer_setup(module, Precision(), None, [], fitting=False)  # validate / test / predict run
+    # Validate / test / predict run: training-only flags and callbacks do not matter there.
+    check_trainer_setup(module, Precision(), TorchSyncBatchNorm(), [ModelPruning("l1_unstructured")], False)
+    with pytest.raises(ValueError, match=r"FSDPPrecision cannot be used"):
+        check_trainer_setup(module, FSDPPrecision("bf16-mixed"), None, [], fitting=False)
 
 
 def test_sync_batchnorm_is_refused() -> None:
