@@ -42,6 +42,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -71,6 +72,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.aux import reduce_step_losses
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
@@ -78,6 +80,7 @@ from lightning_dynmo.pipeline.contract import (
     call_step_end_hook,
     check_model_contract,
     find_tied_parameters,
+    split_batch,
 )
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
 from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
@@ -100,10 +103,12 @@ from lightning_dynmo.pipeline.release import (
 from lightning_dynmo.pipeline.schedule import (
     BuiltPipeline,
     build_pipeline,
+    checked_loss_fn,
     resolve_schedule,
     run_schedule_step,
 )
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.ties import TiedCopies
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -221,10 +226,8 @@ class DynMoStrategy(ParallelStrategy):
         self._pipe: BuiltPipeline | None = None
         # First/last-part parameter ties; when the two parts are on different ranks, the global rank
         # holding the other copy and this rank's side ("first" or "last"), else None.
-        self._ties: tuple[TiedParameter, ...] = ()
-        self._tie_peer: int | None = None
-        self._tie_side: str | None = None
-        self._batch_shape: tuple[tuple[int, ...], ...] | None = None
+        self._ties = TiedCopies()
+        self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
 
     # -- the surface callbacks use ------------------------------------------------------------------
@@ -432,86 +435,22 @@ class DynMoStrategy(ParallelStrategy):
                     self._data_parallel_group = group
 
     def _pair_tied_copies(self) -> None:
-        """Find the rank holding the other copy of the tied parameters, if the tie spans two ranks.
-
-        The first stage runs on the pipeline's first rank; the last stage on its last rank (loop
-        layouts) or on the first one too (V layouts, or a single stage). When one rank runs both, the
-        tie is one local parameter: a last-stage copy that arrived there by a re-pack is merged back
-        (:meth:`_merge_tied_copies`). No process group is created: the copies' gradients travel over
-        the pipeline group, point to point, so every rank keeps the same set of groups.
-        """
-        self._tie_peer = self._tie_side = None
-        if not self._ties:
-            return
-        last = self._last_stage_position()
-        ranks = self._pipeline_global_ranks()
-        if last == 0:
-            if self.global_rank == ranks[0]:
-                self._merge_tied_copies()
-            return
-        if self.global_rank in (ranks[0], ranks[last]):
-            first = self.global_rank == ranks[0]
-            self._tie_peer, self._tie_side = (ranks[last], "first") if first else (ranks[0], "last")
-            log.info(
-                "rank %d: %s shared with rank %d; the two copies' gradients are summed every step",
-                self.global_rank,
-                ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
-                self._tie_peer,
-            )
-
-    def _merge_tied_copies(self) -> None:
-        """Make an arrived last-stage copy the local first-stage parameter again (see the caller).
-
-        The two copies have taken the same steps, so nothing changes in value; a gradient the dropped
-        copy held (inside an accumulation window) is added to the kept one.
-        """
-        module = self._module()
-        for tie in self._ties:
-            kept, arrived = module.get_parameter(tie.first_name), module.get_parameter(tie.last_name)
-            if kept is arrived:
-                continue
-            if arrived.grad is not None:
-                kept.grad = arrived.grad if kept.grad is None else kept.grad + arrived.grad
-            owner, _, attr = tie.last_name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, kept)
-            for optimizer in self.optimizers:
-                for group in optimizer.param_groups:
-                    group["params"][:] = [p for p in group["params"] if p is not arrived]
-                optimizer.state.pop(arrived, None)
+        self._ties.pair(
+            self._module(),
+            self.optimizers,
+            rank=self.global_rank,
+            pipeline_ranks=self._pipeline_global_ranks(),
+            last_position=self._last_stage_position(),
+        )
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
         """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
-        return self._ties
-
-    def _tied_local_params(self) -> list[nn.Parameter]:
-        """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
-        if self._tie_peer is None:
-            return []
-        module = self._module()
-        side_first = self._tie_side == "first"
-        return [module.get_parameter(t.first_name if side_first else t.last_name) for t in self._ties]
+        return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
-        params = self._tied_local_params()
-        if not params:
-            return
-        received = []
-        ops = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            buffer = torch.empty_like(param.grad)
-            received.append(buffer)
-            ops.append(dist.P2POp(dist.isend, param.grad, self._tie_peer, self._pipeline_group))
-            ops.append(dist.P2POp(dist.irecv, buffer, self._tie_peer, self._pipeline_group))
-        with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for param, buffer in zip(params, received, strict=True):
-            assert param.grad is not None
-            param.grad.add_(buffer)  # a + b on one rank, b + a on the other: the same in floating point
+        guard = partial(communication_guard, "the tied-parameter gradient exchange", self._comm_context())
+        self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -523,7 +462,7 @@ class DynMoStrategy(ParallelStrategy):
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
-                self._ties = find_tied_parameters(module, self._spec)
+                self._ties = TiedCopies(find_tied_parameters(module, self._spec))
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
             self._keep_only_local_units()
@@ -723,7 +662,7 @@ class DynMoStrategy(ParallelStrategy):
             self._pair_tied_copies()
             self._rebuild_pipeline()
         else:
-            self._tie_peer = self._tie_side = None
+            self._ties.clear()
             self._release()
         self._route_sigterm_broadcast()
         self._announce_release(event)
@@ -869,8 +808,7 @@ class DynMoStrategy(ParallelStrategy):
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
-        aliases = {t.last_name: t.first_name for t in self._ties}
-        load_local_state(full, self._local_units(), list(self.optimizers), aliases=aliases)
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
 
     def _check_same_on_all_ranks(self, text: str) -> None:
         gathered: list[Any] = [None] * len(self._active_ranks)
@@ -907,34 +845,58 @@ class DynMoStrategy(ParallelStrategy):
             # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
             zero = torch.zeros((), device=self.root_device)
             return pipeline_grads.loss_carrying_grads(zero, [], [])
-        module = self._module()
+        module, spec = self._module(), self._require_spec()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
-        self._check_batch_shape(inputs, target)
+        inputs, target, side = split_batch(module, spec, batch)
+        self._check_batch_shape(inputs, target, side)
         params = list(module.parameters())
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
         context = self._comm_context()
         with self.precision_plugin.train_step_context(), communication_guard("a schedule step", context):
-            losses = run_schedule_step(self._require_pipe(), inputs, target)
+            step = run_schedule_step(
+                self._require_pipe(),
+                inputs,
+                target,
+                side,
+                aux_losses=spec.aux_losses,
+                model_name=type(module).__name__,
+            )
         step_grads = pipeline_grads.take_grads(params)
         pipeline_grads.restore_grads(params, accumulated)
         with communication_guard("the loss reduction", context):
-            loss = self._global_loss(losses, params)
+            loss, aux = reduce_step_losses(
+                step.losses,
+                step.aux,
+                spec.aux_losses,
+                num_microbatches=self._num_microbatches,
+                data_parallel_size=self.data_parallel_size,
+                group=self._active_group,
+                device=self.root_device,
+                dtype=step.losses[0].dtype
+                if step.losses
+                else (params[0].dtype if params else torch.get_default_dtype()),
+            )
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
+            for name, value in aux.items():
+                module.log(f"train_aux/{name}", value)
         call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
-    def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
+    def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
         n = self._num_microbatches
-        if inputs.shape[0] % n != 0 or target.shape[0] % n != 0:
+        if inputs.shape[0] % n != 0:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
-                "micro-batches; "
-                f"use a batch size that is a multiple of {n} and drop_last=True in the DataLoader."
+                f"micro-batches; use a batch size that is a multiple of {n} and drop_last=True in the "
+                "DataLoader."
             )
-        shape = (tuple(inputs.shape), tuple(target.shape))
+        shape = (
+            tuple(inputs.shape),
+            tuple(target.shape),
+            *((k, tuple(v.shape)) for k, v in sorted(side.items())),
+        )
         if self._batch_shape is not None and shape != self._batch_shape:
             # The schedule caches activation shapes from its first step; a new shape needs new stages.
             log.info(
@@ -945,20 +907,6 @@ class DynMoStrategy(ParallelStrategy):
             )
             self._rebuild_pipeline()
         self._batch_shape = shape
-
-    def _global_loss(self, losses: list[Tensor], params: list[nn.Parameter]) -> Tensor:
-        # One collective: each replica's last stage contributes its mean loss, the sum is averaged.
-        local = torch.stack([x.detach() for x in losses]).mean() if losses else None
-        value = (
-            local.double()
-            if local is not None
-            else torch.zeros((), dtype=torch.float64, device=self.root_device)
-        )
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._active_group)
-        dtype = (
-            local.dtype if local is not None else (params[0].dtype if params else torch.get_default_dtype())
-        )
-        return (value / self.data_parallel_size).to(dtype)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -993,7 +941,7 @@ class DynMoStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
             # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
-            second = {id(p) for p in self._tied_local_params()} if self._tie_side == "last" else set()
+            second = self._ties.second_copies(self._module())
             counted = [p for p in params if id(p) not in second]
             pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
 
@@ -1029,7 +977,7 @@ class DynMoStrategy(ParallelStrategy):
         self._check_not_released("predict")
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, _ = module.pipeline_batch(batch)
+        inputs, _, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
@@ -1038,7 +986,7 @@ class DynMoStrategy(ParallelStrategy):
             communication_guard("a predict step", self._comm_context()),
         ):
             output = self._evaluator.predict(
-                self._require_pipe(), inputs, device=self.root_device, group=self._pipeline_group
+                self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
             )
             return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
 
@@ -1067,7 +1015,7 @@ class DynMoStrategy(ParallelStrategy):
         self._check_not_released(phase)
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
+        inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
         with communication_guard(f"a {phase} step", self._comm_context()):
@@ -1075,7 +1023,8 @@ class DynMoStrategy(ParallelStrategy):
                 self._require_pipe(),
                 inputs,
                 target,
-                loss_fn=module.pipeline_loss,
+                side,
+                loss_fn=checked_loss_fn(module),
                 device=self.root_device,
                 group=self._pipeline_group,
             )
