@@ -181,7 +181,7 @@ def add_aux_loss(name: str, loss: Tensor, hidden: Tensor) -> Tensor:
     if not (torch.is_grad_enabled() and loss.requires_grad and hidden.requires_grad):
         return hidden
     scale = record.scale if record is not None else 1.0
-    out: Tensor = _AuxLossCarrier.apply(hidden, loss, scale)
+    out: Tensor = _AuxLossCarrier.apply(hidden, loss, scale)  # type: ignore[no-untyped-call]
     return out
 
 

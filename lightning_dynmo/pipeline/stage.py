@@ -44,6 +44,8 @@ class StageModule(nn.Module):
         last: Whether this is the last stage (it returns what ``pipeline_loss`` takes).
     """
 
+    _model: Any  # the contract-abiding model, unregistered (its methods are the contract's, not nn.Module's)
+
     def __init__(self, model: nn.Module, spec: ModelSpec, layer_ids: Sequence[int], first: bool, last: bool):
         super().__init__()
         object.__setattr__(self, "_model", model)
@@ -53,7 +55,8 @@ class StageModule(nn.Module):
         self.first = nn.ModuleDict(
             {n: getattr(model, n) for n in spec.first_parts} if self._runs_first else {}
         )
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+        blocks = model.get_submodule("layers")
+        self.layers = nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in layer_ids})
         self.last = nn.ModuleDict({n: getattr(model, n) for n in spec.last_parts} if self._runs_last else {})
         self._reads = {key: block_inputs(block) for key, block in self.layers.items()}
         # Side-state shapes and dtypes pipeline_first produced, by input shape (see _start).

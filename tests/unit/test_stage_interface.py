@@ -191,7 +191,7 @@ def test_pipeline_batch_returning_a_tuple_of_inputs_is_explained() -> None:
     spec = check_model_contract(model)
     with pytest.raises(TypeError, match=r"returned inputs = a tuple of 2 \(Tensor, Tensor\).*side inputs"):
         split_batch(model, spec, ((torch.ones(4, 3), torch.ones(4, 3)), torch.ones(4, 3)))
-    with pytest.raises(TypeError, match=r"returned a tensor of shape \(4, 3\); it must return \(inputs, target\)"):
+    with pytest.raises(TypeError, match=r"returned a tensor of shape \(4, 3\); it must return"):
         split_batch(model, spec, torch.ones(4, 3))
 
 
