@@ -127,6 +127,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"OptimizerConfig.lr={self.lr} must be > 0.")
+        object.__setattr__(self, "betas", tuple(self.betas))  # a list from YAML becomes the documented tuple
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(
                 f"OptimizerConfig.betas={self.betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.95)."
