@@ -76,14 +76,14 @@ class GPTConfig:
             )
         if not isinstance(self.blocks, str) and isinstance(self.blocks, Sequence):
             object.__setattr__(self, "blocks", tuple(self.blocks))  # frozen and hashable, whatever came in
-        self.block_kinds()  # unknown kinds or a wrong count fail here, before any module is built
+        self.resolved_blocks()  # unknown kinds or a wrong count fail here, before any module is built
 
     @property
     def mlp_width(self) -> int:
         """The MLP's hidden width (``d_ff``, or ``4 * d_model`` when unset)."""
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
-    def block_kinds(self) -> tuple[tuple[BlockKind, Any], ...]:
+    def resolved_blocks(self) -> tuple[tuple[BlockKind, Any], ...]:
         """The ``(kind, options)`` of every layer, in layer order."""
         entries = self.blocks
         if isinstance(entries, str) or not isinstance(entries, Sequence):

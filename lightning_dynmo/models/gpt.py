@@ -224,7 +224,7 @@ def _construct(config: GPTConfig, name: str) -> nn.Module:
     if name == "head":
         return nn.Linear(d, config.vocab_size, bias=False)
     index = int(name.removeprefix("layers."))
-    kind, options = config.block_kinds()[index]
+    kind, options = config.resolved_blocks()[index]
     block = kind.factory(config, index, options)
     if not isinstance(block, nn.Module):
         raise TypeError(
