@@ -113,6 +113,23 @@ class GPT(pl.LightningModule):
         """Logits of the tokens ``idx`` (``[batch, seq]`` with ``seq <= seq_len``)."""
         return self.pipeline_last(self.run_blocks(self.pipeline_first(idx)))
 
+    @override
+    def setup(self, stage: str) -> None:
+        """Check that a datamodule's vocabulary and sequence length fit this model, before any step runs."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
+        if isinstance(vocab, int) and vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the datamodule's tokenizer has vocab_size={vocab} but GPTConfig.vocab_size="
+                f"{self.config.vocab_size}; build the model with GPTConfig(vocab_size={vocab}) or more."
+            )
+        if isinstance(seq_len, int) and seq_len > self.config.seq_len:
+            raise ValueError(
+                f"the datamodule serves seq_len={seq_len} tokens but GPTConfig.seq_len="
+                f"{self.config.seq_len}; build the model with GPTConfig(seq_len={seq_len}) or more, or lower "
+                "the datamodule's seq_len."
+            )
+
     # -- single-process steps (DynMoStrategy replaces them with pipelined steps) ----------------
 
     @override

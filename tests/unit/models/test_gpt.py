@@ -216,3 +216,20 @@ def test_single_process_training_learns_the_embedded_corpus(tmp_path: Path) -> N
     trainer.test(model, dataloaders=data.val_dataloader(), verbose=False)
     metrics = trainer.callback_metrics
     assert float(metrics["test_ppl"]) == pytest.approx(math.exp(float(metrics["test_loss"])), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"vocab_size": 128}, r"vocab_size=256 but GPTConfig.vocab_size=128; .*GPTConfig\(vocab_size=256\)"),
+        ({"seq_len": 8}, r"serves seq_len=16 tokens but GPTConfig.seq_len=8"),
+    ],
+)
+def test_a_datamodule_that_does_not_fit_the_model_is_refused(
+    overrides: dict[str, Any], match: str, tmp_path: Path
+) -> None:
+    data = TextDataModule(corpus=StdlibCorpus(max_bytes=50_000), seq_len=16, cache_dir=tmp_path)
+    model = GPT(GPTConfig(**{**TINY, "seq_len": 16, **overrides}))
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model, data)
