@@ -137,7 +137,8 @@ class DynMoStrategy(ParallelStrategy):
             ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
             a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
             (twice that for multi-stage schedules).
-        timeout: Timeout of the process groups' collectives.
+        timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
@@ -806,9 +807,9 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # An error outside a guarded step (a callback, the data) is posted too, so the peers can name it.
-        trainer = self._trainer()
+        call = getattr(getattr(self._trainer(), "state", None), "fn", None)
         report_interrupt(
-            exception, f"Trainer.{trainer.state.fn.value}" if trainer else "fit", self._comm_context()
+            exception, f"Trainer.{call.value}" if call else "a Trainer call", self._comm_context()
         )
 
     # -- placement-independent checkpoints (phase 2) ---------------------------------------------------

@@ -24,6 +24,7 @@ Nothing is described unless something fails: a guarded step that succeeds costs 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ _COMM_MARKERS = (
 )
 # torch.distributed.pipelining wraps an error raised in a stage's forward in a RuntimeError with this text.
 _TORCH_STAGE_WRAPPER = "failed to run forward"
+_TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # At most this many peers are listed in a message (the rest are counted).
 _MAX_PEERS_LISTED = 8
 
@@ -183,8 +185,8 @@ def report_own_error(what: str, context: CommContext, err: Exception) -> BaseExc
     cause = _unwrap_stage_error(err)
     unit, stage = _origin(cause, context)
     stages = str(stage) if stage is not None else context.stage_text
-    where = f"{unit} (stage {stages})" if unit else f"stage {stages}"
-    cause.add_note(f"DynMo: raised on rank {context.rank} in {where} during {what}.")
+    where = f" in {unit} (stage {stages})" if unit else (f" in stage {stages}" if context.stages else "")
+    cause.add_note(f"DynMo: raised on rank {context.rank}{where} during {what}.")
     if cause is not err:
         cause.__suppress_context__ = True  # the wrapper only repeats it
     cause._dynmo_reported = True  # type: ignore[attr-defined]  # outer guards pass it on as is
@@ -197,10 +199,10 @@ def report_own_error(what: str, context: CommContext, err: Exception) -> BaseExc
 def report_interrupt(err: BaseException, what: str, context: CommContext) -> None:
     """Post an error that stops this rank outside a guarded step (a callback, the data loader).
 
-    Failed exchanges (symptoms, described already) and non-errors (``SystemExit`` such as Lightning's
-    ``SIGTERMException``, ``KeyboardInterrupt``) are not posted.
+    Failed exchanges (symptoms of another rank's failure, not causes) and non-errors (``SystemExit`` such
+    as Lightning's ``SIGTERMException``, ``KeyboardInterrupt``) are not posted.
     """
-    if isinstance(err, Exception) and not isinstance(err, CommunicationError):
+    if isinstance(err, Exception) and not is_communication_failure(_unwrap_stage_error(err)):
         report_own_error(what, context, err)
 
 
@@ -283,7 +285,7 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
     reports: dict[int, FailureRecord] = {}
     if first is None:
         # A peer that timed out too posts about now; one that closed the connection has posted already.
-        grace = REPORT_GRACE_S if "time" in str(err).lower() else 0.0
+        grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else 0.0
         if context.timeout is not None:
             grace = min(grace, context.timeout.total_seconds())
         reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)

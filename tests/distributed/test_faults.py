@@ -138,6 +138,12 @@ class OneRankOnly(pl.Callback):
         elif self.action == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal; its handler runs right here
 
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.action == "sigterm_in_validation" and trainer.global_rank == self.rank and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
 
 def misbehaving_worker(
     rank: int, world_size: int, action: str, culprit: int, tmp_path: Path
@@ -152,6 +158,10 @@ def misbehaving_worker(
     if action == "sigterm":
         kwargs["enable_checkpointing"] = True
         callbacks.append(ModelCheckpoint(dirpath=tmp_path / "on-sigterm", save_on_exception=True))
+    val = None
+    if action == "sigterm_in_validation":  # validate every 2 training batches, 4 batches each time
+        kwargs.update(val_check_interval=2, limit_val_batches=4, num_sanity_val_steps=0)
+        val = run.datamodule().train_dataloader()
     if action == "decide":
         lightning_dynmo.callback.decide = _buggy_decide  # this forked rank only
         callbacks.append(DynMoCallback(every_n_steps=_AT_BATCH, profile_warmup_steps=0, profile_steps=1))
@@ -159,7 +169,10 @@ def misbehaving_worker(
     trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
     error: BaseException | None = None
     try:
-        trainer.fit(model, run.datamodule())
+        if val is None:
+            trainer.fit(model, run.datamodule())
+        else:
+            trainer.fit(model, train_dataloaders=run.datamodule().train_dataloader(), val_dataloaders=val)
     except BaseException as err:  # SIGTERMException is a SystemExit
         error = err
     return {"error": error, "step": trainer.global_step, "sigterm": trainer.received_sigterm}
@@ -272,3 +285,12 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_batch_and_checkpoints(
     assert checkpoint["global_step"] == _AT_BATCH + 1
     layers = {k.split(".")[1] for k in checkpoint["state_dict"] if k.startswith("layers.")}
     assert layers == {"0", "1", "2", "3"}  # the whole model, gathered from both stages
+
+
+def test_sigterm_during_validation_stops_every_rank_in_the_same_validation_batch(tmp_path: Path) -> None:
+    results = _run_timed("sigterm_in_validation", culprit=1, tmp_path=tmp_path)
+    for result in results:
+        with pytest.raises(SIGTERMException):
+            _reraise(result)
+        assert result["sigterm"] is True
+    assert [r["step"] for r in results] == [2, 2]  # in the first validation, after two training steps

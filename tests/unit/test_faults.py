@@ -22,6 +22,7 @@ from lightning_dynmo.pipeline.faults import (
     communication_guard,
     describe_peers,
     is_communication_failure,
+    report_interrupt,
 )
 from lightning_dynmo.pipeline.layout import RankGrid
 from lightning_dynmo.pipeline.shutdown import SigtermAgreement
@@ -218,6 +219,20 @@ def test_each_run_reads_only_its_own_records(tmp_path: Path) -> None:
         assert FailureBoard.open(world_size=1).first_failure(excluding=1) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_an_interrupt_is_posted_only_when_it_is_this_ranks_own_error() -> None:
+    board = FailureBoard(dist.HashStore())
+    for symptom in (RuntimeError("Connection closed by peer"), SystemExit(), KeyboardInterrupt()):
+        report_interrupt(symptom, "Trainer.fit", _context(1, board))
+    assert board.first_failure(excluding=0) is None
+    err = ValueError("bad batch")
+    report_interrupt(err, "Trainer.fit", _context(1, board))
+    assert err.__notes__ == ["DynMo: raised on rank 1 in stage 1 during Trainer.fit."]
+    first = board.first_failure(excluding=0)
+    assert first is not None and first.describe() == (
+        "rank 1 (stage 1) failed first: ValueError: bad batch (raised during Trainer.fit)"
+    )
 
 
 def test_a_remote_failure_names_the_rank_and_its_error() -> None:
