@@ -40,7 +40,7 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -83,7 +83,9 @@ from lightning_dynmo.pipeline.contract import (
     split_batch,
 )
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
-from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
+from lightning_dynmo.pipeline.failure_board import FailureBoard
+from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers, report_interrupt
+from lightning_dynmo.pipeline.groups import build_groups, check_same_on_all_ranks
 from lightning_dynmo.pipeline.layout import (
     PlannedMove,
     RankGrid,
@@ -107,6 +109,7 @@ from lightning_dynmo.pipeline.schedule import (
     resolve_schedule,
     run_schedule_step,
 )
+from lightning_dynmo.pipeline.shutdown import SigtermAgreement
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
 from lightning_dynmo.pipeline.ties import TiedCopies
 
@@ -138,7 +141,8 @@ class DynMoStrategy(ParallelStrategy):
             ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
             a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
             (twice that for multi-stage schedules).
-        timeout: Timeout of the process groups' collectives.
+        timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
@@ -229,6 +233,8 @@ class DynMoStrategy(ParallelStrategy):
         self._ties = TiedCopies()
         self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
+        self._board: FailureBoard | None = None
+        self._sigterm = SigtermAgreement()
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
@@ -412,27 +418,15 @@ class DynMoStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self._build_groups()
-
-    def _build_groups(self) -> None:
-        grid = self._require_grid()
-        me = self.global_rank
-        self._active_ranks = tuple(range(grid.world_size))
-        self._active_group = dist.group.WORLD
-        # new_group is collective over WORLD: every rank creates every group, in the same order.
-        for replica in range(grid.data_parallel_size):
-            ranks = grid.pipeline_ranks(replica)
-            group = dist.new_group(list(ranks), timeout=self._timeout)
-            if me in ranks:
-                self._pipeline_group = group
-        self._data_parallel_group = None
-        if grid.data_parallel_size > 1:
-            for prank in range(grid.pipeline_size):
-                ranks = grid.data_parallel_ranks(prank)
-                group = dist.new_group(list(ranks), timeout=self._timeout)
-                if me in ranks:
-                    self._data_parallel_group = group
+        self._active_ranks = tuple(range(self.world_size))
+        groups = build_groups(
+            self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here
+        )
+        self._active_group, self._pipeline_group = groups.active, groups.pipeline
+        self._data_parallel_group = groups.data_parallel
+        self._board = FailureBoard.open(self.world_size)
 
     def _pair_tied_copies(self) -> None:
         self._ties.pair(
@@ -449,7 +443,7 @@ class DynMoStrategy(ParallelStrategy):
         return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        guard = partial(communication_guard, "the tied-parameter gradient exchange", self._comm_context())
+        guard = partial(self._guard, "the tied-parameter gradient exchange")
         self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
@@ -470,6 +464,7 @@ class DynMoStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
+        self._install_sigterm_agreement(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -577,7 +572,9 @@ class DynMoStrategy(ParallelStrategy):
             )
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        self._check_same_on_all_ranks(str(target))
+        with self._guard("apply_placement (the check that every rank applies the same placement)"):
+            what = "apply_placement was called with different placements"
+            check_same_on_all_ranks(str(target), self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(
                 f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -664,7 +661,6 @@ class DynMoStrategy(ParallelStrategy):
         else:
             self._ties.clear()
             self._release()
-        self._route_sigterm_broadcast()
         self._announce_release(event)
         return report
 
@@ -688,26 +684,22 @@ class DynMoStrategy(ParallelStrategy):
             trainer.fit_loop.min_epochs = 0
             trainer.fit_loop.epoch_loop.min_steps = 0
 
-    def _route_sigterm_broadcast(self) -> None:
-        # Lightning's epoch loop broadcasts a SIGTERM flag over WORLD before every batch; after a release
-        # WORLD includes ranks that have left, so the flag goes over the active ranks (or nowhere).
-        trainer = self._trainer()
-        if trainer is None:
+    def _install_sigterm_agreement(self, trainer: pl.Trainer) -> None:
+        # Lightning's SIGTERM handler broadcasts inside the signal handler, and its epoch loop stops the
+        # signalled rank alone: both hang a pipeline (see pipeline/shutdown.py). DynMo's handler only notes.
+        self._sigterm = SigtermAgreement(forward=self.launcher.kill if self.launcher is not None else None)
+        trainer._signal_connector._sigterm_notifier_fn = self._sigterm.handle  # type: ignore[method-assign]
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree_on_sigterm  # type: ignore[method-assign]
+
+    def _agree_on_sigterm(self) -> None:
+        """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
+        if self._released or not _distributed_is_initialized():
             return
-        loop = trainer.fit_loop.epoch_loop
-
-        def broadcast_sigterm() -> None:
-            if self._released:
-                return
-            flag = torch.tensor([int(getattr(trainer, "received_sigterm", False))], device=self.root_device)
-            try:
-                dist.broadcast(flag, src=self._active_ranks[0], group=self._active_group)
-            except RuntimeError:
-                flag.zero_()  # as Lightning does: a failed peer surfaces in the next pipeline step instead
-            if flag.item() == 1:
-                raise SIGTERMException()
-
-        loop._broadcast_sigterm_tensor = broadcast_sigterm  # type: ignore[method-assign]
+        with self._guard("the SIGTERM check at a batch start"):
+            stop = self._sigterm.agree(self._active_group, self.root_device)
+        if stop and (trainer := self._trainer()) is not None:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
     def _announce_release(self, event: ReleaseEvent) -> None:
         if self.is_global_zero:
@@ -742,9 +734,21 @@ class DynMoStrategy(ParallelStrategy):
         return getattr(module, "_trainer", None) if module is not None else None
 
     def _comm_context(self) -> CommContext:
-        grid, placement = self._require_grid(), self.placement
-        peers = describe_peers(self.global_rank, self._active_ranks, grid, placement, self._schedule.style)
-        return CommContext(self.global_rank, self.stage_indices, peers, self._timeout)
+        # Cheap: peers and units are described only if the guarded step fails (issue #13's scale).
+        me, style = self.global_rank, self._schedule.style
+        peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
+        return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
+
+    def _guard(self, what: str) -> AbstractContextManager[None]:
+        return communication_guard(what, self._comm_context())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # An error outside a guarded step (a callback, the data) is posted too, so the peers can name it.
+        call = getattr(getattr(self._trainer(), "state", None), "fn", None)
+        report_interrupt(
+            exception, f"Trainer.{call.value}" if call else "a Trainer call", self._comm_context()
+        )
 
     # -- placement-independent checkpoints (phase 2) ---------------------------------------------------
 
@@ -766,7 +770,7 @@ class DynMoStrategy(ParallelStrategy):
             return {}
         dst = self._require_grid().pipeline_ranks(0)[0]
         optimizers = list(self.optimizers)
-        with communication_guard("checkpoint gathering", self._comm_context()):
+        with self._guard("checkpoint saving (gathering the model and optimizer state)"):
             full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
         if full is None:
             return {}
@@ -809,19 +813,6 @@ class DynMoStrategy(ParallelStrategy):
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
         load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
-
-    def _check_same_on_all_ranks(self, text: str) -> None:
-        gathered: list[Any] = [None] * len(self._active_ranks)
-        dist.all_gather_object(gathered, text, group=self._active_group)
-        if len(set(gathered)) != 1:
-            per_rank = ", ".join(
-                f"rank {r}: {p!r}" for r, p in zip(self._active_ranks, gathered, strict=True)
-            )
-            raise ValueError(
-                f"apply_placement was called with different placements on different ranks ({per_rank}); "
-                "decide the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
-                "applying it."
-            )
 
     def _rebuild_pipeline(self) -> None:
         self._pipe = build_pipeline(
@@ -975,6 +966,7 @@ class DynMoStrategy(ParallelStrategy):
         single-device run would). The model's own ``predict_step`` is not called.
         """
         self._check_not_released("predict")
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
         inputs, _, side = split_batch(module, self._require_spec(), batch)
@@ -983,7 +975,7 @@ class DynMoStrategy(ParallelStrategy):
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
-            communication_guard("a predict step", self._comm_context()),
+            self._guard("a predict step"),
         ):
             output = self._evaluator.predict(
                 self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
@@ -1013,12 +1005,13 @@ class DynMoStrategy(ParallelStrategy):
 
     def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
         self._check_not_released(phase)
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
         inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
-        with communication_guard(f"a {phase} step", self._comm_context()):
+        with self._guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
                 inputs,
@@ -1044,14 +1037,16 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized() and not self._released:
-            dist.barrier(group=self._active_group)
+            with self._guard(f"strategy.barrier({name!r})"):
+                dist.barrier(group=self._active_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._active_group)
+        with self._guard(f"strategy.broadcast(src={src})"):
+            dist.broadcast_object_list(box, src=src, group=self._active_group)
         return box[0]
 
     @override
@@ -1059,14 +1054,16 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and not self._released:
-            return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
+            with self._guard("strategy.reduce"):
+                return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._released:
             return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+        with self._guard("strategy.all_gather"):
+            return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
