@@ -40,9 +40,10 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -71,6 +72,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.aux import reduce_step_losses
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
@@ -78,9 +80,12 @@ from lightning_dynmo.pipeline.contract import (
     call_step_end_hook,
     check_model_contract,
     find_tied_parameters,
+    split_batch,
 )
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
-from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
+from lightning_dynmo.pipeline.failure_board import FailureBoard
+from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers, report_interrupt
+from lightning_dynmo.pipeline.groups import build_groups, check_same_on_all_ranks
 from lightning_dynmo.pipeline.layout import (
     PlannedMove,
     RankGrid,
@@ -101,11 +106,14 @@ from lightning_dynmo.pipeline.release import (
 from lightning_dynmo.pipeline.schedule import (
     BuiltPipeline,
     build_pipeline,
+    checked_loss_fn,
     resolve_schedule,
     run_schedule_step,
 )
+from lightning_dynmo.pipeline.shutdown import SigtermAgreement
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
-from lightning_dynmo.pipeline.ties import add_peer_grads, merge_tied_copies, tie_peer, tied_copies
+from lightning_dynmo.pipeline.strategy_args import StartMethod, check_strategy_args
+from lightning_dynmo.pipeline.ties import TiedCopies
 from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
 from lightning_dynmo.pipeline.unit_state import check_no_user_hooks
 
@@ -113,10 +121,6 @@ if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_PLACEMENT_POLICIES = ("uniform", "parameters")
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -137,7 +141,8 @@ class DynMoStrategy(ParallelStrategy):
             ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
             a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
             (twice that for multi-stage schedules).
-        timeout: Timeout of the process groups' collectives.
+        timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
@@ -187,30 +192,25 @@ class DynMoStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_positive_int("pipeline_size", pipeline_size, allow_none=True)
-        _check_positive_int("num_microbatches", num_microbatches)
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}.")
+        self._placement_arg, self._eval_log_names = check_strategy_args(
+            pipeline_size=pipeline_size,
+            num_microbatches=num_microbatches,
+            start_method=start_method,
+            placement=placement,
+            on_release=on_release,
+            val_loss_log_name=val_loss_log_name,
+            test_loss_log_name=test_loss_log_name,
+        )
         self._schedule = resolve_schedule(schedule)
-        self._placement_arg = _check_placement_arg(placement)
         self._pipeline_size_arg = pipeline_size
         self._num_microbatches = num_microbatches
         self._timeout = timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._loss_log_name = loss_log_name
-        if on_release is not None and not callable(on_release):
-            raise TypeError(
-                f"on_release={on_release!r} is not callable; pass a function taking one ReleaseEvent, e.g. "
-                "on_release=lambda event: print(event.released_ranks), or None."
-            )
         self._on_release = on_release
         self._released = False
         self._saved_optimizer_states: list[Any] | None = None
-        self._eval_log_names = {
-            "validate": _check_log_name("val_loss_log_name", val_loss_log_name),
-            "test": _check_log_name("test_loss_log_name", test_loss_log_name),
-        }
         self._evaluator: PipelineEvaluator | None = None
         self._cut_module: nn.Module | None = None
         self.num_nodes = 1
@@ -225,11 +225,11 @@ class DynMoStrategy(ParallelStrategy):
         self._pipe: BuiltPipeline | None = None
         # First/last-part parameter ties; when the two parts are on different ranks, the global rank
         # holding the other copy and this rank's side ("first" or "last"), else None.
-        self._ties: tuple[TiedParameter, ...] = ()
-        self._tie_peer: int | None = None
-        self._tie_side: str | None = None
-        self._batch_shape: tuple[tuple[int, ...], ...] | None = None
+        self._ties = TiedCopies()
+        self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
+        self._board: FailureBoard | None = None
+        self._sigterm = SigtermAgreement()
         self._step_in_flight = False  # see training_step and apply_placement
         self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
 
@@ -415,68 +415,33 @@ class DynMoStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self._build_groups()
-
-    def _build_groups(self) -> None:
-        grid = self._require_grid()
-        me = self.global_rank
-        self._active_ranks = tuple(range(grid.world_size))
-        self._active_group = dist.group.WORLD
-        # new_group is collective over WORLD: every rank creates every group, in the same order.
-        for replica in range(grid.data_parallel_size):
-            ranks = grid.pipeline_ranks(replica)
-            group = dist.new_group(list(ranks), timeout=self._timeout)
-            if me in ranks:
-                self._pipeline_group = group
-        self._data_parallel_group = None
-        if grid.data_parallel_size > 1:
-            for prank in range(grid.pipeline_size):
-                ranks = grid.data_parallel_ranks(prank)
-                group = dist.new_group(list(ranks), timeout=self._timeout)
-                if me in ranks:
-                    self._data_parallel_group = group
+        self._active_ranks = tuple(range(self.world_size))
+        groups = build_groups(
+            self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here
+        )
+        self._active_group, self._pipeline_group = groups.active, groups.pipeline
+        self._data_parallel_group = groups.data_parallel
+        self._board = FailureBoard.open(self.world_size)
 
     def _pair_tied_copies(self) -> None:
-        """Find the rank holding the other copy of the tied parameters (:mod:`.pipeline.ties`).
-
-        When this rank runs both the first and the last stage, a last-stage copy that arrived by a
-        re-pack is merged back into one parameter.
-        """
-        self._tie_peer = self._tie_side = None
-        if not self._ties:
-            return
-        ranks, last = self._pipeline_global_ranks(), self._last_stage_position()
-        if last == 0 and self.global_rank == ranks[0]:
-            merge_tied_copies(self._module(), self._ties, self.optimizers)
-        pair = tie_peer(self.global_rank, ranks, last)
-        if pair is not None:
-            self._tie_peer, self._tie_side = pair
-            names = ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties)
-            log.info(
-                "rank %d: %s shared with rank %d; gradients summed every step",
-                self.global_rank,
-                names,
-                pair[0],
-            )
+        self._ties.pair(
+            self._module(),
+            self.optimizers,
+            rank=self.global_rank,
+            pipeline_ranks=self._pipeline_global_ranks(),
+            last_position=self._last_stage_position(),
+        )
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
         """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
-        return self._ties
-
-    def _tied_local_params(self) -> list[nn.Parameter]:
-        """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
-        if self._tie_peer is None or self._tie_side is None:
-            return []
-        return tied_copies(self._module(), self._ties, self._tie_side)
+        return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
-        params = self._tied_local_params()
-        if params and self._tie_peer is not None:
-            with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
-                add_peer_grads(params, self._tie_peer, self._pipeline_group)
+        guard = partial(self._guard, "the tied-parameter gradient exchange")
+        self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -490,7 +455,7 @@ class DynMoStrategy(ParallelStrategy):
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
-                self._ties = find_tied_parameters(module, self._spec)
+                self._ties = TiedCopies(find_tied_parameters(module, self._spec))
                 check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
@@ -499,6 +464,7 @@ class DynMoStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
+        self._install_sigterm_agreement(trainer)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -616,7 +582,9 @@ class DynMoStrategy(ParallelStrategy):
         pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        self._check_same_on_all_ranks(str(target))
+        with self._guard("apply_placement (the check that every rank applies the same placement)"):
+            what = "apply_placement was called with different placements"
+            check_same_on_all_ranks(str(target), self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(
                 f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -702,9 +670,8 @@ class DynMoStrategy(ParallelStrategy):
             self._pair_tied_copies()
             self._rebuild_pipeline()
         else:
-            self._tie_peer = self._tie_side = None
+            self._ties.clear()
             self._release()
-        self._route_sigterm_broadcast()
         self._announce_release(event)
         return report
 
@@ -728,26 +695,22 @@ class DynMoStrategy(ParallelStrategy):
             trainer.fit_loop.min_epochs = 0
             trainer.fit_loop.epoch_loop.min_steps = 0
 
-    def _route_sigterm_broadcast(self) -> None:
-        # Lightning's epoch loop broadcasts a SIGTERM flag over WORLD before every batch; after a release
-        # WORLD includes ranks that have left, so the flag goes over the active ranks (or nowhere).
-        trainer = self._trainer()
-        if trainer is None:
+    def _install_sigterm_agreement(self, trainer: pl.Trainer) -> None:
+        # Lightning's SIGTERM handler broadcasts inside the signal handler, and its epoch loop stops the
+        # signalled rank alone: both hang a pipeline (see pipeline/shutdown.py). DynMo's handler only notes.
+        self._sigterm = SigtermAgreement(forward=self.launcher.kill if self.launcher is not None else None)
+        trainer._signal_connector._sigterm_notifier_fn = self._sigterm.handle  # type: ignore[method-assign]
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree_on_sigterm  # type: ignore[method-assign]
+
+    def _agree_on_sigterm(self) -> None:
+        """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
+        if self._released or not _distributed_is_initialized():
             return
-        loop = trainer.fit_loop.epoch_loop
-
-        def broadcast_sigterm() -> None:
-            if self._released:
-                return
-            flag = torch.tensor([int(getattr(trainer, "received_sigterm", False))], device=self.root_device)
-            try:
-                dist.broadcast(flag, src=self._active_ranks[0], group=self._active_group)
-            except RuntimeError:
-                flag.zero_()  # as Lightning does: a failed peer surfaces in the next pipeline step instead
-            if flag.item() == 1:
-                raise SIGTERMException()
-
-        loop._broadcast_sigterm_tensor = broadcast_sigterm  # type: ignore[method-assign]
+        with self._guard("the SIGTERM check at a batch start"):
+            stop = self._sigterm.agree(self._active_group, self.root_device)
+        if stop and (trainer := self._trainer()) is not None:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
     def _announce_release(self, event: ReleaseEvent) -> None:
         if self.is_global_zero:
@@ -778,18 +741,31 @@ class DynMoStrategy(ParallelStrategy):
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
         if batch_idx == 0 and len(self._active_ranks) > 1:
             replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
-            check_same_batch_in_pipeline(
-                batch, self._active_group, self._active_ranks, replicas, self.root_device
-            )
+            with self._guard("the check that every stage reads the same batch"):
+                check_same_batch_in_pipeline(
+                    batch, self._active_group, self._active_ranks, replicas, self.root_device
+                )
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
         return getattr(module, "_trainer", None) if module is not None else None
 
     def _comm_context(self) -> CommContext:
-        grid, placement = self._require_grid(), self.placement
-        peers = describe_peers(self.global_rank, self._active_ranks, grid, placement, self._schedule.style)
-        return CommContext(self.global_rank, self.stage_indices, peers, self._timeout)
+        # Cheap: peers and units are described only if the guarded step fails (issue #13's scale).
+        me, style = self.global_rank, self._schedule.style
+        peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
+        return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
+
+    def _guard(self, what: str) -> AbstractContextManager[None]:
+        return communication_guard(what, self._comm_context())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # An error outside a guarded step (a callback, the data) is posted too, so the peers can name it.
+        call = getattr(getattr(self._trainer(), "state", None), "fn", None)
+        report_interrupt(
+            exception, f"Trainer.{call.value}" if call else "a Trainer call", self._comm_context()
+        )
 
     # -- placement-independent checkpoints (phase 2) ---------------------------------------------------
 
@@ -811,7 +787,7 @@ class DynMoStrategy(ParallelStrategy):
             return {}
         dst = self._require_grid().pipeline_ranks(0)[0]
         optimizers = list(self.optimizers)
-        with communication_guard("checkpoint gathering", self._comm_context()):
+        with self._guard("checkpoint saving (gathering the model and optimizer state)"):
             full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
         if full is None:
             return {}
@@ -853,21 +829,7 @@ class DynMoStrategy(ParallelStrategy):
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
-        aliases = {t.last_name: t.first_name for t in self._ties}
-        load_local_state(full, self._local_units(), list(self.optimizers), aliases=aliases)
-
-    def _check_same_on_all_ranks(self, text: str) -> None:
-        gathered: list[Any] = [None] * len(self._active_ranks)
-        dist.all_gather_object(gathered, text, group=self._active_group)
-        if len(set(gathered)) != 1:
-            per_rank = ", ".join(
-                f"rank {r}: {p!r}" for r, p in zip(self._active_ranks, gathered, strict=True)
-            )
-            raise ValueError(
-                f"apply_placement was called with different placements on different ranks ({per_rank}); "
-                "decide the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
-                "applying it."
-            )
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
 
     def _rebuild_pipeline(self) -> None:
         self._pipe = build_pipeline(
@@ -892,10 +854,10 @@ class DynMoStrategy(ParallelStrategy):
             zero = torch.zeros((), device=self.root_device)
             return pipeline_grads.loss_carrying_grads(zero, [], [])
         self._step_in_flight = True  # until backward has put this step's gradients into .grad
-        module = self._module()
+        module, spec = self._module(), self._require_spec()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
-        self._check_batch_shape(inputs, target)
+        inputs, target, side = split_batch(module, spec, batch)
+        self._check_batch_shape(inputs, target, side)
         params = list(module.parameters())
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
@@ -906,25 +868,50 @@ class DynMoStrategy(ParallelStrategy):
             communication_guard("a schedule step", context),
             self._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
         ):
-            losses = run_schedule_step(pipe, inputs, target)
+            step = run_schedule_step(
+                pipe,
+                inputs,
+                target,
+                side,
+                aux_losses=spec.aux_losses,
+                aux_loss_scale=self._loss_scaling.scale,
+                model_name=type(module).__name__,
+            )
         step_grads = pipeline_grads.take_grads(params)
         pipeline_grads.restore_grads(params, accumulated)
         with communication_guard("the loss reduction", context):
-            loss = self._global_loss(losses, params)
+            loss, aux = reduce_step_losses(
+                step.losses,
+                step.aux,
+                spec.aux_losses,
+                num_microbatches=self._num_microbatches,
+                data_parallel_size=self.data_parallel_size,
+                group=self._active_group,
+                device=self.root_device,
+                dtype=step.losses[0].dtype
+                if step.losses
+                else (params[0].dtype if params else torch.get_default_dtype()),
+            )
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
+            for name, value in aux.items():
+                module.log(f"train_aux/{name}", value)
         call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
-    def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
+    def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
         n = self._num_microbatches
-        if inputs.shape[0] % n != 0 or target.shape[0] % n != 0:
+        if inputs.shape[0] % n != 0:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
-                "micro-batches; "
-                f"use a batch size that is a multiple of {n} and drop_last=True in the DataLoader."
+                f"micro-batches; use a batch size that is a multiple of {n} and drop_last=True in the "
+                "DataLoader."
             )
-        shape = (tuple(inputs.shape), tuple(target.shape))
+        shape = (
+            tuple(inputs.shape),
+            tuple(target.shape),
+            *((k, tuple(v.shape)) for k, v in sorted(side.items())),
+        )
         if self._batch_shape is not None and shape != self._batch_shape:
             # The schedule caches activation shapes from its first step; a new shape needs new stages.
             log.info(
@@ -935,20 +922,6 @@ class DynMoStrategy(ParallelStrategy):
             )
             self._rebuild_pipeline()
         self._batch_shape = shape
-
-    def _global_loss(self, losses: list[Tensor], params: list[nn.Parameter]) -> Tensor:
-        # One collective: each replica's last stage contributes its mean loss, the sum is averaged.
-        local = torch.stack([x.detach() for x in losses]).mean() if losses else None
-        value = (
-            local.double()
-            if local is not None
-            else torch.zeros((), dtype=torch.float64, device=self.root_device)
-        )
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._active_group)
-        dtype = (
-            local.dtype if local is not None else (params[0].dtype if params else torch.get_default_dtype())
-        )
-        return (value / self.data_parallel_size).to(dtype)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -985,7 +958,7 @@ class DynMoStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
             # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
-            second = {id(p) for p in self._tied_local_params()} if self._tie_side == "last" else set()
+            second = self._ties.second_copies(self._module())
             counted = [p for p in params if id(p) not in second]
             pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
 
@@ -1019,18 +992,19 @@ class DynMoStrategy(ParallelStrategy):
         single-device run would). The model's own ``predict_step`` is not called.
         """
         self._check_not_released("predict")
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, _ = module.pipeline_batch(batch)
+        inputs, _, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
-            communication_guard("a predict step", self._comm_context()),
+            self._guard("a predict step"),
         ):
             output = self._evaluator.predict(
-                self._require_pipe(), inputs, device=self.root_device, group=self._pipeline_group
+                self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
             )
             return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
 
@@ -1057,17 +1031,19 @@ class DynMoStrategy(ParallelStrategy):
 
     def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
         self._check_not_released(phase)
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
+        inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
-        with communication_guard(f"a {phase} step", self._comm_context()):
+        with self._guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
                 inputs,
                 target,
-                loss_fn=module.pipeline_loss,
+                side,
+                loss_fn=checked_loss_fn(module),
                 device=self.root_device,
                 group=self._pipeline_group,
             )
@@ -1087,14 +1063,16 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized() and not self._released:
-            dist.barrier(group=self._active_group)
+            with self._guard(f"strategy.barrier({name!r})"):
+                dist.barrier(group=self._active_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._active_group)
+        with self._guard(f"strategy.broadcast(src={src})"):
+            dist.broadcast_object_list(box, src=src, group=self._active_group)
         return box[0]
 
     @override
@@ -1102,14 +1080,16 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and not self._released:
-            return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
+            with self._guard("strategy.reduce"):
+                return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._released:
             return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+        with self._guard("strategy.all_gather"):
+            return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -1146,33 +1126,6 @@ class DynMoStrategy(ParallelStrategy):
         if self._pipe is None:
             raise RuntimeError("DynMoStrategy has no pipeline yet; it is built in setup().")
         return self._pipe
-
-
-def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1{' or None' if allow_none else ''}.")
-
-
-def _check_log_name(name: str, value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and value):
-        return value
-    raise ValueError(
-        f"{name}={value!r} must be a non-empty metric name such as 'val_loss', or None to not log it."
-    )
-
-
-def _check_placement_arg(placement: Any) -> str | Placement:
-    if isinstance(placement, Placement) or placement in _PLACEMENT_POLICIES:
-        return placement  # type: ignore[no-any-return]
-    if not isinstance(placement, str):
-        raise ValueError(
-            f"placement={placement!r} must be 'uniform', 'parameters', a placement string like '0-3|4-7' or "
-            "a Placement."
-        )
-    Placement.from_string(placement)  # malformed strings fail here, before any process starts
-    return placement
 
 
 StrategyRegistry.register(

@@ -71,6 +71,12 @@ class PipelineLossScaling:
         self._group = group
         self._device = device
 
+    @property
+    def scale(self) -> float:
+        """The factor the pipeline's backward runs with (1.0 without a scaler); auxiliary losses
+        (:mod:`lightning_dynmo.pipeline.aux`) get it as their gradient."""
+        return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+
     @contextmanager
     def scaled_backward(self, pipe: Any) -> Generator[None, None, None]:
         """Around one schedule step of ``pipe`` (a ``BuiltPipeline``): its backward runs on the scaled loss.

@@ -200,3 +200,57 @@ def test_float16_gradients_do_not_underflow_inside_the_pipeline(tmp_path: Any) -
     assert max(errors.values()) < 0.05, errors
     unscaled = _relative_errors(_pipelined(tmp_path, "float16", None, UnscaledPipelineBackward, steps=1), ref)
     assert max(unscaled.values()) > 0.5, unscaled
+
+
+class AuxUnscaled(DynMoStrategy):
+    """Negative control: auxiliary losses get gradient 1 while the main loss's backward is scaled."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        scaling = self._loss_scaling
+        scaling.__class__ = type("Unscaled", (type(scaling),), {"scale": property(lambda _: 1.0)})
+
+
+def _aux_worker(rank: int, world_size: int, strategy_cls: type) -> dict[str, Any]:
+    from tests.distributed.test_stage_interface import Recorder as AuxRecorder
+    from tests.distributed.test_stage_interface import Setup
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    setup, recorder = Setup(steps=4), AuxRecorder()
+    kwargs = {k: v for k, v in setup.trainer_kwargs().items() if k != "precision"}
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=strategy_cls(num_microbatches=setup.num_microbatches),
+        plugins=[ScaledFloat64()],
+        use_distributed_sampler=False,
+        callbacks=[recorder],
+        **kwargs,
+    )
+    model = setup.model()
+    trainer.fit(model, setup.replica_loader(0))
+    return {
+        "losses": recorder.losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def test_auxiliary_losses_get_the_loss_scale_too(tmp_path: Any) -> None:
+    from tests.distributed.test_stage_interface import Recorder as AuxRecorder
+    from tests.distributed.test_stage_interface import Setup
+
+    setup, recorder = Setup(steps=4), AuxRecorder()
+    kwargs = {k: v for k, v in setup.trainer_kwargs().items() if k != "precision"}
+    trainer = pl.Trainer(devices=1, plugins=[ScaledFloat64()], callbacks=[recorder], **kwargs)
+    model = setup.model()
+    trainer.fit(model, setup.reference_loader())
+    ref = {"losses": recorder.losses, "state": model.state_dict()}
+    results = run_distributed(_aux_worker, 2, tmp_path, timeout_s=120, args=(DynMoStrategy,))
+    for res in results:
+        diff = max(
+            max(abs(a - c), abs(b - d)) for (a, b), (c, d) in zip(res["losses"], ref["losses"], strict=True)
+        )
+        assert diff < TOL, f"main/aux losses differ from the reference by {diff:.3e}"
+    assert _param_diff(results, ref) < TOL
+    unscaled = run_distributed(_aux_worker, 2, tmp_path, timeout_s=120, args=(AuxUnscaled,))
+    assert _param_diff(unscaled, ref) > 1e-4
