@@ -24,7 +24,7 @@ communication the value is exactly ``(W[b] - W[a]) + extra``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -61,9 +61,21 @@ class StageModel:
     caps: tuple[float, ...]
     slowdown: tuple[float, ...] = ()
 
+    _slowdown: FloatArray = field(init=False, repr=False)
+    _extra_load: FloatArray = field(init=False, repr=False)
+    _extra_memory: FloatArray = field(init=False, repr=False)
+    _scaled: bool = field(init=False, repr=False)
+    _linked: bool = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
         if not self.slowdown:
             object.__setattr__(self, "slowdown", (1.0,) * self.num_stages)
+        # Array copies and flags for the vectorised paths, which diffusion calls thousands of times.
+        object.__setattr__(self, "_slowdown", np.asarray(self.slowdown, dtype=np.float64))
+        object.__setattr__(self, "_extra_load", np.asarray(self.extra_load, dtype=np.float64))
+        object.__setattr__(self, "_extra_memory", np.asarray(self.extra_memory, dtype=np.float64))
+        object.__setattr__(self, "_scaled", any(f != 1.0 for f in self.slowdown))
+        object.__setattr__(self, "_linked", bool(np.any(self.comm)))
 
     @classmethod
     def build(
@@ -112,7 +124,7 @@ class StageModel:
     @property
     def homogeneous(self) -> bool:
         """Every stage runs at the reference speed and no link costs anything."""
-        return all(f == 1.0 for f in self.slowdown) and not np.any(self.comm)
+        return not (self._scaled or self._linked)
 
     def comm_of(self, stage: int, end: int) -> float:
         """Send time paid by ``stage`` when it ends before layer ``end`` (0 for the last stage)."""
@@ -125,12 +137,22 @@ class StageModel:
         return (work + self.comm_of(stage, end)) + self.extra_load[stage]
 
     def loads_of(self, starts: IntArray, ends: IntArray, stages: IntArray) -> FloatArray:
-        """Vectorised :meth:`load`: the load of ``stages[k]`` owning ``starts[k]..ends[k]-1`` (same rounding)."""
+        """Vectorised :meth:`load`: the load of ``stages[k]`` owning ``starts[k]..ends[k]-1`` (same rounding).
+
+        Factors of 1.0 and zero links or extras are skipped, which leaves every value unchanged.
+        """
         w = self.prefix_load
-        factors = np.asarray(self.slowdown)[stages]
-        extras = np.asarray(self.extra_load)[stages]
-        work = factors * (w[ends] - w[starts])
-        result: FloatArray = (work + self.comm[stages, ends - 1]) + extras
+        loads: FloatArray = w[ends] - w[starts]
+        if self._scaled:
+            loads = self._slowdown[stages] * loads
+        if self._linked:
+            loads = loads + self.comm[stages, ends - 1]
+        return loads + self._extra_load[stages]
+
+    def memories_of(self, starts: IntArray, ends: IntArray, stages: IntArray) -> FloatArray:
+        """Vectorised :meth:`memory`."""
+        m = self.prefix_memory
+        result: FloatArray = (m[ends] - m[starts]) + self._extra_memory[stages]
         return result
 
     def memory(self, start: int, end: int, stage: int) -> float:
