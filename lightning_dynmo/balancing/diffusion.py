@@ -318,7 +318,9 @@ class _State:
                 return None
             cuts.append(cut)
             end = old[k + 2]
-            if load(k + 1, cut, end) < peak and (not capped or (m[end] - m[cut]) + extra_m[k + 1] <= caps[k + 1]):
+            if load(k + 1, cut, end) < peak and (
+                not capped or (m[end] - m[cut]) + extra_m[k + 1] <= caps[k + 1]
+            ):
                 # The nearest stage that absorbs ends the cascade: fewer layers move and it keeps the
                 # refinement phase linear in the cascade length.
                 return src, k + 1, cuts
@@ -349,7 +351,9 @@ class _State:
                 return None
             cuts.append(cut)
             start = old[k - 1]
-            if load(k - 1, start, cut) < peak and (not capped or (m[cut] - m[start]) + extra_m[k - 1] <= caps[k - 1]):
+            if load(k - 1, start, cut) < peak and (
+                not capped or (m[cut] - m[start]) + extra_m[k - 1] <= caps[k - 1]
+            ):
                 cuts.reverse()
                 return k - 1, src, cuts
             b, highest = cut, a

@@ -48,7 +48,9 @@ def use_greedy(model: StageModel) -> bool:
 def _min_start(
     prefix: FloatArray, ends: IntArray, add: FloatArray, extra: float, bound: float, scale: float = 1.0
 ) -> IntArray:
-    """For each end ``b``, the smallest start ``a <= b`` with ``(scale * (P[b] - P[a]) + add) + extra <= bound``.
+    """For each end ``b``, the smallest start ``a <= b`` whose load is within ``bound``.
+
+    The load is ``(scale * (P[b] - P[a]) + add) + extra`` (``scale`` 1.0 is left out: same value).
 
     Returns ``b`` where even ``a = b - 1`` fails (no valid non-empty stage ends at ``b``). The
     searchsorted guess is corrected with the exact expression until it no longer moves, so rounding
@@ -57,10 +59,7 @@ def _min_start(
     if math.isinf(bound):
         return np.zeros(len(ends), dtype=np.int64)
     pe = prefix[ends]
-    if scale == 1.0:
-        guess = (pe + add + extra) - bound
-    else:
-        guess = pe - ((bound - extra) - add) / scale
+    guess = (pe + add + extra) - bound if scale == 1.0 else pe - ((bound - extra) - add) / scale
     start = np.searchsorted(prefix, guess, side="left").astype(np.int64)
     start = np.minimum(start, ends)
 
@@ -83,9 +82,7 @@ def _min_start(
 def _stage_min_starts(model: StageModel, stage: int, bound: float, ends: IntArray) -> IntArray:
     """Smallest feasible start (load and memory) of ``stage`` for every end in ``ends``."""
     add = model.comm[stage, ends - 1]
-    by_load = _min_start(
-        model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage]
-    )
+    by_load = _min_start(model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage])
     by_memory = _min_start(
         model.prefix_memory, ends, np.zeros(len(ends)), model.extra_memory[stage], model.caps[stage]
     )
@@ -102,7 +99,13 @@ def _probe_dp(model: StageModel, bound: float) -> tuple[int, ...] | None:
     cache: dict[tuple[float, float, float, float, int], IntArray] = {}
     for s in range(stages):
         # Middle stages usually share extras, capacity, speed and link, hence one min-start array for all.
-        key = (model.extra_load[s], model.extra_memory[s], model.caps[s], model.slowdown[s], _link_key(model, s))
+        key = (
+            model.extra_load[s],
+            model.extra_memory[s],
+            model.caps[s],
+            model.slowdown[s],
+            _link_key(model, s),
+        )
         if key not in cache:
             cache[key] = _stage_min_starts(model, s, bound, ends)
         min_start = cache[key]
@@ -222,13 +225,15 @@ def _end_candidates(model: StageModel) -> tuple[FloatArray, FloatArray]:
 
 def _link_key(model: StageModel, stage: int) -> int:
     """The first stage whose link row equals ``stage``'s (stages with equal rows share search tables)."""
-    keys: list[int] | None = model.__dict__.get("_link_keys")
-    if keys is None:
-        keys, seen = [], {}
+    cached: list[int] | None = model.__dict__.get("_link_keys")
+    if cached is None:
+        keys: list[int] = []
+        seen: dict[bytes, int] = {}
         for row in model.comm:
             keys.append(seen.setdefault(row.tobytes(), len(keys)))
         object.__setattr__(model, "_link_keys", keys)
-    return keys[stage]
+        cached = keys
+    return cached[stage]
 
 
 def next_candidate(model: StageModel, bound: float) -> float:
@@ -250,12 +255,16 @@ def next_candidate(model: StageModel, bound: float) -> float:
     if model.num_stages <= 2 or n <= 2:
         return best
     ends = np.arange(2, n, dtype=np.int64)
-    kinds = {(model.slowdown[s], _link_key(model, s), model.extra_load[s]): s for s in range(1, model.num_stages - 1)}
+    kinds = {
+        (model.slowdown[s], _link_key(model, s), model.extra_load[s]): s
+        for s in range(1, model.num_stages - 1)
+    }
     for stage in kinds.values():
         add = model.comm[stage, ends - 1]
-        start = _min_start(
-            model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage]
-        ) - 1
+        start = (
+            _min_start(model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage])
+            - 1
+        )
         ok = start >= 1
         if np.any(ok):
             st, en = start[ok], ends[ok]

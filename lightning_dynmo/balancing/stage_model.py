@@ -104,7 +104,9 @@ class StageModel:
                 extra_memory[stage] += float(extra.memory_bytes)
         comm_arr = np.zeros((num_stages, len(costs)))
         if comm is not None:
-            comm_arr[: num_stages - 1] = np.asarray(comm, dtype=np.float64).reshape(num_stages - 1, len(costs))
+            comm_arr[: num_stages - 1] = np.asarray(comm, dtype=np.float64).reshape(
+                num_stages - 1, len(costs)
+            )
         return cls(
             num_stages=num_stages,
             prefix_load=np.concatenate(([0.0], np.cumsum(weights))),

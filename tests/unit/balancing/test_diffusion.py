@@ -261,7 +261,9 @@ def test_chain_scoring_with_slow_workers_links_and_extras_matches_brute_force(pr
     costs, current, caps, extras = problem
     stages = current.num_stages
     cap_list = [math.inf] * stages if caps is None else [float(c) for c in caps]
-    model = build_model(costs, stages, "time", cap_list, extras["first"], extras["last"], extras["comm"], extras["slowdown"])
+    model = build_model(
+        costs, stages, "time", cap_list, extras["first"], extras["last"], extras["comm"], extras["slowdown"]
+    )
     state = _State(model, list(current.boundaries))
     for src in range(stages):
         strict = _brute_best_chain(costs, state.bounds, cap_list, src, 2e-12, extras)
