@@ -46,7 +46,7 @@ def test_repack_without_target_picks_the_fewest_stages_within_the_slowdown(probl
     # Brute force: no smaller stage count (with the kept stages' caps) would have been within the limit.
     for k in range(1, result.num_stages if result.released_stages else current.num_stages):
         best = brute_optimum(costs, k, caps=full[:k])
-        assert best is None or best > limit * (1 + 1e-12)
+        assert best is None or best > limit - 1e-9 * max(1.0, limit)  # rounding: brute sums directly
 
 
 @settings(max_examples=120, deadline=None)
@@ -194,7 +194,7 @@ def test_repack_counts_slow_workers_links_and_extras_of_the_kept_stages(problem,
         assert result.bottleneck == pytest.approx(brute_optimum(costs, kept, caps=full[:kept], **model(kept)))
     for k in range(1, kept if result.released_stages else stages):
         best = brute_optimum(costs, k, caps=full[:k], **model(k))
-        assert best is None or best > limit * (1 + 1e-12)
+        assert best is None or best > limit - 1e-9 * max(1.0, limit)  # rounding: brute sums directly
 
 
 def test_repack_gives_the_heavy_head_its_own_room():
