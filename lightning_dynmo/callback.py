@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
+from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
@@ -48,14 +49,16 @@ from lightning_dynmo.balancing.policy import (
 )
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
 from lightning_dynmo.pipeline.faults import RemoteFailure
+from lightning_dynmo.pipeline.stage import part_modules
 from lightning_dynmo.profiling import (
     LayerProfiler,
     StageBusyTimer,
-    gather_layer_costs,
     inflight_microbatches,
     measure_boundary_comm_s,
 )
 from lightning_dynmo.profiling.clock import StepClock
+from lightning_dynmo.profiling.gather import gather_costs
+from lightning_dynmo.profiling.speed import time_reference_workload
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ _EVENTS, _BUSY, _STEP, _COST = range(4)
 
 #: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
 ACTIVATION_REFRESH_STEPS = 100
+#: Workers whose reference workload runs within this fraction of the fastest count as equally fast.
+SPEED_TOLERANCE = 0.05
 
 
 class DynMoCallback(Callback):
@@ -105,8 +110,13 @@ class DynMoCallback(Callback):
             times across profiling windows, in ``[0, 1)``. ``None``: 0.8 with ``every_step`` (one step's
             routing is a noisy sample: act on what persists), 0 otherwise (after an event or a period
             the fresh measurement is the truth). Windows opened by a dynamism event always start fresh.
-        measure_comm: Time each stage boundary's activation transfer once per window and feed it to
-            the balancer (single-stage schedules only).
+        measure_comm: Time each stage boundary's activation transfer, link by link, in every window
+            (every-step windows reuse the last measurement) and feed it to the balancer: the sending
+            stage pays it (single-stage schedules only).
+        measure_speed: Time one fixed reference workload on every rank in each window and balance for
+            the measured worker speeds: a layer moved to a slower worker costs more there (see
+            :mod:`lightning_dynmo.profiling.speed` for why a reference workload). Workers within
+            ``SPEED_TOLERANCE`` of the fastest count as equal.
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -151,6 +161,7 @@ class DynMoCallback(Callback):
         rebalance_cost_prior_s: float = 1.0,
         cost_smoothing: float | None = None,
         measure_comm: bool = True,
+        measure_speed: bool = False,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -188,6 +199,7 @@ class DynMoCallback(Callback):
         self.profile_warmup_steps = profile_warmup_steps
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
+        self.measure_speed = measure_speed
         self._bus = event_bus or default_bus()
         self._clock = clock
         self._trigger = RebalanceTrigger(self.triggers, clock)
@@ -196,7 +208,8 @@ class DynMoCallback(Callback):
         self.rebalances: list[dict[str, Any]] = []
         self.placement: str | None = None
         self.overhead_s = 0.0
-        self.last_costs: list[LayerCost] | None = None
+        self.last_costs: list[LayerCost] | None = None  # on the reference worker (see measure_speed)
+        self.last_hardware: Hardware | None = None  # the parts, speeds and links of the last decision
         self._layout: dict[str, Any] | None = None  # the pipeline ``placement`` is for
         self._restored_placement: str | None = None
         self._restored_layout: dict[str, Any] | None = None
@@ -208,9 +221,10 @@ class DynMoCallback(Callback):
         self._window_reason = ""
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
-        self._comm_s_per_byte: float | None = None
-        # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
-        self._activations: dict[int, tuple[int, int, int]] = {}
+        self._link_s_per_byte: list[float] | None = None
+        # Per local layer or part: (saved-activation bytes, output bytes, step metered); see
+        # _known_activations.
+        self._activations: dict[int | str, tuple[int, int, int]] = {}
         self._cost_to_share = 0.0
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
@@ -363,6 +377,7 @@ class DynMoCallback(Callback):
             stages=strategy.pipeline_stages,
             microbatches_per_step=strategy.num_microbatches,
             known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
+            parts=part_modules([stage.submod for stage in strategy.pipeline_stages]),
         )
         self._profiler.start()
         self._window_steps = 0
@@ -371,7 +386,7 @@ class DynMoCallback(Callback):
 
     def _known_activations(
         self, layers: Mapping[int, Any], step: int, reason: str
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int | str, tuple[int, int]]:
         """Activation sizes an every-step window can reuse instead of metering them again.
 
         Saved-activation sizes follow shapes, not routing, so back-to-back every-step windows reuse what
@@ -385,7 +400,7 @@ class DynMoCallback(Callback):
         return {
             i: (saved, output)
             for i, (saved, output, metered_at) in self._activations.items()
-            if i in layers and step - metered_at < ACTIVATION_REFRESH_STEPS
+            if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
         }
 
     def _close_window(self, trainer: pl.Trainer) -> None:
@@ -399,17 +414,9 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         start = self._clock()
         placement = strategy.placement
-        inflight = inflight_microbatches(
-            strategy.schedule_name, 0, strategy.num_stages, strategy.num_microbatches
-        )
-        costs = gather_layer_costs(
-            result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group, strategy.root_device
-        )
-        previous = None if self._window_reason == "event" else self.last_costs
-        costs = smooth_costs(previous, costs, self.cost_smoothing)
-        comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
-        self.last_costs = costs
-        decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
+        costs, hardware = self._measure(trainer, result)
+        self.last_costs, self.last_hardware = costs, hardware
+        decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step)
         self._pending = decision
         self._pending_costs = {
             "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
@@ -418,12 +425,68 @@ class DynMoCallback(Callback):
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
         self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
 
+    def _measure(self, trainer: pl.Trainer, result: Any) -> tuple[list[LayerCost], Hardware]:
+        """Every layer's and part's cost on the reference worker, the worker speeds and the links.
+
+        Collectives over the pipeline group (costs, links) and the active ranks (speeds): every rank.
+        """
+        strategy = trainer.strategy
+        placement, schedule = strategy.placement, strategy.schedule_name
+        stages, microbatches = strategy.num_stages, strategy.num_microbatches
+        inflight = inflight_microbatches(schedule, 0, stages, microbatches)
+        parts = result.part_costs(
+            {"first": inflight, "last": inflight_microbatches(schedule, stages - 1, stages, microbatches)}
+        )
+        gathered = gather_costs(
+            result.layer_costs(inflight),
+            placement.num_layers,
+            strategy.pipeline_group,
+            strategy.root_device,
+            local_parts=parts,
+        )
+        costs, first, last = gathered.layers, gathered.first, gathered.last
+        slowdown = self._worker_slowdown(trainer) if self.measure_speed else None
+        if slowdown is not None:
+            workers = _stage_workers(strategy, placement) or list(range(stages))
+            costs = to_reference(costs, placement, workers, slowdown)
+            first = None if first is None else scaled(first, 1.0 / slowdown[workers[0]])
+            last = None if last is None else scaled(last, 1.0 / slowdown[workers[-1]])
+        fresh = self._window_reason == "event"
+        previous = None if fresh else self.last_costs
+        costs = smooth_costs(previous, costs, self.cost_smoothing)
+        before = None if fresh or self.last_hardware is None else self.last_hardware
+        first = _smooth_part(None if before is None else before.first_stage_extra, first, self.cost_smoothing)
+        last = _smooth_part(None if before is None else before.last_stage_extra, last, self.cost_smoothing)
+        comm = self._link_times(strategy, costs, placement) if self.measure_comm else None
+        self._queue_hardware_metrics(slowdown, comm, placement, strategy.pipeline_size)
+        return costs, Hardware(first, last, slowdown, comm)
+
+    def _worker_slowdown(self, trainer: pl.Trainer) -> list[float] | None:
+        """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
+        strategy = trainer.strategy
+        params = list(trainer.lightning_module.parameters())
+        dtype = params[0].dtype if params else torch.get_default_dtype()
+        seconds = time_reference_workload(strategy.root_device, dtype)
+        mine = torch.tensor([seconds], dtype=torch.float64, device=strategy.root_device)
+        times = _all_gather_rows(mine, strategy)[:, 0].tolist()
+        positions = [strategy.pipeline_rank_of(r) for r in strategy.active_ranks]
+        return worker_slowdown(times, positions, SPEED_TOLERANCE)
+
+    def _queue_hardware_metrics(
+        self, slowdown: list[float] | None, comm: list[list[float]] | None, placement: Placement, ranks: int
+    ) -> None:
+        if self.measure_speed:
+            for rank, factor in enumerate(slowdown or [1.0] * ranks):
+                self._queued_metrics[f"dynmo/rank{rank}/slowdown"] = factor
+        for link, row in enumerate(comm or []):
+            self._queued_metrics[f"dynmo/link{link}/send_s"] = row[placement.layers_of(link)[-1]]
+
     def _decide_once(
         self,
         strategy: Any,
         costs: list[LayerCost],
         placement: Placement,
-        comm: list[float] | None,
+        hardware: Hardware,
         trainer_step: int,
     ) -> RebalanceDecision:
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
@@ -441,10 +504,10 @@ class DynMoCallback(Callback):
                     else dataclasses.replace(self.balance, repack=False, target_num_stages=None),
                     strategy.num_microbatches,
                     strategy.schedule_name,
-                    comm,
                     stage_workers=_stage_workers(strategy, placement),
                     min_saving=self._min_saving(trainer_step),
                     repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
+                    hardware=hardware,
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -484,24 +547,25 @@ class DynMoCallback(Callback):
             lasts = self.triggers.auto_horizon_steps
         return statistics.mean(r["migration_s"] for r in migrations) / max(lasts, 1)
 
-    def _comm_per_layer(
+    def _link_times(
         self, strategy: Any, costs: list[LayerCost], placement: Placement
-    ) -> list[float] | None:
-        """Per layer, seconds to send its output across a boundary (measured once, scaled by bytes).
+    ) -> list[list[float]] | None:
+        """Per link, per layer: seconds to send that layer's output over the link (one row per link).
 
-        A boundary is a pair of neighbouring ranks whatever the placement, so the seconds per byte of
-        the links are measured in the first window only.
+        Each link's seconds per byte are measured with the boundary's activation in every window but
+        the every-step ones (they reuse the last measurement, as long as the pipeline has not changed).
         """
         if len(strategy.stage_indices) != 1 or strategy.pipeline_size < 2:
-            return None  # virtual stages share ranks: a rank-pair ping-pong does not measure them
-        if self._comm_s_per_byte is None:
-            last_layers = [placement.layers_of(s)[-1] for s in range(placement.num_stages - 1)]
+            return None  # virtual stages share ranks: a rank-pair stream does not measure them
+        links = placement.num_stages - 1
+        stale = self._link_s_per_byte is None or len(self._link_s_per_byte) != links
+        if stale or self._window_reason != "every_step":
+            last_layers = [placement.layers_of(s)[-1] for s in range(links)]
             sizes = [costs[i].activation_bytes for i in last_layers]
             seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
-            self._comm_s_per_byte = statistics.mean(
-                t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)
-            )
-        return [c.activation_bytes * self._comm_s_per_byte for c in costs]
+            self._link_s_per_byte = [t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)]
+        assert self._link_s_per_byte is not None
+        return [[c.activation_bytes * per_byte for c in costs] for per_byte in self._link_s_per_byte]
 
     # -- applying a decision --------------------------------------------------------------------------
 
@@ -644,6 +708,13 @@ class DynMoCallback(Callback):
         if self.balance.memory_capacity_bytes is None and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             self.balance = dataclasses.replace(self.balance, memory_capacity_bytes=float(total))
+
+
+def _smooth_part(previous: LayerCost | None, measured: LayerCost | None, weight: float) -> LayerCost | None:
+    """:func:`smooth_costs` for one pinned part (absent on either side: the measurement)."""
+    if previous is None or measured is None:
+        return measured
+    return smooth_costs([previous], [measured], weight)[0]
 
 
 def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:

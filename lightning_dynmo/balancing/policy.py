@@ -33,6 +33,7 @@ from lightning_dynmo.balancing._checks import CommTime, comm_rows, memory_caps
 from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
 from lightning_dynmo.balancing.diffusion import diffuse
+from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
@@ -455,49 +456,6 @@ def simulated_schedule(schedule: str) -> str:
             f"({', '.join(sorted(_SIMULATED_SCHEDULE))})."
         )
     return _SIMULATED_SCHEDULE[key]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the model runs on, beyond the layer costs: pinned parts, worker speeds and links.
-
-    Attributes:
-        first_stage_extra: The first-stage parts (embedding), always on stage 0.
-        last_stage_extra: The last-stage parts (final norm, head, loss), always on the last stage.
-        worker_slowdown: Per pipeline rank (worker), how many times longer it takes than the
-            reference worker the costs are expressed in; ``None``: every worker is the reference.
-        comm_time_s: Activation send times: one per layer (every link alike) or one row per link
-            (row ``r``: pipeline rank ``r`` -> ``r + 1``) of one per layer; ``None``: free links.
-    """
-
-    first_stage_extra: LayerCost | None = None
-    last_stage_extra: LayerCost | None = None
-    worker_slowdown: Sequence[float] | None = None
-    comm_time_s: CommTime = None
-
-    def stage_slowdown(self, num_stages: int, stage_workers: Sequence[int] | None) -> list[float] | None:
-        """Per stage, the slowdown of its worker (stage ``s`` on worker ``s`` unless ``stage_workers``)."""
-        if self.worker_slowdown is None:
-            return None
-        workers = list(stage_workers) if stage_workers is not None else list(range(num_stages))
-        if max(workers) >= len(self.worker_slowdown):
-            raise ValueError(
-                f"worker_slowdown has {len(self.worker_slowdown)} entries but the pipeline has workers up "
-                f"to {max(workers)}; give one factor per pipeline rank."
-            )
-        return [float(self.worker_slowdown[w]) for w in workers]
-
-    def links(self, num_layers: int, num_stages: int, by: str) -> list[list[float]] | None:
-        """Send times as one row per link of a pipeline of ``num_stages`` (``None`` outside ``time``).
-
-        Per-link rows describe the current links: a smaller pipeline keeps the first ones.
-        """
-        if self.comm_time_s is None or by != "time" or num_stages < 2:
-            return None
-        comm = self.comm_time_s
-        if isinstance(comm, Sequence) and comm and isinstance(comm[0], Sequence):
-            return comm_rows(comm[: num_stages - 1], num_layers, num_stages, by)
-        return comm_rows(comm, num_layers, num_stages, by)
 
 
 def predict(
