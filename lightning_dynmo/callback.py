@@ -117,6 +117,9 @@ class DynMoCallback(Callback):
             the measured worker speeds: a layer moved to a slower worker costs more there (see
             :mod:`lightning_dynmo.profiling.speed` for why a reference workload). Workers within
             ``SPEED_TOLERANCE`` of the fastest count as equal.
+        speed_probe: The reference workload ``(device, dtype) -> seconds`` for ``measure_speed``; ``None``:
+            :func:`~lightning_dynmo.profiling.speed.time_reference_workload` (an MLP forward and
+            backward). Every rank must run the same work.
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -162,6 +165,7 @@ class DynMoCallback(Callback):
         cost_smoothing: float | None = None,
         measure_comm: bool = True,
         measure_speed: bool = False,
+        speed_probe: Callable[[torch.device, torch.dtype], float] | None = None,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -200,6 +204,7 @@ class DynMoCallback(Callback):
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
         self.measure_speed = measure_speed
+        self._speed_probe = speed_probe or time_reference_workload
         self._bus = event_bus or default_bus()
         self._clock = clock
         self._trigger = RebalanceTrigger(self.triggers, clock)
@@ -466,7 +471,7 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         params = list(trainer.lightning_module.parameters())
         dtype = params[0].dtype if params else torch.get_default_dtype()
-        seconds = time_reference_workload(strategy.root_device, dtype)
+        seconds = float(self._speed_probe(strategy.root_device, dtype))
         mine = torch.tensor([seconds], dtype=torch.float64, device=strategy.root_device)
         times = _all_gather_rows(mine, strategy)[:, 0].tolist()
         positions = [strategy.pipeline_rank_of(r) for r in strategy.active_ranks]
