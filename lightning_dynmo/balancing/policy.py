@@ -476,7 +476,8 @@ def predict(
         schedule: A pipelining schedule name, e.g. ``"1F1B"``.
         by: ``"time"``, or ``"params"`` (parameter counts stand in for time, split 1:2 forward:backward).
         comm_time_s: Seconds to send each layer's output across a boundary (used where a stage ends):
-            one per layer, or one row per link. Overrides ``hardware.comm_time_s`` when given.
+            one per layer, or one row per link. Overrides ``hardware.comm_time_s`` when given. A send
+            keeps its sender busy (it is added to the sender's forward op), as the balancers assume.
         hardware: Pinned first/last-stage parts, worker slowdowns (one stage per worker) and links.
     """
     hw = hardware or Hardware()
@@ -511,10 +512,12 @@ def _predict(
         stage_fwd.append(slowdown[s] * f / num_microbatches)
         stage_bwd.append(slowdown[s] * b / num_microbatches)
     links = hardware.links(placement.num_layers, stages, by)
-    comm = [links[s][placement.layers_of(s)[-1]] for s in range(stages - 1)] if links else []
-    sim = simulate_pipeline(
-        stage_fwd, stage_bwd, num_microbatches, simulated_schedule(schedule), comm if comm else 0.0
-    )
+    for s in range(stages - 1 if links else 0):
+        # As in the balancers, a send keeps its sender busy (a synchronous transfer): it lengthens the
+        # stage's forward op rather than delaying the next stage's.
+        assert links is not None
+        stage_fwd[s] += links[s][placement.layers_of(s)[-1]]
+    sim = simulate_pipeline(stage_fwd, stage_bwd, num_microbatches, simulated_schedule(schedule))
     loads = tuple(f + b for f, b in zip(stage_fwd, stage_bwd, strict=True))
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
 

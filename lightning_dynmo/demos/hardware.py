@@ -6,8 +6,8 @@
   ``DynMoCallback(speed_probe=...)``: a fixed sleep, stretched by the same factor, and timed.
 - :func:`emulate_slow_link`: sends from this process to one peer wait ``latency + bytes * s_per_byte``
   before they are posted, in the sending thread, like a synchronous send over a congested link. It wraps
-  ``torch.distributed.send`` / ``isend`` (what torch's pipeline stages and the link measurement use), so
-  the profiler's link measurement sees the same delay as training does.
+  ``torch.distributed.isend``, through which torch's pipeline stages and ``send`` (the link measurement)
+  post their sends, so the profiler's link measurement sees the same delay as training does.
 
 Real hardware does not need any of this: the real probe (``profiling.speed``) and the real link
 measurement (``profiling.comm``) see real slowness. These exist because a 2-core machine has neither.
@@ -59,7 +59,8 @@ def emulate_slow_link(to_rank: int, s_per_byte: float, latency_s: float = 0.0) -
     """
     if s_per_byte < 0 or latency_s < 0:
         raise ValueError(f"s_per_byte={s_per_byte}, latency_s={latency_s} must be >= 0.")
-    originals = {name: getattr(c10d, name) for name in ("send", "isend")}
+    # ``send`` posts through the module's ``isend``, so wrapping ``isend`` delays both, once.
+    originals = {name: getattr(c10d, name) for name in ("isend",)}
 
     def delayed(original: Callable[..., Any]) -> Callable[..., Any]:
         def send(

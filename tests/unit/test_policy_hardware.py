@@ -104,7 +104,8 @@ def test_a_slow_link_is_paid_by_its_sender():
     assert decision.proposed.sizes == (3, 5)
     assert decision.proposed == partition(BLOCKS, 2, comm_time_s=[[8.0] * 8])
     step = predict(BLOCKS, UNIFORM, 4, "1F1B", hardware=links)[0]
-    assert step == pytest.approx(simulate_pipeline([1.0, 1.0], [2.0, 2.0], 4, "1f1b", 2.0).step_time_s)
+    # The sender is busy while it sends: its forward op takes 1 + 2 s per micro-batch.
+    assert step == pytest.approx(simulate_pipeline([3.0, 1.0], [2.0, 2.0], 4, "1f1b").step_time_s)
 
 
 @pytest.mark.parametrize(
