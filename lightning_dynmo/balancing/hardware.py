@@ -1,9 +1,10 @@
 """What a model runs on besides its blocks: pinned parts, worker speeds, links (pure Python).
 
-Read in this order: :class:`Hardware` (what :func:`~lightning_dynmo.balancing.policy.decide` takes), then
-the two helpers that turn measurements into it: :func:`worker_slowdown` (per-rank times of one reference
-workload -> slowdown factors) and :func:`to_reference` (costs measured on their owners' workers -> costs on
-the reference worker, which is what the balancers weigh).
+Read in this order: :class:`Hardware` (what :func:`~lightning_dynmo.balancing.policy.decide` takes),
+:func:`stage_times` (what each stage of a placement then costs, the input of the pipeline simulator), then
+the two helpers that turn measurements into a :class:`Hardware`: :func:`worker_slowdown` (per-rank times
+of one reference workload -> slowdown factors) and :func:`to_reference` (costs measured on their owners'
+workers -> costs on the reference worker, which is what the balancers weigh).
 
 A layer moved to a slower worker costs more there: the balancers take costs on a *reference* worker and
 each stage's slowdown factor (see :mod:`lightning_dynmo.balancing.stage_model`). The profiler measures a
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_dynmo.balancing._checks import CommTime, comm_rows
-from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.costs import LayerCost, layer_weights
 from lightning_dynmo.balancing.placement import Placement
 
 
@@ -62,6 +63,84 @@ class Hardware:
         if isinstance(comm, Sequence) and comm and isinstance(comm[0], Sequence):
             return comm_rows(comm[: num_stages - 1], num_layers, num_stages, by)
         return comm_rows(comm, num_layers, num_stages, by)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What each stage of a placement costs on its worker.
+
+    Attributes:
+        fwd_s: Per stage, forward seconds of a whole step (all micro-batches): layers and pinned parts,
+            times the worker's slowdown.
+        bwd_s: The same for backward.
+        send_s: Per stage, seconds to send one micro-batch's boundary activation over its link (0 for
+            the last stage), at the micro-batch size the costs were measured with.
+    """
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    send_s: tuple[float, ...]
+
+    def per_microbatch(
+        self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
+    ) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of one micro-batch on each stage, for the simulator.
+
+        Work splits evenly over the micro-batches (equal sizes). A send keeps its sender busy (a
+        synchronous transfer, as the balancers assume), so it lengthens the stage's forward op.
+
+        Args:
+            num_microbatches: Micro-batches per step.
+            measured_with: The count the costs were measured with (``None``: ``num_microbatches``); a
+                micro-batch that is ``k`` times larger sends ``k`` times the bytes.
+            per_op_s: Fixed seconds every forward and backward op costs on top of its work (launch,
+                schedule bookkeeping): what makes many small micro-batches slower than a few large ones.
+        """
+        scale = (measured_with or num_microbatches) / num_microbatches
+        fwd = [
+            f / num_microbatches + c * scale + per_op_s for f, c in zip(self.fwd_s, self.send_s, strict=True)
+        ]
+        bwd = [b / num_microbatches + per_op_s for b in self.bwd_s]
+        return fwd, bwd
+
+
+def stage_times(
+    costs: Sequence[LayerCost],
+    placement: Placement,
+    by: str,
+    hardware: Hardware,
+    stage_workers: Sequence[int] | None = None,
+) -> StageTimes:
+    """Per stage of ``placement``: step forward and backward seconds, and the send of its activation.
+
+    With ``by="params"`` parameter counts stand in for seconds, split 1:2 between forward and backward.
+    """
+    stages = placement.num_stages
+    fwd, bwd = _split(costs, by)
+    first, last = hardware.first_stage_extra, hardware.last_stage_extra
+    extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
+    slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
+    links = hardware.links(placement.num_layers, stages, by)
+    stage_fwd, stage_bwd, send = [], [], []
+    for s in range(stages):
+        layers = placement.layers_of(s)
+        f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
+        if s == 0 and first is not None:
+            f, b = f + extra_f[0], b + extra_b[0]
+        if s == stages - 1 and last is not None:
+            f, b = f + extra_f[-1], b + extra_b[-1]
+        stage_fwd.append(slowdown[s] * f)
+        stage_bwd.append(slowdown[s] * b)
+        send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
+    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send))
+
+
+def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:
+    """Forward and backward weights of each record (``params``: 1:2 of the parameter count)."""
+    if by == "time":
+        return [c.fwd_time_s for c in costs], [c.bwd_time_s for c in costs]
+    weights = layer_weights(costs, by)
+    return [w / 3 for w in weights], [2 * w / 3 for w in weights]
 
 
 def worker_slowdown(

@@ -31,9 +31,9 @@ from typing import Any
 
 from lightning_dynmo.balancing._checks import CommTime, comm_rows, memory_caps
 from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
-from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
+from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost
 from lightning_dynmo.balancing.diffusion import diffuse
-from lightning_dynmo.balancing.hardware import Hardware
+from lightning_dynmo.balancing.hardware import Hardware, stage_times
 from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
@@ -496,38 +496,11 @@ def _predict(
     hardware: Hardware,
     stage_workers: Sequence[int] | None,
 ) -> _Prediction:
-    stages = placement.num_stages
-    fwd, bwd = _split(costs, by)
-    first, last = hardware.first_stage_extra, hardware.last_stage_extra
-    extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
-    slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
-    stage_fwd, stage_bwd = [], []
-    for s in range(stages):
-        layers = placement.layers_of(s)
-        f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
-        if s == 0 and first is not None:
-            f, b = f + extra_f[0], b + extra_b[0]
-        if s == stages - 1 and last is not None:
-            f, b = f + extra_f[-1], b + extra_b[-1]
-        stage_fwd.append(slowdown[s] * f / num_microbatches)
-        stage_bwd.append(slowdown[s] * b / num_microbatches)
-    links = hardware.links(placement.num_layers, stages, by)
-    for s in range(stages - 1 if links else 0):
-        # As in the balancers, a send keeps its sender busy (a synchronous transfer): it lengthens the
-        # stage's forward op rather than delaying the next stage's.
-        assert links is not None
-        stage_fwd[s] += links[s][placement.layers_of(s)[-1]]
-    sim = simulate_pipeline(stage_fwd, stage_bwd, num_microbatches, simulated_schedule(schedule))
-    loads = tuple(f + b for f, b in zip(stage_fwd, stage_bwd, strict=True))
+    times = stage_times(costs, placement, by, hardware, stage_workers)
+    fwd, bwd = times.per_microbatch(num_microbatches)
+    sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
+    loads = tuple(f + b for f, b in zip(fwd, bwd, strict=True))
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
-
-
-def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:
-    """Forward and backward weights of each record (``params``: 1:2 of the parameter count)."""
-    if by == "time":
-        return [c.fwd_time_s for c in costs], [c.bwd_time_s for c in costs]
-    weights = layer_weights(costs, by)
-    return [w / 3 for w in weights], [2 * w / 3 for w in weights]
 
 
 def decide(
