@@ -34,25 +34,14 @@ from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost
 from lightning_dynmo.balancing.diffusion import diffuse
 from lightning_dynmo.balancing.hardware import Hardware, stage_times
-from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline
+from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline, simulated_schedule
+from lightning_dynmo.balancing.microbatches import RetuneOptions, choose_microbatches
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.repack import repack
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
 BALANCERS: tuple[str, ...] = ("partition", "diffusion", "static")
-
-# torch.distributed.pipelining schedule names (lower-cased) -> the simulator's schedule model.
-_SIMULATED_SCHEDULE = {
-    "gpipe": "gpipe",
-    "loopedbfs": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "1f1b",
-    "interleavedzerobubble": "zero_bubble",
-    "zbvzerobubble": "zero_bubble",
-    "dualpipev": "zero_bubble",
-    "zero_bubble": "zero_bubble",
-}
 
 MemoryCapacity = float | int | Sequence[float | int] | None
 
@@ -414,6 +403,9 @@ class RebalanceDecision:
         imbalance_before: Stage-load imbalance of ``current``.
         imbalance_after: Stage-load imbalance of ``proposed``.
         reason: Why (not) applied, for the log line.
+        num_microbatches: With a re-tune (:class:`~lightning_dynmo.balancing.microbatches.RetuneOptions`),
+            the micro-batch count the re-packed pipeline runs; ``None``: unchanged.
+        microbatch_steps: The predicted step seconds of each micro-batch count the re-tune weighed.
     """
 
     apply: bool
@@ -426,6 +418,8 @@ class RebalanceDecision:
     imbalance_before: float
     imbalance_after: float
     reason: str
+    num_microbatches: int | None = None
+    microbatch_steps: Mapping[int, float] | None = None
 
     @property
     def predicted_gain(self) -> float:
@@ -445,17 +439,6 @@ class _Prediction:
     step: float
     bubble_ratio: float
     imbalance: float
-
-
-def simulated_schedule(schedule: str) -> str:
-    """The simulator's model (``"gpipe"``, ``"1f1b"``, ``"zero_bubble"``) of a pipelining schedule name."""
-    key = schedule.lower()
-    if key not in _SIMULATED_SCHEDULE:
-        raise ValueError(
-            f"schedule={schedule!r} has no simulator model; use one of torch's schedule names "
-            f"({', '.join(sorted(_SIMULATED_SCHEDULE))})."
-        )
-    return _SIMULATED_SCHEDULE[key]
 
 
 def predict(
@@ -514,6 +497,7 @@ def decide(
     min_saving: float = 0.0,
     repack_layouts: Mapping[int, Sequence[int]] | None = None,
     hardware: Hardware | None = None,
+    retune: RetuneOptions | None = None,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
@@ -540,6 +524,10 @@ def decide(
         hardware: The pinned first- and last-stage parts (embedding; final norm, head and loss), which
             every balancer, the predicted step and the memory caps count on their stages; worker
             slowdowns; links. ``None``: blocks only, equal workers, free links.
+        retune: With ``cost="time"``, when a re-pack is applied, choose the micro-batch count of the
+            smaller pipeline among ``retune.counts[new stage count]`` (:func:`choose_microbatches`;
+            ``predicted_step_after`` stays the re-pack's at the current count, each count's prediction is
+            in ``microbatch_steps``).
 
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
@@ -585,7 +573,7 @@ def decide(
             False,
             f"predicted saving {step_before - step_after:.4g} below min_saving={min_saving:.4g}",
         )
-    return RebalanceDecision(
+    decision = RebalanceDecision(
         apply=apply,
         current=current,
         proposed=proposed,
@@ -596,6 +584,49 @@ def decide(
         imbalance_before=before.imbalance,
         imbalance_after=after.imbalance,
         reason=f"{reason}; {why}",
+    )
+    if retune is None or not apply or proposed.num_stages == current.num_stages or config.cost != "time":
+        return decision
+    return _retuned(decision, costs, config, num_microbatches, schedule, hw, proposed_workers, retune)
+
+
+def _retuned(
+    decision: RebalanceDecision,
+    costs: Sequence[LayerCost],
+    config: BalanceConfig,
+    num_microbatches: int,
+    schedule: str,
+    hw: Hardware,
+    workers: Sequence[int] | None,
+    retune: RetuneOptions,
+) -> RebalanceDecision:
+    """``decision`` (an applied re-pack) with the micro-batch count chosen for its smaller pipeline."""
+    proposed = decision.proposed
+    counts = retune.counts.get(proposed.num_stages)
+    if not counts:
+        return decision
+    caps = config.memory_capacity_bytes
+    if isinstance(caps, Sequence):
+        caps = list(caps)[: proposed.num_stages]  # the kept stages keep their capacities
+    choice = choose_microbatches(
+        costs,
+        proposed,
+        current=num_microbatches,
+        candidates=counts,
+        schedule=schedule,
+        hardware=hw,
+        stage_workers=workers,
+        per_op_s=retune.per_op_s,
+        memory_capacity_bytes=caps,
+        min_gain=config.min_gain,
+    )
+    if choice.num_microbatches == num_microbatches:
+        return dataclasses.replace(decision, microbatch_steps=choice.predicted_step_s)
+    return dataclasses.replace(
+        decision,
+        num_microbatches=choice.num_microbatches,
+        microbatch_steps=choice.predicted_step_s,
+        reason=f"{decision.reason}; {choice.num_microbatches} micro-batches instead of {num_microbatches}",
     )
 
 
