@@ -35,6 +35,7 @@ from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
 from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
 from lightning_dynmo.balancing.metrics import imbalance
+from lightning_dynmo.balancing.microbatches import RetuneOptions
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
     BalanceConfig,
@@ -49,6 +50,7 @@ from lightning_dynmo.balancing.policy import (
 )
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
 from lightning_dynmo.pipeline.faults import RemoteFailure
+from lightning_dynmo.pipeline.microbatches import retune_candidates
 from lightning_dynmo.pipeline.stage import part_modules
 from lightning_dynmo.profiling import (
     LayerProfiler,
@@ -120,6 +122,10 @@ class DynMoCallback(Callback):
         speed_probe: The reference workload ``(device, dtype) -> seconds`` for ``measure_speed``; ``None``:
             :func:`~lightning_dynmo.profiling.speed.time_reference_workload` (an MLP forward and
             backward). Every rank must run the same work.
+        retune_microbatches: With ``repack`` and ``cost="time"``: when a re-pack is applied, re-tune the
+            micro-batch count for the smaller pipeline (a divisor of the batch the schedule accepts,
+            chosen by the simulator with the measured fixed cost per op and the memory caps; see
+            :mod:`lightning_dynmo.balancing.microbatches`). Training stays exactly the same.
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -166,6 +172,7 @@ class DynMoCallback(Callback):
         measure_comm: bool = True,
         measure_speed: bool = False,
         speed_probe: Callable[[torch.device, torch.dtype], float] | None = None,
+        retune_microbatches: bool = False,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -204,6 +211,7 @@ class DynMoCallback(Callback):
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
         self.measure_speed = measure_speed
+        self.retune_microbatches = retune_microbatches
         self._speed_probe = speed_probe or time_reference_workload
         self._bus = event_bus or default_bus()
         self._clock = clock
@@ -239,6 +247,7 @@ class DynMoCallback(Callback):
         )
         self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
         self._step_phase: StepPhase = "quiet"
+        self._window_busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
         self._window_steps = 0
         self._queued_metrics: dict[str, float] = {}
         self._averages = {
@@ -332,8 +341,10 @@ class DynMoCallback(Callback):
         step_s = self._clock() - self._step_start
         assert self._busy is not None
         busy_s = self._busy.end_step()
+        if self._step_phase == "profiled" and busy_s is not None:
+            self._window_busy_s.append(busy_s)
         if self._profiler is not None and self._profiler.end_step():
-            self._close_window(trainer)
+            self._close_window(trainer, batch)
         self._share_step(trainer, pl_module, busy_s, step_s)
 
     @override
@@ -386,6 +397,7 @@ class DynMoCallback(Callback):
         )
         self._profiler.start()
         self._window_steps = 0
+        self._window_busy_s = []
         self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
@@ -408,7 +420,7 @@ class DynMoCallback(Callback):
             if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
         }
 
-    def _close_window(self, trainer: pl.Trainer) -> None:
+    def _close_window(self, trainer: pl.Trainer, batch: Any) -> None:
         assert self._profiler is not None
         result = self._profiler.result()
         known = self._profiler.known_activations
@@ -421,7 +433,8 @@ class DynMoCallback(Callback):
         placement = strategy.placement
         costs, hardware = self._measure(trainer, result)
         self.last_costs, self.last_hardware = costs, hardware
-        decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step)
+        retune = self._retune_options(trainer, result, batch) if self._retunes else None
+        decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step, retune)
         self._pending = decision
         self._pending_costs = {
             "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
@@ -466,6 +479,33 @@ class DynMoCallback(Callback):
         self._queue_hardware_metrics(slowdown, comm, placement, strategy.pipeline_size)
         return costs, Hardware(first, last, slowdown, comm)
 
+    @property
+    def _retunes(self) -> bool:
+        return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
+
+    def _retune_options(self, trainer: pl.Trainer, result: Any, batch: Any) -> RetuneOptions:
+        """The micro-batch counts each re-pack may run, and the measured fixed cost of an op; a collective.
+
+        An op's fixed cost is a rank's busy time in the window's measured steps beyond its own units'
+        work and the profiler's hooks, per forward or backward op; the slowest rank's (clamped at 0).
+        """
+        strategy = trainer.strategy
+        batch_size = int(trainer.lightning_module.pipeline_batch(batch)[0].shape[0])
+        units = [*result.layers.values(), *result.parts.values()]
+        work_s = sum(p.fwd_time_s + p.bwd_time_s for p in units) + result.hook_time_s
+        busy_s = statistics.median(self._window_busy_s) if self._window_busy_s else work_s
+        ops = 2 * strategy.num_microbatches * len(strategy.stage_indices)
+        mine = torch.tensor(
+            [max(0.0, busy_s - work_s) / ops], dtype=torch.float64, device=strategy.root_device
+        )
+        per_op_s = float(_all_gather_rows(mine, strategy)[:, 0].max())
+        schedule, spr = _schedule_spec(strategy), len(strategy.stage_indices)
+        layouts = _repack_layouts(strategy)
+        stage_counts = list(layouts) if layouts is not None else list(range(1, strategy.num_stages + 1))
+        counts = {k: retune_candidates(schedule, k // spr, batch_size) for k in stage_counts}
+        self._queued_metrics["dynmo/per_op_s"] = per_op_s
+        return RetuneOptions(counts=counts, per_op_s=per_op_s)
+
     def _worker_slowdown(self, trainer: pl.Trainer) -> list[float] | None:
         """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
         strategy = trainer.strategy
@@ -493,6 +533,7 @@ class DynMoCallback(Callback):
         placement: Placement,
         hardware: Hardware,
         trainer_step: int,
+        retune: RetuneOptions | None = None,
     ) -> RebalanceDecision:
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
         source = strategy.active_ranks[0]
@@ -513,6 +554,7 @@ class DynMoCallback(Callback):
                     min_saving=self._min_saving(trainer_step),
                     repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
                     hardware=hardware,
+                    retune=retune,
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -582,7 +624,7 @@ class DynMoCallback(Callback):
         migration_s = 0.0
         if decision.apply:
             start = self._clock()
-            strategy.apply_placement(decision.proposed)
+            strategy.apply_placement(decision.proposed, num_microbatches=decision.num_microbatches)
             migration_s = self._clock() - start
         total = costs["profiling_s"] + costs["decision_s"] + migration_s
         self._cost_to_share = total
@@ -597,6 +639,7 @@ class DynMoCallback(Callback):
             "why": decision.reason,
             "predicted_gain": decision.predicted_gain,
             "measured_gain": None,
+            "num_microbatches": strategy.num_microbatches,
             **costs,
             "migration_s": migration_s,
         }
@@ -720,6 +763,12 @@ def _smooth_part(previous: LayerCost | None, measured: LayerCost | None, weight:
     if previous is None or measured is None:
         return measured
     return smooth_costs([previous], [measured], weight)[0]
+
+
+def _schedule_spec(strategy: Any) -> Any:
+    from lightning_dynmo.pipeline.schedule import resolve_schedule
+
+    return resolve_schedule(strategy.schedule_name)
 
 
 def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:

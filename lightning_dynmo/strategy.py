@@ -96,6 +96,7 @@ from lightning_dynmo.pipeline.layout import (
     unit_owners,
 )
 from lightning_dynmo.pipeline.loss_scaling import PipelineLossScaling
+from lightning_dynmo.pipeline.microbatches import MicrobatchCount
 from lightning_dynmo.pipeline.release import (
     ReleaseEvent,
     active_ranks_of,
@@ -203,7 +204,7 @@ class DynMoStrategy(ParallelStrategy):
         )
         self._schedule = resolve_schedule(schedule)
         self._pipeline_size_arg = pipeline_size
-        self._num_microbatches = num_microbatches
+        self._microbatches = MicrobatchCount(num_microbatches)
         self._timeout = timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend
@@ -226,7 +227,6 @@ class DynMoStrategy(ParallelStrategy):
         # First/last-part parameter ties; when the two parts are on different ranks, the global rank
         # holding the other copy and this rank's side ("first" or "last"), else None.
         self._ties = TiedCopies()
-        self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
         self._board: FailureBoard | None = None
         self._sigterm = SigtermAgreement()
@@ -350,7 +350,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per training step."""
-        return self._num_microbatches
+        return self._microbatches.current
 
     @property
     def schedule_name(self) -> str:
@@ -539,7 +539,7 @@ class DynMoStrategy(ParallelStrategy):
         else:
             setattr(self._module(), unit, module)
 
-    def apply_placement(self, new: Placement | str) -> MigrationReport:
+    def apply_placement(self, new: Placement | str, num_microbatches: int | None = None) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
 
         Step boundaries: a callback's ``on_train_batch_start`` / ``on_train_batch_end``, or
@@ -562,6 +562,9 @@ class DynMoStrategy(ParallelStrategy):
 
         Args:
             new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.
+            num_microbatches: With a re-pack, the micro-batch count the smaller pipeline runs from now on
+                (:mod:`lightning_dynmo.pipeline.microbatches`: it must divide the batch; a batch it does
+                not divide runs with the configured count). ``None`` keeps the count.
 
         Returns:
             This rank's :class:`~lightning_dynmo.pipeline.migration.MigrationReport`.
@@ -583,8 +586,9 @@ class DynMoStrategy(ParallelStrategy):
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         with self._guard("apply_placement (the check that every rank applies the same placement)"):
-            what = "apply_placement was called with different placements"
-            check_same_on_all_ranks(str(target), self._active_ranks, self._active_group, what)
+            what = "apply_placement was called with different placements or micro-batch counts"
+            agreed = f"{target} num_microbatches={num_microbatches}"
+            check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(
                 f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -593,8 +597,10 @@ class DynMoStrategy(ParallelStrategy):
                 "because released ranks have left the job. To train on more stages, save a checkpoint "
                 "and resume it with more devices: DynMo checkpoints load at any placement."
             )
+        # Before anything moves, so that a bad count fails every rank alike.
+        self._microbatches.check_retune(num_microbatches, self._schedule, target, self.placement)
         if target.num_stages < self.placement.num_stages:
-            return self._repack(target)
+            return self._repack(target, num_microbatches)
         check_placement(target, spec.num_layers, self._num_stages_of_run())
         old = self.placement
         if target == old:
@@ -643,7 +649,7 @@ class DynMoStrategy(ParallelStrategy):
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 
-    def _repack(self, target: Placement) -> MigrationReport:
+    def _repack(self, target: Placement, num_microbatches: int | None) -> MigrationReport:
         spec, old, old_grid = self._require_spec(), self.placement, self._require_grid()
         check_placement(target, spec.num_layers, target.num_stages)
         new_grid = plan_repack(old_grid, old, target, self._schedule.stages_per_rank)
@@ -668,6 +674,7 @@ class DynMoStrategy(ParallelStrategy):
                 new_grid, self.global_rank, self._timeout
             )
             self._pair_tied_copies()
+            self._microbatches.retune(num_microbatches)
             self._rebuild_pipeline()
         else:
             self._ties.clear()
@@ -839,11 +846,11 @@ class DynMoStrategy(ParallelStrategy):
             self._schedule,
             pipeline_rank=self._require_grid().pipeline_rank(self.global_rank),
             pipeline_size=self.pipeline_size,
-            num_microbatches=self._num_microbatches,
+            num_microbatches=self._microbatches.current,
             device=self.root_device,
             group=self._pipeline_group,
         )
-        self._batch_shape = None
+        self._microbatches.batch_shape = None
 
     # -- one training step ------------------------------------------------------------------------------
 
@@ -884,7 +891,7 @@ class DynMoStrategy(ParallelStrategy):
                 step.losses,
                 step.aux,
                 spec.aux_losses,
-                num_microbatches=self._num_microbatches,
+                num_microbatches=self._microbatches.current,
                 data_parallel_size=self.data_parallel_size,
                 group=self._active_group,
                 device=self.root_device,
@@ -900,28 +907,9 @@ class DynMoStrategy(ParallelStrategy):
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
     def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
-        n = self._num_microbatches
-        if inputs.shape[0] % n != 0:
-            raise ValueError(
-                f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
-                f"micro-batches; use a batch size that is a multiple of {n} and drop_last=True in the "
-                "DataLoader."
-            )
-        shape = (
-            tuple(inputs.shape),
-            tuple(target.shape),
-            *((k, tuple(v.shape)) for k, v in sorted(side.items())),
-        )
-        if self._batch_shape is not None and shape != self._batch_shape:
-            # The schedule caches activation shapes from its first step; a new shape needs new stages.
-            log.info(
-                "rank %d: batch shape changed %s -> %s, rebuilding stages",
-                self.global_rank,
-                self._batch_shape,
-                shape,
-            )
+        # The schedule caches activation shapes from its first step; a new shape needs new stages.
+        if self._microbatches.new_pipeline_needed(inputs, target, side):
             self._rebuild_pipeline()
-        self._batch_shape = shape
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -997,7 +985,7 @@ class DynMoStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, _, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
@@ -1036,7 +1024,7 @@ class DynMoStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
         with self._guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
