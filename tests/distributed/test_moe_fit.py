@@ -227,6 +227,7 @@ def _biases(state: dict[str, Tensor]) -> list[Tensor]:
     return [v for k, v in state.items() if k.endswith("expert_bias")]
 
 
+@pytest.mark.slow
 def test_moe_gpt_with_every_step_rebalancing_equals_single_process(tmp_path: Path) -> None:
     run = MoERun()
     results = _fit(run, tmp_path)

@@ -68,5 +68,5 @@ def test_moe_benchmark_runs(tmp_path: Path) -> None:
         "Linear fit",
     ):
         assert label in text
-    assert text.count("| per-step oracle") == 1
+    assert text.count("| per-step min-max partition") == 1
     assert "python -m benchmarks.moe --quick --spread 0" in text
