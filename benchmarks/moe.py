@@ -226,6 +226,7 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
         "step_s": timer.step_s,
         "placement": str(strategy.placement),
         "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
+        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
     }
 
 
@@ -273,6 +274,7 @@ def compare_pipeline(sizes: Sizes, steps: int, skip: int, rounds: int, spread: i
             "ms": 1e3 * statistics.median(medians[r.label]),
             "placement": last[r.label]["placement"],
             "rebalances": last[r.label]["rebalances"],
+            "overhead_s": last[r.label]["overhead_s"],
             "candidate": not r.dynmo,
         }
         for r in runs
@@ -288,14 +290,14 @@ def compare_pipeline(sizes: Sizes, steps: int, skip: int, rounds: int, spread: i
 
 def pipeline_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | step (ms) | static / this | ideal / this | final placement | rebalances |",
-        "|---|---:|---:|---:|---|---:|",
+        "| run | step (ms) | static / this | ideal / this | final placement | rebalances | DynMo cost (s) |",
+        "|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         mark = " (ideal)" if r["ideal"] else ""
         lines.append(
             f"| {r['label']}{mark} | {r['ms']:.1f} | {r['speedup']:.3f}x | {r['vs_ideal']:.3f} "
-            f"| `{r['placement']}` | {r['rebalances']} |"
+            f"| `{r['placement']}` | {r['rebalances']} | {r['overhead_s']:.2f} |"
         )
     return "\n".join(lines)
 
