@@ -72,6 +72,7 @@ from typing_extensions import override
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
+from lightning_dynmo.pipeline.construction import keep_local_units
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
     TiedParameter,
@@ -104,6 +105,7 @@ from lightning_dynmo.pipeline.schedule import (
     run_schedule_step,
 )
 from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.units import attach_unit, detach_unit, pipeline_units
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -289,8 +291,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def local_layers(self) -> Mapping[int, nn.Module]:
         """The blocks this rank owns, by global index, in index order."""
-        layers = self._layers()
-        return {int(k): layers[k] for k in layers}
+        return {int(k): block for k, block in self._module().get_submodule("layers").named_children()}
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -526,7 +527,11 @@ class DynMoStrategy(ParallelStrategy):
                 self._ties = find_tied_parameters(module, self._spec)
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
-            self._keep_only_local_units()
+            spec, grid, style = self._spec, self._require_grid(), self._schedule.style
+            owners = unit_owners(self._placement, grid, style, spec.first_parts, spec.last_parts)
+            mine = (self.data_parallel_rank, self.global_rank)
+            owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
+            keep_local_units(module, spec, owned, device=self.root_device)
             self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -561,45 +566,8 @@ class DynMoStrategy(ParallelStrategy):
     def _num_stages_of_run(self) -> int:
         return self.pipeline_size * self._schedule.stages_per_rank
 
-    def _owners(self, placement: Placement) -> dict[tuple[int, str], int]:
-        spec = self._require_spec()
-        return unit_owners(
-            placement, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
-        )
-
     def _local_units(self) -> dict[str, nn.Module]:
-        module, spec = self._module(), self._require_spec()
-        units = {f"layers.{k}": m for k, m in self._layers().items()}
-        for name in (*spec.first_parts, *spec.last_parts):
-            part = getattr(module, name, None)
-            if part is not None:
-                units[name] = part
-        return units
-
-    def _keep_only_local_units(self) -> None:
-        owners = self._owners(self.placement)
-        replica = self.data_parallel_rank
-        for unit in list(self._local_units()):
-            if owners[(replica, unit)] != self.global_rank:
-                self._detach_unit(unit)
-
-    def _detach_unit(self, unit: str) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            del self._layers()[index]
-        else:
-            setattr(self._module(), unit, None)
-
-    def _attach_unit(self, unit: str, module: nn.Module) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            layers = self._layers()
-            # Keep the ModuleDict in global index order: a stage runs its blocks in that order.
-            items = sorted([*layers.items(), (index, module)], key=lambda kv: int(kv[0]))
-            layers.clear()
-            layers.update(items)
-        else:
-            setattr(self._module(), unit, module)
+        return pipeline_units(self._module(), self._require_spec())
 
     def apply_placement(self, new: Placement | str) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
@@ -684,9 +652,9 @@ class DynMoStrategy(ParallelStrategy):
             reports.append(report)
             for move in moves:
                 if move.src == self.global_rank:
-                    self._detach_unit(move.name)
+                    detach_unit(self._module(), move.name)
             for unit, module in received.items():
-                self._attach_unit(unit, module)
+                attach_unit(self._module(), unit, module)
         return MigrationReport(
             moves=tuple(move for r in reports for move in r.moves),
             bytes_sent=sum(r.bytes_sent for r in reports),
@@ -731,7 +699,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def _release(self) -> None:
         for unit in list(self._local_units()):
-            self._detach_unit(unit)
+            detach_unit(self._module(), unit)
         for optimizer in self.optimizers:
             optimizer.state.clear()
             for group in optimizer.param_groups:
@@ -1132,11 +1100,6 @@ class DynMoStrategy(ParallelStrategy):
         if self.lightning_module is None:
             raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
         return self.lightning_module
-
-    def _layers(self) -> nn.ModuleDict:
-        layers = self._module().layers
-        assert isinstance(layers, nn.ModuleDict)
-        return layers
 
     def _require_grid(self) -> RankGrid:
         if self._grid is None:
