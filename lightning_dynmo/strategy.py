@@ -71,7 +71,15 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
-from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
+from lightning_dynmo.pipeline.checkpoint import (
+    CHECKPOINT_KEY,
+    full_state_from_checkpoint,
+    layout_of,
+    prepared_for_file,
+    read_checkpoint,
+    state_to_save,
+    tie_aliases,
+)
 from lightning_dynmo.pipeline.construction import keep_local_units
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
@@ -104,7 +112,8 @@ from lightning_dynmo.pipeline.schedule import (
     resolve_schedule,
     run_schedule_step,
 )
-from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.sharded import save_sharded
+from lightning_dynmo.pipeline.state import load_local_state
 from lightning_dynmo.pipeline.units import attach_unit, detach_unit, pipeline_units
 
 if TYPE_CHECKING:
@@ -154,6 +163,10 @@ class DynMoStrategy(ParallelStrategy):
             rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
             it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.evaluation`.
         test_loss_log_name: The same for ``Trainer.test``.
+        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
+            writes and later reads only its units (:mod:`lightning_dynmo.pipeline.sharded`, whose
+            ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
+            rank 0. Both carry checksums and resume at any placement or size.
     """
 
     strategy_name = "dynmo"
@@ -177,6 +190,7 @@ class DynMoStrategy(ParallelStrategy):
         on_release: Callable[[ReleaseEvent], Any] | None = None,
         val_loss_log_name: str | None = "val_loss",
         test_loss_log_name: str | None = "test_loss",
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -205,6 +219,7 @@ class DynMoStrategy(ParallelStrategy):
         self._on_release = on_release
         self._released = False
         self._saved_optimizer_states: list[Any] | None = None
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._eval_log_names = {
             "validate": _check_log_name("val_loss_log_name", val_loss_log_name),
             "test": _check_log_name("test_loss_log_name", test_loss_log_name),
@@ -785,22 +800,24 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state, keyed as in the single-process model, on global rank 0 (``{}`` elsewhere).
+        """The model's state under single-process keys: this rank's units (sharded saves), or the whole
+        model gathered over replica 0's pipeline on global rank 0 (``{}`` elsewhere and when released).
 
-        Collective over replica 0's pipeline; it also gathers the optimizer state returned by
-        :meth:`optimizer_state`. Other replicas and released ranks return ``{}`` without communicating.
+        It also takes the optimizer state returned by :meth:`optimizer_state`.
         """
         self._saved_optimizer_states = None
-        if self._released or self.data_parallel_rank != 0:
+        if self._released:
             return {}
-        dst = self._require_grid().pipeline_ranks(0)[0]
-        optimizers = list(self.optimizers)
+        dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
         with communication_guard("checkpoint gathering", self._comm_context()):
-            full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
-        if full is None:
-            return {}
-        self._saved_optimizer_states = list(full["optimizer"])
-        return full["model"]
+            model, self._saved_optimizer_states = state_to_save(
+                self._local_units(),
+                list(self.optimizers),
+                self._save_distributed_checkpoint,
+                dst,
+                self._pipeline_group,
+            )
+        return model
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -815,16 +832,28 @@ class DynMoStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self._released:
+            return
         if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = layout_record(
-                str(self.placement),
-                self.pipeline_size,
-                self.data_parallel_size,
-                self.schedule_name,
-                self._active_ranks,
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            checkpoint[CHECKPOINT_KEY] = layout_of(self)
+        if self._save_distributed_checkpoint:
+            path = self.broadcast(str(filepath))
+            with communication_guard("checkpoint saving", self._comm_context()):
+                save_sharded(path, checkpoint, group=self._active_group, coordinator=self._active_ranks[0])
+        elif self.is_global_zero:
+            with prepared_for_file(filepath):
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self._saved_optimizer_states = None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
+        with communication_guard("checkpoint loading", self._comm_context()):
+            units, ties = self._local_units(), self._ties
+            loaded = read_checkpoint(
+                checkpoint_path, units, bool(self.optimizers), ties, self._active_group, weights_only
+            )
+        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -836,9 +865,7 @@ class DynMoStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
-        # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
-        aliases = {t.last_name: t.first_name for t in self._ties}
-        load_local_state(full, self._local_units(), list(self.optimizers), aliases=aliases)
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=tie_aliases(self._ties))
 
     def _check_same_on_all_ranks(self, text: str) -> None:
         gathered: list[Any] = [None] * len(self._active_ranks)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_dynmo.pipeline.contract import ModelSpec
 
-__all__ = ["attach_unit", "detach_unit", "pipeline_units"]
+__all__ = ["attach_unit", "detach_unit", "pipeline_units", "unit_of_key"]
 
 
 def pipeline_units(model: nn.Module, spec: ModelSpec) -> dict[str, nn.Module]:
@@ -51,3 +51,11 @@ def attach_unit(model: nn.Module, unit: str, module: nn.Module) -> None:
     else:
         setattr(model, unit, module)
 
+
+def unit_of_key(key: str) -> str:
+    """The unit a model ``state_dict`` key belongs to: ``"layers.7.fc1.weight"`` -> ``"layers.7"``."""
+    head, _, rest = key.partition(".")
+    if head == "layers":
+        index, _, _ = rest.partition(".")
+        return f"layers.{index}"
+    return head
