@@ -71,6 +71,7 @@ class MetaRun(Run):
             "num_heads": self.num_heads,
             "mlp_ratio": self.mlp_ratio,
             "seq_len": self.seq_len,
+            "tie_embeddings": self.tie_embeddings,
         }
 
     def model(self) -> Any:
@@ -193,11 +194,12 @@ def assert_trains_like_one_process(results: list[dict[str, Any]], run: MetaRun) 
 SMALL = MetaRun(num_layers=6, placement="0-2|3-5", steps=6, migrations=((2, "0-4|5-5"), (4, "0-5")))
 
 
-@pytest.mark.parametrize("kind", ["meta", "configured"])
+@pytest.mark.parametrize(("kind", "tied"), [("meta", False), ("configured", True)])
 def test_each_rank_builds_its_units_with_the_single_process_values_and_trains_exactly(
-    kind: str, tmp_path: Path
+    kind: str, tied: bool, tmp_path: Path
 ) -> None:
-    run = replace(SMALL, kind=kind)
+    # Tied: the last rank builds the head alone and takes the tied weight from the embedding's init.
+    run = replace(SMALL, kind=kind, tie_embeddings=tied)
     results = fit(run, tmp_path)
     assert [r["released"] for r in results] == [False, True]  # migrated, then re-packed onto rank 0
     assert_initial_weights_equal_one_process(results, run)
