@@ -99,10 +99,17 @@ def materialize_units(
         _allocate(units[name], device, fresh)
     seed = _model_seed(model)
     for name in reversed(order):  # last to first: the first holder of a shared tensor sets it
-        _initialise(model, name, units[name], seed)
+        _initialise(model, name, units[name], seed, device)
     for name in order:
         _check_initialised(name, units[name], fresh)
-    return sum(_unique_bytes(units[name]) for name in order if name in owned)
+    built = sum(_unique_bytes(units[name]) for name in order if name in owned)
+    if built:
+        log.info(
+            "materialised %.1f MiB of units %s from the meta device",
+            built / 2**20,
+            sorted(owned & set(order)),
+        )
+    return built
 
 
 def keep_local_units(model: nn.Module, spec: ModelSpec, owned: Iterable[str], *, device: torch.device) -> int:
@@ -204,9 +211,9 @@ def _allocate(unit: nn.Module, device: torch.device, fresh: dict[int, torch.Tens
                 table[key] = new
 
 
-def _initialise(model: nn.Module, name: str, unit: nn.Module, seed: int) -> None:
+def _initialise(model: nn.Module, name: str, unit: nn.Module, seed: int, device: torch.device) -> None:
     hook = getattr(model, INIT_HOOK, None)
-    devices = [t.device for t in unit.parameters() if t.device.type == "cuda"][:1]
+    devices = [device] if device.type == "cuda" else []  # the caller's generators are left as they were
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(unit_seed(seed, name))
         if callable(hook):

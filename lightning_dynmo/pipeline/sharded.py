@@ -117,6 +117,7 @@ def save_sharded(
         FileExistsError: if ``path`` is a non-empty directory that is not a checkpoint.
     """
     path, is_coordinator = Path(path), dist.get_rank() == coordinator
+    _check_target(path)  # on every rank (one file system), so a bad path fails all ranks, none waits
     if is_coordinator:
         _prepare_directory(path)
     dist.barrier(group=group)
@@ -429,14 +430,17 @@ def _raise_corruption(err: CheckpointException) -> None:
             raise CheckpointCorruptError(str(exc)) from err
 
 
+def _check_target(path: Path) -> None:
+    if path.is_dir() and any(path.iterdir()) and not is_sharded_checkpoint(path):
+        raise FileExistsError(
+            f"cannot save a sharded checkpoint to {str(path)!r}: it is a non-empty directory that is not "
+            "a checkpoint. Choose another path (ModelCheckpoint(dirpath=...)) or empty it."
+        )
+
+
 def _prepare_directory(path: Path) -> None:
     if path.is_file():
         path.unlink()  # a gathered checkpoint saved under the same name
-    elif path.is_dir() and any(path.iterdir()):
-        if not is_sharded_checkpoint(path):
-            raise FileExistsError(
-                f"cannot save a sharded checkpoint to {str(path)!r}: it is a non-empty directory that is not "
-                "a checkpoint. Choose another path (ModelCheckpoint(dirpath=...)) or empty it."
-            )
+    elif path.is_dir():
         shutil.rmtree(path)  # stale items of a save with more ranks must not remain
     path.mkdir(parents=True, exist_ok=True)
