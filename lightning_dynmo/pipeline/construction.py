@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "INIT_HOOK",
     "SEED_ATTR",
+    "keep_local_units",
     "materialize_model",
     "materialize_units",
     "meta_tensor_names",

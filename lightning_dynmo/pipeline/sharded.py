@@ -34,7 +34,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,21 +166,11 @@ def load_sharded_part(
         CheckpointCorruptError: naming the file and entry, if anything this rank reads is damaged or the
             save did not finish (every rank raises it, since every rank takes part).
     """
-    manifest = read_manifest(path)
-    metadata_bytes = _read_whole(manifest, _DCP_METADATA)
-    meta = _read_meta(manifest, weights_only)
-    metadata = _unpickle_metadata(metadata_bytes)
-    model_keys = _model_keys(metadata)
-    wanted = _wanted_keys(metadata, local_units, with_optimizers, aliases or {})
-    reader = _VerifyingReader(path, manifest, metadata)
-    planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    try:
-        dcp_load(wanted, storage_reader=reader, planner=planner, process_group=group)
-    except CheckpointException as err:
-        _raise_corruption(err)
-        raise
-    log.debug("rank %d read %d bytes of checkpoint items from %s", dist.get_rank(), reader.bytes_read, path)
-    return {**meta, **_unflatten(wanted, model_keys)}
+
+    def choose(metadata: Metadata) -> dict[str, Any]:
+        return _wanted_keys(metadata, local_units, with_optimizers, aliases or {})
+
+    return _read(Path(path), choose, group=group, alone=False, weights_only=weights_only)
 
 
 def export_full_checkpoint(path: str | Path, out: str | Path) -> Path:
@@ -207,23 +197,38 @@ def export_full_checkpoint(path: str | Path, out: str | Path) -> Path:
             f"export_full_checkpoint: {str(src)!r} is not a sharded checkpoint directory (no .metadata or "
             f"{MANIFEST_FILENAME}); pass the directory DynMoStrategy saved (e.g. epoch=0-step=4.ckpt/)."
         )
-    manifest = read_manifest(src)
+    checkpoint = _read(src, _every_key, group=None, alone=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with crc32_records():
+        torch.save(checkpoint, dst)
+    return dst
+
+
+def _read(
+    path: Path,
+    choose: Callable[[Metadata], dict[str, Any]],
+    *,
+    group: dist.ProcessGroup | None,
+    alone: bool,
+    weights_only: bool | None = False,
+) -> dict[str, Any]:
+    """Verify the index files, then read the items ``choose`` picks: collective over ``group``, or in
+    this process ``alone`` (no collective, even inside a distributed job)."""
+    manifest = read_manifest(path)
     metadata = _unpickle_metadata(_read_whole(manifest, _DCP_METADATA))
-    meta = _read_meta(manifest, weights_only=False)
-    wanted = {key: _placeholder(md) for key, md in metadata.state_dict_metadata.items()}
+    meta = _read_meta(manifest, weights_only)
+    wanted = choose(metadata)
+    reader = _VerifyingReader(path, manifest, metadata)
     planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         try:
-            reader = _VerifyingReader(src, manifest, metadata)
-            dcp_load(wanted, storage_reader=reader, planner=planner, no_dist=True)
+            dcp_load(wanted, storage_reader=reader, planner=planner, process_group=group, no_dist=alone)
         except CheckpointException as err:
             _raise_corruption(err)
             raise
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with crc32_records():
-        torch.save({**meta, **_unflatten(wanted, _model_keys(metadata))}, dst)
-    return dst
+    log.debug("read %d bytes of checkpoint items from %s", reader.bytes_read, path)
+    return {**meta, **_unflatten(wanted, _model_keys(metadata))}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -326,6 +331,10 @@ def _unflatten(items: Mapping[str, Any], model_keys: set[str]) -> dict[str, Any]
     if optimizers:
         out["optimizer_states"] = [optimizers[k] for k in sorted(optimizers)]
     return out
+
+
+def _every_key(metadata: Metadata) -> dict[str, Any]:
+    return {key: _placeholder(md) for key, md in metadata.state_dict_metadata.items()}
 
 
 def _placeholder(md: Any) -> Any:

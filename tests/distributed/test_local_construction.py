@@ -221,7 +221,7 @@ BIG = MetaRun(
     mlp_ratio=4,
     seq_len=4,
     placement="0-2|3-5",
-    steps=3,
+    steps=2,
     migrations=((1, "0-3|4-5"),),
 )
 BUDGET = 64 * MIB
