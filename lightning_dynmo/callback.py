@@ -45,6 +45,7 @@ from lightning_dynmo.balancing.policy import (
     validate_policy,
 )
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
+from lightning_dynmo.pipeline.faults import RemoteFailure
 from lightning_dynmo.profiling import (
     LayerProfiler,
     StageBusyTimer,
@@ -393,6 +394,7 @@ class DynMoCallback(Callback):
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
         source = strategy.active_ranks[0]
         outcome: Any = None
+        failure: Exception | None = None
         if strategy.global_rank == source:
             try:
                 outcome = decide(
@@ -407,7 +409,15 @@ class DynMoCallback(Callback):
                 )
             except ValueError as err:
                 outcome = f"{err}"
+            except Exception as err:  # a bug: the others must not wait in the broadcast for a decision
+                what = f"the rebalance decision at step {trainer_step}"
+                failure, outcome = err, RemoteFailure.of(err, source, what)
+                err.add_note(f"DynMo: raised on rank {source} during {what}; every rank stops with it.")
         outcome = strategy.broadcast(outcome, src=source)
+        if failure is not None:
+            raise failure
+        if isinstance(outcome, RemoteFailure):
+            outcome.raise_here()
         if isinstance(outcome, str):
             raise ValueError(f"DynMo could not decide a placement: {outcome}")
         assert isinstance(outcome, RebalanceDecision)

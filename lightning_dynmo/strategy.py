@@ -40,8 +40,9 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -71,6 +72,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.aux import reduce_step_losses
 from lightning_dynmo.pipeline.checkpoint import (
     CHECKPOINT_KEY,
     full_state_from_checkpoint,
@@ -78,7 +80,6 @@ from lightning_dynmo.pipeline.checkpoint import (
     prepared_for_file,
     read_checkpoint,
     state_to_save,
-    tie_aliases,
 )
 from lightning_dynmo.pipeline.construction import keep_local_units
 from lightning_dynmo.pipeline.contract import (
@@ -87,9 +88,12 @@ from lightning_dynmo.pipeline.contract import (
     call_step_end_hook,
     check_model_contract,
     find_tied_parameters,
+    split_batch,
 )
 from lightning_dynmo.pipeline.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
-from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
+from lightning_dynmo.pipeline.failure_board import FailureBoard
+from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers, report_interrupt
+from lightning_dynmo.pipeline.groups import build_groups, check_same_on_all_ranks
 from lightning_dynmo.pipeline.layout import (
     PlannedMove,
     RankGrid,
@@ -109,11 +113,14 @@ from lightning_dynmo.pipeline.release import (
 from lightning_dynmo.pipeline.schedule import (
     BuiltPipeline,
     build_pipeline,
+    checked_loss_fn,
     resolve_schedule,
     run_schedule_step,
 )
 from lightning_dynmo.pipeline.sharded import save_sharded
+from lightning_dynmo.pipeline.shutdown import SigtermAgreement
 from lightning_dynmo.pipeline.state import load_local_state
+from lightning_dynmo.pipeline.ties import TiedCopies
 from lightning_dynmo.pipeline.units import attach_unit, detach_unit, pipeline_units
 
 if TYPE_CHECKING:
@@ -144,7 +151,8 @@ class DynMoStrategy(ParallelStrategy):
             ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
             a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
             (twice that for multi-stage schedules).
-        timeout: Timeout of the process groups' collectives.
+        timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
@@ -238,11 +246,11 @@ class DynMoStrategy(ParallelStrategy):
         self._pipe: BuiltPipeline | None = None
         # First/last-part parameter ties; when the two parts are on different ranks, the global rank
         # holding the other copy and this rank's side ("first" or "last"), else None.
-        self._ties: tuple[TiedParameter, ...] = ()
-        self._tie_peer: int | None = None
-        self._tie_side: str | None = None
-        self._batch_shape: tuple[tuple[int, ...], ...] | None = None
+        self._ties = TiedCopies()
+        self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
+        self._board: FailureBoard | None = None
+        self._sigterm = SigtermAgreement()
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
@@ -425,109 +433,33 @@ class DynMoStrategy(ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
+        made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self._build_groups()
-
-    def _build_groups(self) -> None:
-        grid = self._require_grid()
-        me = self.global_rank
-        self._active_ranks = tuple(range(grid.world_size))
-        self._active_group = dist.group.WORLD
-        # new_group is collective over WORLD: every rank creates every group, in the same order.
-        for replica in range(grid.data_parallel_size):
-            ranks = grid.pipeline_ranks(replica)
-            group = dist.new_group(list(ranks), timeout=self._timeout)
-            if me in ranks:
-                self._pipeline_group = group
-        self._data_parallel_group = None
-        if grid.data_parallel_size > 1:
-            for prank in range(grid.pipeline_size):
-                ranks = grid.data_parallel_ranks(prank)
-                group = dist.new_group(list(ranks), timeout=self._timeout)
-                if me in ranks:
-                    self._data_parallel_group = group
+        self._active_ranks = tuple(range(self.world_size))
+        groups = build_groups(
+            self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here
+        )
+        self._active_group, self._pipeline_group = groups.active, groups.pipeline
+        self._data_parallel_group = groups.data_parallel
+        self._board = FailureBoard.open(self.world_size)
 
     def _pair_tied_copies(self) -> None:
-        """Find the rank holding the other copy of the tied parameters, if the tie spans two ranks.
-
-        The first stage runs on the pipeline's first rank; the last stage on its last rank (loop
-        layouts) or on the first one too (V layouts, or a single stage). When one rank runs both, the
-        tie is one local parameter: a last-stage copy that arrived there by a re-pack is merged back
-        (:meth:`_merge_tied_copies`). No process group is created: the copies' gradients travel over
-        the pipeline group, point to point, so every rank keeps the same set of groups.
-        """
-        self._tie_peer = self._tie_side = None
-        if not self._ties:
-            return
-        last = self._last_stage_position()
-        ranks = self._pipeline_global_ranks()
-        if last == 0:
-            if self.global_rank == ranks[0]:
-                self._merge_tied_copies()
-            return
-        if self.global_rank in (ranks[0], ranks[last]):
-            first = self.global_rank == ranks[0]
-            self._tie_peer, self._tie_side = (ranks[last], "first") if first else (ranks[0], "last")
-            log.info(
-                "rank %d: %s shared with rank %d; the two copies' gradients are summed every step",
-                self.global_rank,
-                ", ".join(f"{t.first_name} = {t.last_name}" for t in self._ties),
-                self._tie_peer,
-            )
-
-    def _merge_tied_copies(self) -> None:
-        """Make an arrived last-stage copy the local first-stage parameter again (see the caller).
-
-        The two copies have taken the same steps, so nothing changes in value; a gradient the dropped
-        copy held (inside an accumulation window) is added to the kept one.
-        """
-        module = self._module()
-        for tie in self._ties:
-            kept, arrived = module.get_parameter(tie.first_name), module.get_parameter(tie.last_name)
-            if kept is arrived:
-                continue
-            if arrived.grad is not None:
-                kept.grad = arrived.grad if kept.grad is None else kept.grad + arrived.grad
-            owner, _, attr = tie.last_name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, kept)
-            for optimizer in self.optimizers:
-                for group in optimizer.param_groups:
-                    group["params"][:] = [p for p in group["params"] if p is not arrived]
-                optimizer.state.pop(arrived, None)
+        self._ties.pair(
+            self._module(),
+            self.optimizers,
+            rank=self.global_rank,
+            pipeline_ranks=self._pipeline_global_ranks(),
+            last_position=self._last_stage_position(),
+        )
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
         """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
-        return self._ties
-
-    def _tied_local_params(self) -> list[nn.Parameter]:
-        """This rank's copies of the tied parameters, when the tie spans two ranks (else empty)."""
-        if self._tie_peer is None:
-            return []
-        module = self._module()
-        side_first = self._tie_side == "first"
-        return [module.get_parameter(t.first_name if side_first else t.last_name) for t in self._ties]
+        return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        """Sum the gradients of the two copies of each tied parameter, so both take the same step."""
-        params = self._tied_local_params()
-        if not params:
-            return
-        received = []
-        ops = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            buffer = torch.empty_like(param.grad)
-            received.append(buffer)
-            ops.append(dist.P2POp(dist.isend, param.grad, self._tie_peer, self._pipeline_group))
-            ops.append(dist.P2POp(dist.irecv, buffer, self._tie_peer, self._pipeline_group))
-        with communication_guard("the tied-parameter gradient exchange", self._comm_context()):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        for param, buffer in zip(params, received, strict=True):
-            assert param.grad is not None
-            param.grad.add_(buffer)  # a + b on one rank, b + a on the other: the same in floating point
+        guard = partial(self._guard, "the tied-parameter gradient exchange")
+        self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -539,7 +471,7 @@ class DynMoStrategy(ParallelStrategy):
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
-                self._ties = find_tied_parameters(module, self._spec)
+                self._ties = TiedCopies(find_tied_parameters(module, self._spec))
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
             spec, grid, style = self._spec, self._require_grid(), self._schedule.style
@@ -551,6 +483,7 @@ class DynMoStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
+        self._install_sigterm_agreement(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -621,7 +554,9 @@ class DynMoStrategy(ParallelStrategy):
             )
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        self._check_same_on_all_ranks(str(target))
+        with self._guard("apply_placement (the check that every rank applies the same placement)"):
+            what = "apply_placement was called with different placements"
+            check_same_on_all_ranks(str(target), self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(
                 f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -706,9 +641,8 @@ class DynMoStrategy(ParallelStrategy):
             self._pair_tied_copies()
             self._rebuild_pipeline()
         else:
-            self._tie_peer = self._tie_side = None
+            self._ties.clear()
             self._release()
-        self._route_sigterm_broadcast()
         self._announce_release(event)
         return report
 
@@ -732,26 +666,22 @@ class DynMoStrategy(ParallelStrategy):
             trainer.fit_loop.min_epochs = 0
             trainer.fit_loop.epoch_loop.min_steps = 0
 
-    def _route_sigterm_broadcast(self) -> None:
-        # Lightning's epoch loop broadcasts a SIGTERM flag over WORLD before every batch; after a release
-        # WORLD includes ranks that have left, so the flag goes over the active ranks (or nowhere).
-        trainer = self._trainer()
-        if trainer is None:
+    def _install_sigterm_agreement(self, trainer: pl.Trainer) -> None:
+        # Lightning's SIGTERM handler broadcasts inside the signal handler, and its epoch loop stops the
+        # signalled rank alone: both hang a pipeline (see pipeline/shutdown.py). DynMo's handler only notes.
+        self._sigterm = SigtermAgreement(forward=self.launcher.kill if self.launcher is not None else None)
+        trainer._signal_connector._sigterm_notifier_fn = self._sigterm.handle  # type: ignore[method-assign]
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree_on_sigterm  # type: ignore[method-assign]
+
+    def _agree_on_sigterm(self) -> None:
+        """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
+        if self._released or not _distributed_is_initialized():
             return
-        loop = trainer.fit_loop.epoch_loop
-
-        def broadcast_sigterm() -> None:
-            if self._released:
-                return
-            flag = torch.tensor([int(getattr(trainer, "received_sigterm", False))], device=self.root_device)
-            try:
-                dist.broadcast(flag, src=self._active_ranks[0], group=self._active_group)
-            except RuntimeError:
-                flag.zero_()  # as Lightning does: a failed peer surfaces in the next pipeline step instead
-            if flag.item() == 1:
-                raise SIGTERMException()
-
-        loop._broadcast_sigterm_tensor = broadcast_sigterm  # type: ignore[method-assign]
+        with self._guard("the SIGTERM check at a batch start"):
+            stop = self._sigterm.agree(self._active_group, self.root_device)
+        if stop and (trainer := self._trainer()) is not None:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
     def _announce_release(self, event: ReleaseEvent) -> None:
         if self.is_global_zero:
@@ -786,9 +716,21 @@ class DynMoStrategy(ParallelStrategy):
         return getattr(module, "_trainer", None) if module is not None else None
 
     def _comm_context(self) -> CommContext:
-        grid, placement = self._require_grid(), self.placement
-        peers = describe_peers(self.global_rank, self._active_ranks, grid, placement, self._schedule.style)
-        return CommContext(self.global_rank, self.stage_indices, peers, self._timeout)
+        # Cheap: peers and units are described only if the guarded step fails (issue #13's scale).
+        me, style = self.global_rank, self._schedule.style
+        peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
+        return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
+
+    def _guard(self, what: str) -> AbstractContextManager[None]:
+        return communication_guard(what, self._comm_context())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # An error outside a guarded step (a callback, the data) is posted too, so the peers can name it.
+        call = getattr(getattr(self._trainer(), "state", None), "fn", None)
+        report_interrupt(
+            exception, f"Trainer.{call.value}" if call else "a Trainer call", self._comm_context()
+        )
 
     # -- placement-independent checkpoints (phase 2) ---------------------------------------------------
 
@@ -809,7 +751,7 @@ class DynMoStrategy(ParallelStrategy):
         if self._released:
             return {}
         dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
-        with communication_guard("checkpoint gathering", self._comm_context()):
+        with self._guard("checkpoint saving (gathering the model and optimizer state)"):
             model, self._saved_optimizer_states = state_to_save(
                 self._local_units(),
                 list(self.optimizers),
@@ -838,7 +780,7 @@ class DynMoStrategy(ParallelStrategy):
             checkpoint[CHECKPOINT_KEY] = layout_of(self)
         if self._save_distributed_checkpoint:
             path = self.broadcast(str(filepath))
-            with communication_guard("checkpoint saving", self._comm_context()):
+            with self._guard("checkpoint saving (each rank writing its units)"):
                 save_sharded(path, checkpoint, group=self._active_group, coordinator=self._active_ranks[0])
         elif self.is_global_zero:
             with prepared_for_file(filepath):
@@ -848,10 +790,10 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
-        with communication_guard("checkpoint loading", self._comm_context()):
-            units, ties = self._local_units(), self._ties
+        with self._guard("checkpoint loading"):
+            units, aliases = self._local_units(), self._ties.aliases
             loaded = read_checkpoint(
-                checkpoint_path, units, bool(self.optimizers), ties, self._active_group, weights_only
+                checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
             )
         return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
 
@@ -865,20 +807,8 @@ class DynMoStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
-        load_local_state(full, self._local_units(), list(self.optimizers), aliases=tie_aliases(self._ties))
-
-    def _check_same_on_all_ranks(self, text: str) -> None:
-        gathered: list[Any] = [None] * len(self._active_ranks)
-        dist.all_gather_object(gathered, text, group=self._active_group)
-        if len(set(gathered)) != 1:
-            per_rank = ", ".join(
-                f"rank {r}: {p!r}" for r, p in zip(self._active_ranks, gathered, strict=True)
-            )
-            raise ValueError(
-                f"apply_placement was called with different placements on different ranks ({per_rank}); "
-                "decide the placement once (e.g. on rank 0) and broadcast it with strategy.broadcast before "
-                "applying it."
-            )
+        # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
 
     def _rebuild_pipeline(self) -> None:
         self._pipe = build_pipeline(
@@ -902,34 +832,58 @@ class DynMoStrategy(ParallelStrategy):
             # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
             zero = torch.zeros((), device=self.root_device)
             return pipeline_grads.loss_carrying_grads(zero, [], [])
-        module = self._module()
+        module, spec = self._module(), self._require_spec()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
-        self._check_batch_shape(inputs, target)
+        inputs, target, side = split_batch(module, spec, batch)
+        self._check_batch_shape(inputs, target, side)
         params = list(module.parameters())
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
         context = self._comm_context()
         with self.precision_plugin.train_step_context(), communication_guard("a schedule step", context):
-            losses = run_schedule_step(self._require_pipe(), inputs, target)
+            step = run_schedule_step(
+                self._require_pipe(),
+                inputs,
+                target,
+                side,
+                aux_losses=spec.aux_losses,
+                model_name=type(module).__name__,
+            )
         step_grads = pipeline_grads.take_grads(params)
         pipeline_grads.restore_grads(params, accumulated)
         with communication_guard("the loss reduction", context):
-            loss = self._global_loss(losses, params)
+            loss, aux = reduce_step_losses(
+                step.losses,
+                step.aux,
+                spec.aux_losses,
+                num_microbatches=self._num_microbatches,
+                data_parallel_size=self.data_parallel_size,
+                group=self._active_group,
+                device=self.root_device,
+                dtype=step.losses[0].dtype
+                if step.losses
+                else (params[0].dtype if params else torch.get_default_dtype()),
+            )
         if self._loss_log_name is not None:
             module.log(self._loss_log_name, loss, prog_bar=True)
+            for name, value in aux.items():
+                module.log(f"train_aux/{name}", value)
         call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
-    def _check_batch_shape(self, inputs: Tensor, target: Tensor) -> None:
+    def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
         n = self._num_microbatches
-        if inputs.shape[0] % n != 0 or target.shape[0] % n != 0:
+        if inputs.shape[0] % n != 0:
             raise ValueError(
                 f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
-                "micro-batches; "
-                f"use a batch size that is a multiple of {n} and drop_last=True in the DataLoader."
+                f"micro-batches; use a batch size that is a multiple of {n} and drop_last=True in the "
+                "DataLoader."
             )
-        shape = (tuple(inputs.shape), tuple(target.shape))
+        shape = (
+            tuple(inputs.shape),
+            tuple(target.shape),
+            *((k, tuple(v.shape)) for k, v in sorted(side.items())),
+        )
         if self._batch_shape is not None and shape != self._batch_shape:
             # The schedule caches activation shapes from its first step; a new shape needs new stages.
             log.info(
@@ -940,20 +894,6 @@ class DynMoStrategy(ParallelStrategy):
             )
             self._rebuild_pipeline()
         self._batch_shape = shape
-
-    def _global_loss(self, losses: list[Tensor], params: list[nn.Parameter]) -> Tensor:
-        # One collective: each replica's last stage contributes its mean loss, the sum is averaged.
-        local = torch.stack([x.detach() for x in losses]).mean() if losses else None
-        value = (
-            local.double()
-            if local is not None
-            else torch.zeros((), dtype=torch.float64, device=self.root_device)
-        )
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self._active_group)
-        dtype = (
-            local.dtype if local is not None else (params[0].dtype if params else torch.get_default_dtype())
-        )
-        return (value / self.data_parallel_size).to(dtype)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -988,7 +928,7 @@ class DynMoStrategy(ParallelStrategy):
         def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
             params = list(plugin.main_params(optimizer))
             # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
-            second = {id(p) for p in self._tied_local_params()} if self._tie_side == "last" else set()
+            second = self._ties.second_copies(self._module())
             counted = [p for p in params if id(p) not in second]
             pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
 
@@ -1022,18 +962,19 @@ class DynMoStrategy(ParallelStrategy):
         single-device run would). The model's own ``predict_step`` is not called.
         """
         self._check_not_released("predict")
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, _ = module.pipeline_batch(batch)
+        inputs, _, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
-            communication_guard("a predict step", self._comm_context()),
+            self._guard("a predict step"),
         ):
             output = self._evaluator.predict(
-                self._require_pipe(), inputs, device=self.root_device, group=self._pipeline_group
+                self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
             )
             return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
 
@@ -1060,17 +1001,19 @@ class DynMoStrategy(ParallelStrategy):
 
     def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
         self._check_not_released(phase)
+        self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target = module.pipeline_batch(batch)
+        inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
-        with communication_guard(f"a {phase} step", self._comm_context()):
+        with self._guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
                 inputs,
                 target,
-                loss_fn=module.pipeline_loss,
+                side,
+                loss_fn=checked_loss_fn(module),
                 device=self.root_device,
                 group=self._pipeline_group,
             )
@@ -1090,14 +1033,16 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized() and not self._released:
-            dist.barrier(group=self._active_group)
+            with self._guard(f"strategy.barrier({name!r})"):
+                dist.barrier(group=self._active_group)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self._active_group)
+        with self._guard(f"strategy.broadcast(src={src})"):
+            dist.broadcast_object_list(box, src=src, group=self._active_group)
         return box[0]
 
     @override
@@ -1105,14 +1050,16 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and not self._released:
-            return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
+            with self._guard("strategy.reduce"):
+                return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._released:
             return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+        with self._guard("strategy.all_gather"):
+            return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

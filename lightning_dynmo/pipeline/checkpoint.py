@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dynmo.pipeline.checksums import crc32_records, load_torch_file
-from lightning_dynmo.pipeline.contract import TiedParameter
 from lightning_dynmo.pipeline.sharded import (
     is_sharded_checkpoint,
     load_sharded_part,
@@ -54,7 +53,6 @@ __all__ = [
     "prepared_for_file",
     "read_checkpoint",
     "state_to_save",
-    "tie_aliases",
     "unit_of_key",
 ]
 
@@ -125,18 +123,18 @@ def read_checkpoint(
     path: Any,
     units: Mapping[str, nn.Module],
     with_optimizers: bool,
-    ties: Sequence[TiedParameter],
+    aliases: Mapping[str, str],
     group: dist.ProcessGroup | None,
     weights_only: bool | None,
 ) -> dict[str, Any] | None:
     """A checkpoint verified against its checksums: this rank's share of a directory (collective over
-    ``group``), or a whole local file; ``None`` for anything else (e.g. a remote URL, left to Lightning).
+    ``group``; ``aliases`` as in :func:`~lightning_dynmo.pipeline.sharded.load_sharded_part`), or a whole
+    local file; ``None`` for anything else (e.g. a remote URL, left to Lightning).
 
     Raises:
         CheckpointCorruptError: naming the file and the damaged entry.
     """
     if is_sharded_checkpoint(path):
-        aliases = tie_aliases(ties)
         return load_sharded_part(
             Path(path),
             units,
@@ -160,11 +158,6 @@ def prepared_for_file(path: Any) -> Generator[None, None, None]:
         remove_sharded_checkpoint(path)
     with crc32_records():
         yield
-
-
-def tie_aliases(ties: Sequence[TiedParameter]) -> dict[str, str]:
-    """A single-process checkpoint keeps a tie's optimizer state under its first-stage name only."""
-    return {t.last_name: t.first_name for t in ties}
 
 
 def full_state_from_checkpoint(checkpoint: Mapping[str, Any], *, with_optimizer: bool) -> FullState:

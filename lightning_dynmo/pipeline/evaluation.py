@@ -33,6 +33,7 @@ either way: the mean of equal-size micro-batch means is the batch mean.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from torch.distributed.pipelining.schedules import (
 
 from lightning_dynmo.pipeline.layout import StageStyle, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.schedule import BuiltPipeline, ScheduleSpec
+from lightning_dynmo.pipeline.stage import guard_shape_inference
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,7 @@ def eval_microbatches(batch_size: int, num_microbatches: int) -> int:
 @dataclass
 class _EvalPipeline:
     source: BuiltPipeline
-    shape: tuple[tuple[int, ...] | None, ...]
+    shape: tuple[Any, ...]
     num_microbatches: int
     schedule: _PipelineSchedule
 
@@ -137,6 +139,7 @@ class PipelineEvaluator:
         source: BuiltPipeline,
         inputs: Tensor,
         target: Tensor,
+        side_inputs: Mapping[str, Tensor] | None = None,
         *,
         loss_fn: Any,
         device: torch.device,
@@ -148,6 +151,7 @@ class PipelineEvaluator:
             source: The current training pipeline (its stage modules are reused).
             inputs: The whole batch's first-stage input (every rank passes it; only stage 0 uses it).
             target: The whole batch's target (only the last stage uses it).
+            side_inputs: The batch's side inputs (every stage receives them).
             loss_fn: The model's ``pipeline_loss``.
             device: This rank's device.
             group: The pipeline's process group.
@@ -155,7 +159,8 @@ class PipelineEvaluator:
         Returns:
             The per-micro-batch losses on the rank running the last stage, ``[]`` elsewhere.
         """
-        pipe = self._pipeline_for(source, inputs, target, loss_fn, device, group)
+        side = dict(side_inputs or {})
+        pipe = self._pipeline_for(source, inputs, target, side, loss_fn, device, group)
         losses: list[Tensor] = []
         args = (inputs,) if source.has_first else ()
         with torch.no_grad():
@@ -163,17 +168,25 @@ class PipelineEvaluator:
                 *args,
                 target=target if source.has_last else None,
                 losses=losses if source.has_last else None,
+                **side,
             )
         return losses
 
     def predict(
-        self, source: BuiltPipeline, inputs: Tensor, *, device: torch.device, group: dist.ProcessGroup | None
+        self,
+        source: BuiltPipeline,
+        inputs: Tensor,
+        side_inputs: Mapping[str, Tensor] | None = None,
+        *,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
     ) -> Tensor | None:
         """Run one batch forward through the pipeline without a loss; the output, on the last stage only.
 
         Args:
             source: The current training pipeline (its stage modules are reused).
             inputs: The whole batch's first-stage input (every rank passes it; only stage 0 uses it).
+            side_inputs: The batch's side inputs (every stage receives them).
             device: This rank's device.
             group: The pipeline's process group.
 
@@ -181,10 +194,11 @@ class PipelineEvaluator:
             The last stage's output for the whole batch (micro-batches merged) on the rank running the
             last stage, ``None`` elsewhere.
         """
-        pipe = self._pipeline_for(source, inputs, None, None, device, group)
+        side = dict(side_inputs or {})
+        pipe = self._pipeline_for(source, inputs, None, side, None, device, group)
         args = (inputs,) if source.has_first else ()
         with torch.no_grad():
-            output = pipe.schedule.eval(*args)
+            output = pipe.schedule.eval(*args, **side)
         return output if source.has_last else None
 
     def _pipeline_for(
@@ -192,12 +206,17 @@ class PipelineEvaluator:
         source: BuiltPipeline,
         inputs: Tensor,
         target: Tensor | None,
+        side_inputs: Mapping[str, Tensor],
         loss_fn: Any,
         device: torch.device,
         group: dist.ProcessGroup | None,
     ) -> _EvalPipeline:
         # A predict pipeline (no target, no loss) is never reused for a loss, nor the other way round.
-        shape = (tuple(inputs.shape), None if target is None else tuple(target.shape))
+        shape = (
+            tuple(inputs.shape),
+            None if target is None else tuple(target.shape),
+            *((k, tuple(v.shape)) for k, v in sorted(side_inputs.items())),
+        )
         current = self._pipe
         if current is not None and current.source is source and current.shape == shape:
             return current
@@ -227,6 +246,8 @@ class PipelineEvaluator:
             PipelineStage(module, index, num_stages, device, group=group)
             for module, index in zip(source.modules, source.stage_indices, strict=True)
         ]
+        for stage, module in zip(stages, source.modules, strict=True):
+            guard_shape_inference(stage, module)
         if self._schedule.stages_per_rank == 1:
             return ScheduleGPipe(
                 stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False

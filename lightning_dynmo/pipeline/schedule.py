@@ -1,9 +1,9 @@
 """Build this rank's pipeline: stage modules, torch ``PipelineStage`` objects and one schedule.
 
 Read in this order: :func:`resolve_schedule` (a schedule name -> class, stages per rank and stage
-layout), :class:`StageModule` (the ``nn.Module`` one stage runs: first parts, owned blocks in global
-order, last parts), :func:`build_pipeline` (everything one rank needs for a placement) and
-:func:`run_schedule_step` (one forward + backward over all micro-batches).
+layout), :func:`build_pipeline` (everything one rank needs for a placement: one
+:class:`~lightning_dynmo.pipeline.stage.StageModule` per stage, torch ``PipelineStage`` objects and a
+schedule) and :func:`run_schedule_step` (one forward + backward over all micro-batches).
 
 Building is cheap (about a millisecond), so after a migration or a batch-shape change the whole
 pipeline is rebuilt instead of being patched in place.
@@ -12,7 +12,7 @@ pipeline is rebuilt instead of being patched in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +29,10 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.pipeline.contract import ModelSpec
+from lightning_dynmo.pipeline.aux import AuxLossRecord, collect_aux_losses
+from lightning_dynmo.pipeline.contract import ModelSpec, check_loss
 from lightning_dynmo.pipeline.layout import StageStyle, stages_of_pipeline_rank
+from lightning_dynmo.pipeline.stage import StageModule, guard_shape_inference
 
 log = logging.getLogger(__name__)
 
@@ -80,32 +82,6 @@ def resolve_schedule(name: str) -> ScheduleSpec:
     return ScheduleSpec(canonical, cls, 2 if multi else 1, style)
 
 
-class StageModule(nn.Module):
-    """What one pipeline stage runs: first parts (stage 0), its blocks in global order, last parts.
-
-    The blocks and parts are the model's own module objects, registered here too so that
-    ``parameters()`` is exactly this stage's parameters; the model itself is held unregistered,
-    only to call its ``pipeline_first`` / ``pipeline_last``.
-    """
-
-    def __init__(self, model: nn.Module, spec: ModelSpec, layer_ids: Sequence[int], first: bool, last: bool):
-        super().__init__()
-        object.__setattr__(self, "_model", model)
-        self._first, self._last = first and bool(spec.first_parts), last and bool(spec.last_parts)
-        self.first = nn.ModuleDict({n: getattr(model, n) for n in spec.first_parts} if self._first else {})
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
-        self.last = nn.ModuleDict({n: getattr(model, n) for n in spec.last_parts} if self._last else {})
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self._first:
-            x = self._model.pipeline_first(x)
-        for block in self.layers.values():
-            x = block(x)
-        if self._last:
-            x = self._model.pipeline_last(x)
-        return x
-
-
 @dataclass
 class BuiltPipeline:
     """One rank's share of a pipeline for one placement.
@@ -153,7 +129,9 @@ def build_pipeline(
         PipelineStage(m, s, placement.num_stages, device, group=group)
         for m, s in zip(modules, indices, strict=True)
     ]
-    loss_fn = model.pipeline_loss
+    for stage, module in zip(stages, modules, strict=True):
+        guard_shape_inference(stage, module)
+    loss_fn = checked_loss_fn(model)
     # torch divides each stage's gradients by the micro-batch count; a parameter two local stages share
     # (a tied embedding under a V schedule) would be divided twice. run_schedule_step divides once.
     kwargs = {"n_microbatches": num_microbatches, "loss_fn": loss_fn, "scale_grads": False}
@@ -182,28 +160,69 @@ def _check_stage_map(built: Any, schedule: ScheduleSpec, placement: Placement, p
         assert s in expected, f"schedule {schedule.name} maps stage {s} to rank {mapping[s]}, not ours"
 
 
-def run_schedule_step(pipe: BuiltPipeline, inputs: Tensor | None, target: Tensor | None) -> list[Tensor]:
+def checked_loss_fn(model: nn.Module) -> Callable[[Any, Any], Tensor]:
+    """``model.pipeline_loss``, checked to return a scalar on the gradient path (see ``check_loss``)."""
+    name = type(model).__name__
+
+    def loss_fn(output: Any, target: Any) -> Tensor:
+        return check_loss(name, model.pipeline_loss(output, target), needs_grad=torch.is_grad_enabled())
+
+    return loss_fn
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one schedule step leaves on this rank.
+
+    Attributes:
+        losses: The per-micro-batch main losses on the rank running the last stage, ``[]`` elsewhere.
+        aux: The auxiliary losses this rank's blocks and parts added, over all micro-batches.
+    """
+
+    losses: list[Tensor]
+    aux: AuxLossRecord
+
+
+def run_schedule_step(
+    pipe: BuiltPipeline,
+    inputs: Tensor | None,
+    target: Tensor | None,
+    side_inputs: Mapping[str, Tensor] | None = None,
+    *,
+    aux_losses: Sequence[str] = (),
+    aux_loss_scale: float = 1.0,
+    model_name: str = "the model",
+) -> StepResult:
     """Run one schedule step (forward and backward of every micro-batch) on this rank.
 
     The stage parameters' ``.grad`` must be empty (``None``) before; afterwards it holds the step's
-    gradients averaged over micro-batches (the loss is a mean per micro-batch), each parameter divided
-    once even when several local stages share it.
+    gradients averaged over micro-batches (the loss is a mean per micro-batch; each micro-batch's
+    auxiliary losses count with it), each parameter divided once even when several local stages share it.
 
-    Returns:
-        The per-micro-batch losses on the rank running the last stage, ``[]`` elsewhere.
+    Args:
+        pipe: This rank's pipeline.
+        inputs: The batch's first-stage input (used on the rank running stage 0).
+        target: The batch's target (used on the rank running the last stage).
+        side_inputs: The batch's side inputs, passed to every local stage (cut into micro-batches).
+        aux_losses: The model's declared auxiliary loss names.
+        aux_loss_scale: The gradient each auxiliary loss receives (1, or the factor an fp16 loss
+            scaler applied to the main loss).
+        model_name: For error messages.
     """
     losses: list[Tensor] = []
     args = (inputs,) if pipe.has_first else ()
-    pipe.schedule.step(
-        *args,
-        target=target if pipe.has_last else None,
-        losses=losses if pipe.has_last else None,
-        return_outputs=False,
-    )
+    with collect_aux_losses(scale=aux_loss_scale, allowed=aux_losses, model_name=model_name) as aux:
+        pipe.schedule.step(
+            *args,
+            target=target if pipe.has_last else None,
+            losses=losses if pipe.has_last else None,
+            return_outputs=False,
+            **dict(side_inputs or {}),
+        )
     seen: set[int] = set()
     for module in pipe.modules:
         for p in module.parameters():
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
                 p.grad.div_(pipe.num_microbatches)
-    return losses
+    return StepResult(losses, aux)

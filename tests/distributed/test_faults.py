@@ -1,16 +1,27 @@
-"""A lost rank stops the others within the process-group timeout, with an error naming the lost peer.
+"""Faults on one rank stop every rank within the timeout, each naming the cause.
 
-Rank 1 of a 2-stage pipeline dies (``os._exit(1)``) or stalls (sleeps far past the timeout) at the start
-of a batch; rank 0 is then inside its schedule step, waiting for rank 1's activations' gradients. The
-harness reports every rank's story in one AssertionError: rank 0's traceback must carry DynMo's
-``RuntimeError`` naming its own stage, the peer (stage 1 on global rank 1) and the transport error, and it
-must come well within ``timeout + 30 s``.
+- Lost rank: rank 1 of a 2-stage pipeline dies (``os._exit(1)``) or stalls (sleeps far past the timeout)
+  at the start of a batch; rank 0, inside its schedule step, fails with DynMo's ``CommunicationError``
+  naming its own stage, the peer (stage 1 on global rank 1) and the transport error.
+- A collective called on one rank only (``apply_placement``, ``strategy.broadcast`` / ``reduce`` from a
+  callback, ``trainer.save_checkpoint``): both ranks fail after the strategy's timeout, each naming its
+  own call and the call the other rank was in.
+- A block raising on one rank: that rank raises the block's own ``ValueError`` (not torch's "failed to
+  run forward" wrapper), noting the rank, unit and stage; its peer names that rank and that error. The
+  same for an error outside the pipeline (a callback).
+- A non-``ValueError`` bug in the rebalance decision on rank 0: rank 0 raises it, the others name it at
+  once instead of waiting in the decision's broadcast.
+- SIGTERM sent to one rank: every rank stops at the same batch with Lightning's ``SIGTERMException``,
+  ``trainer.received_sigterm`` set, and ``ModelCheckpoint(save_on_exception=True)`` saves the whole model.
+
+Every run must end within ``timeout + 30 s``; the errors are checked with ``pytest.raises(match=...)``.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +29,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import nn
 
+import lightning_dynmo.callback
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.pipeline.faults import CommunicationError
 from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
 
@@ -67,7 +85,212 @@ def test_survivor_fails_within_the_timeout_naming_the_lost_peer(
     elapsed = time.monotonic() - start
     report = str(info.value)
     rank0 = report.split("----- rank 0 -----")[1].split("----- rank 1 -----")[0]
-    assert "RuntimeError: DynMo: rank 0 (stage 0) lost contact with a peer during a schedule step" in rank0
+    assert (
+        "CommunicationError: DynMo: rank 0 (stage 0) lost contact with a peer during a schedule step" in rank0
+    )
     assert "It exchanges data with: stage 1 on global rank 1." in rank0
     assert re.search(transport_error, rank0), rank0[-2000:]
     assert elapsed < timeout_s + 30, f"the survivor took {elapsed:.1f} s to fail"
+
+
+# -- one rank misbehaves while the other trains: the worker returns what fit raised ----------------------
+
+_TIMEOUT_S = 4.0
+_AT_BATCH = 2
+
+
+class Tripwire(nn.Module):
+    """A block that raises once armed (a plain attribute, set on one rank only)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise ValueError("boom: layer 3 saw a NaN")
+        return self.block(x)  # type: ignore[no-any-return]
+
+
+class OneRankOnly(pl.Callback):
+    """At batch ``_AT_BATCH``, on ``rank`` only: make a collective call, arm a tripwire or send SIGTERM."""
+
+    def __init__(self, action: str, rank: int, tmp_path: Path) -> None:
+        self.action, self.rank, self.tmp_path = action, rank, tmp_path
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or batch_idx != _AT_BATCH:
+            return
+        strategy = trainer.strategy
+        if self.action == "apply_placement":
+            strategy.apply_placement("0-0|1-3")
+        elif self.action == "broadcast":
+            strategy.broadcast("a decision only rank 0 takes")
+        elif self.action == "reduce":
+            strategy.reduce(torch.ones(()), reduce_op="sum")
+        elif self.action == "save_checkpoint":
+            trainer.save_checkpoint(self.tmp_path / "only-rank-0.ckpt")
+        elif self.action == "raise":
+            strategy.local_layers[3].armed = True
+        elif self.action == "raise_in_callback":
+            raise ValueError("my callback broke")
+        elif self.action == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # a real signal; its handler runs right here
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        if self.action == "sigterm_in_validation" and trainer.global_rank == self.rank and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def misbehaving_worker(
+    rank: int, world_size: int, action: str, culprit: int, tmp_path: Path
+) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    run = Run(steps=6)
+    model = run.model()
+    model.layers["3"] = Tripwire(model.layers["3"])
+    callbacks: list[pl.Callback] = [OneRankOnly(action, culprit, tmp_path)]
+    kwargs = run.trainer_kwargs()
+    if action == "sigterm":
+        kwargs["enable_checkpointing"] = True
+        callbacks.append(ModelCheckpoint(dirpath=tmp_path / "on-sigterm", save_on_exception=True))
+    val = None
+    if action == "sigterm_in_validation":  # validate every 2 training batches, 4 batches each time
+        kwargs.update(val_check_interval=2, limit_val_batches=4, num_sanity_val_steps=0)
+        val = run.datamodule().train_dataloader()
+    if action == "decide":
+        lightning_dynmo.callback.decide = _buggy_decide  # this forked rank only
+        callbacks.append(DynMoCallback(every_n_steps=_AT_BATCH, profile_warmup_steps=0, profile_steps=1))
+    strategy = make_strategy(run, timeout=timedelta(seconds=_TIMEOUT_S))
+    trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
+    error: BaseException | None = None
+    try:
+        if val is None:
+            trainer.fit(model, run.datamodule())
+        else:
+            trainer.fit(model, train_dataloaders=run.datamodule().train_dataloader(), val_dataloaders=val)
+    except BaseException as err:  # SIGTERMException is a SystemExit
+        error = err
+    return {"error": error, "step": trainer.global_step, "sigterm": trainer.received_sigterm}
+
+
+def _buggy_decide(*args: Any, **kwargs: Any) -> Any:
+    raise KeyError("stage 7")
+
+
+def _run_timed(action: str, culprit: int, tmp_path: Path) -> list[dict[str, Any]]:
+    start = time.monotonic()
+    results = run_distributed(misbehaving_worker, 2, tmp_path, timeout_s=90, args=(action, culprit, tmp_path))
+    elapsed = time.monotonic() - start
+    assert elapsed < _TIMEOUT_S + 30, f"the ranks took {elapsed:.1f} s to stop"
+    return results
+
+
+def _reraise(result: dict[str, Any]) -> None:
+    assert result["error"] is not None, "fit ended without an error on this rank"
+    raise result["error"]
+
+
+@pytest.mark.parametrize(
+    ("action", "call"),
+    [
+        ("apply_placement", r"apply_placement \(the check that every rank applies the same placement\)"),
+        ("broadcast", r"strategy\.broadcast\(src=0\)"),
+        ("reduce", r"strategy\.reduce"),
+        ("save_checkpoint", r"checkpoint saving \(gathering the model and optimizer state\)"),
+    ],
+)
+def test_a_collective_called_on_one_rank_fails_on_both_naming_both_calls(
+    action: str, call: str, tmp_path: Path
+) -> None:
+    rank0, rank1 = _run_timed(action, culprit=0, tmp_path=tmp_path)
+    with pytest.raises(
+        CommunicationError,
+        match=rf"^DynMo: rank 0 \(stage 0\) failed in {call} while rank 1 \(stage 1\) was waiting in a "
+        r"schedule step\..* every rank, not under `if trainer.is_global_zero`.* timeout of 4 s",
+    ):
+        _reraise(rank0)
+    with pytest.raises(
+        CommunicationError,
+        match=rf"^DynMo: rank 1 \(stage 1\) failed in a schedule step while rank 0 \(stage 0\) was "
+        rf"waiting in {call}\.",
+    ):
+        _reraise(rank1)
+
+
+def test_a_block_raising_on_one_rank_is_reported_there_as_itself_and_named_by_its_peer(
+    tmp_path: Path,
+) -> None:
+    rank0, rank1 = _run_timed("raise", culprit=1, tmp_path=tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"^boom: layer 3 saw a NaN\n"
+        r"DynMo: raised on rank 1 in layers.3 \(stage 1\) during a schedule step",
+    ):
+        _reraise(rank1)
+    with pytest.raises(
+        CommunicationError,
+        match=r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: boom: layer 3 saw a NaN "
+        r"\(raised in layers.3 during a schedule step\); so rank 0 \(stage 0\) lost contact with a peer "
+        r"during a schedule step",
+    ):
+        _reraise(rank0)
+
+
+def test_an_error_outside_the_pipeline_on_one_rank_is_named_by_its_peer(tmp_path: Path) -> None:
+    rank0, rank1 = _run_timed("raise_in_callback", culprit=1, tmp_path=tmp_path)
+    with pytest.raises(
+        ValueError, match=r"^my callback broke\nDynMo: raised on rank 1 in stage 1 during Trainer.fit"
+    ):
+        _reraise(rank1)
+    with pytest.raises(
+        CommunicationError,
+        match=r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: my callback broke \(raised during "
+        r"Trainer.fit\); so rank 0 \(stage 0\) lost contact with a peer during a schedule step",
+    ):
+        _reraise(rank0)
+
+
+def test_a_bug_in_the_rebalance_decision_stops_every_rank_naming_it(tmp_path: Path) -> None:
+    rank0, rank1 = _run_timed("decide", culprit=0, tmp_path=tmp_path)
+    with pytest.raises(
+        KeyError, match=r"stage 7'\nDynMo: raised on rank 0 during the rebalance decision at step"
+    ):
+        _reraise(rank0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^DynMo: rank 0 failed while computing the rebalance decision at step \d+: "
+        r"KeyError: 'stage 7'",
+    ):
+        _reraise(rank1)
+
+
+@pytest.mark.parametrize("signalled", [0, 1])
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_batch_and_checkpoints(
+    signalled: int, tmp_path: Path
+) -> None:
+    results = _run_timed("sigterm", culprit=signalled, tmp_path=tmp_path)
+    for result in results:
+        with pytest.raises(SIGTERMException):
+            _reraise(result)
+        assert result["sigterm"] is True
+    # The signal arrives at batch 2's start, after the batch's agreement: every rank stops at the next one.
+    assert [r["step"] for r in results] == [_AT_BATCH + 1] * 2
+    (saved,) = (tmp_path / "on-sigterm").iterdir()
+    checkpoint = torch.load(saved, weights_only=False)
+    assert checkpoint["global_step"] == _AT_BATCH + 1
+    layers = {k.split(".")[1] for k in checkpoint["state_dict"] if k.startswith("layers.")}
+    assert layers == {"0", "1", "2", "3"}  # the whole model, gathered from both stages
+
+
+def test_sigterm_during_validation_stops_every_rank_in_the_same_validation_batch(tmp_path: Path) -> None:
+    results = _run_timed("sigterm_in_validation", culprit=1, tmp_path=tmp_path)
+    for result in results:
+        with pytest.raises(SIGTERMException):
+            _reraise(result)
+        assert result["sigterm"] is True
+    assert [r["step"] for r in results] == [2, 2]  # in the first validation, after two training steps

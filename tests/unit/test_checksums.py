@@ -109,4 +109,4 @@ def test_saves_compute_record_checksums_even_if_the_user_turned_them_off(tmp_pat
 
 
 def test_read_checkpoint_leaves_remote_paths_to_lightning() -> None:
-    assert read_checkpoint("s3://bucket/x.ckpt", {}, False, (), None, None) is None
+    assert read_checkpoint("s3://bucket/x.ckpt", {}, False, {}, None, None) is None

@@ -1,0 +1,40 @@
+"""Models that follow DynMo's pipeline contract: the GPT and its pluggable blocks.
+
+:class:`GPT` (a LightningModule) is configured by :class:`GPTConfig` (shape, per-layer block kinds, seed)
+and :class:`OptimizerConfig` (AdamW, LR schedule). Block kinds live in a registry that other modules
+extend with :func:`register_block`; ``"dense"`` (:class:`DenseBlock`) is built in.
+"""
+
+from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
+from lightning_dynmo.models.dense import MLP, CausalSelfAttention, DenseBlock
+from lightning_dynmo.models.gpt import GPT, build_unit, unit_names
+from lightning_dynmo.models.init import gpt2_init_, unit_rng, unit_seed
+from lightning_dynmo.models.optim import build_adamw, weight_decay_groups
+from lightning_dynmo.models.registry import (
+    BlockKind,
+    block_kinds,
+    register_block,
+    resolve_block,
+    unregister_block,
+)
+
+__all__ = [
+    "GPT",
+    "MLP",
+    "BlockKind",
+    "CausalSelfAttention",
+    "DenseBlock",
+    "GPTConfig",
+    "OptimizerConfig",
+    "block_kinds",
+    "build_adamw",
+    "build_unit",
+    "gpt2_init_",
+    "register_block",
+    "resolve_block",
+    "unit_names",
+    "unit_rng",
+    "unit_seed",
+    "unregister_block",
+    "weight_decay_groups",
+]

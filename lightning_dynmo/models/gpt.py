@@ -1,0 +1,251 @@
+"""GPT: a pre-norm GPT-2 with a pluggable block per layer, following DynMo's pipeline contract.
+
+Read in this order: :class:`GPT` (the LightningModule and its pipeline pieces), :func:`build_unit` (how
+each unit is built under its own seed), then the single-process steps and metrics.
+
+Architecture: GPT-2 (``tok_emb + pos_emb`` with learned positions -> ``layers["0"] .. layers[str(L-1)]``
+-> ``ln_f`` -> ``head`` -> cross-entropy), pre-norm LayerNorm, GELU MLP, biases. Chosen over Llama style
+(RMSNorm, rotary positions, SwiGLU) because it has the fewest moving parts and every piece is in torch:
+learned positions are one first-stage embedding (rotary would be recomputed in every block on every
+stage), and GPT-2's initialisation is the best-documented baseline. Block kinds come from the registry of
+:mod:`lightning_dynmo.models.registry` (``GPTConfig.blocks``), so MoE, early-exit or Mixture-of-Depths
+blocks plug in without editing this file.
+
+Pipeline units: the first-stage parts ``tok_emb`` and ``pos_emb``, the blocks ``layers.<i>``, the
+last-stage parts ``ln_f`` and ``head``. Each is built by :func:`build_unit` under its own seed, so a rank
+that builds only some units gets the weights a single process would.
+
+Stage interface (issue #9): today blocks map ``hidden -> hidden``. When the richer interface lands, the
+model declares ``pipeline_side_inputs`` / ``pipeline_side_state`` / ``pipeline_aux_losses`` from its
+blocks, :meth:`GPT.pipeline_batch` returns the side inputs and :meth:`GPT.run_blocks` (the single-process
+path) passes each block what it declares; nothing else here changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_dynmo.models import dense as _dense  # noqa: F401  # registers the "dense" kind
+from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
+from lightning_dynmo.models.init import gpt2_init_, unit_rng
+from lightning_dynmo.models.optim import WarmupCosine, build_adamw
+
+__all__ = ["FIRST_PARTS", "GPT", "LAST_PARTS", "build_unit", "unit_names"]
+
+FIRST_PARTS = ("tok_emb", "pos_emb")
+LAST_PARTS = ("ln_f", "head")
+
+
+class GPT(pl.LightningModule):
+    """A GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.contract`).
+
+    Trains single-process with its own ``training_step`` (the reference) and pipelined under
+    :class:`~lightning_dynmo.DynMoStrategy`. Logs ``train_loss``, ``val_loss`` / ``test_loss`` (per
+    epoch) and ``val_ppl`` / ``test_ppl``, the exponential of the token-weighted mean loss, the same way
+    in both cases.
+
+    Args:
+        config: Shape, block kinds and seed; ``None`` is ``GPTConfig()``.
+        optimizer: AdamW settings and LR schedule; ``None`` is ``OptimizerConfig()``.
+    """
+
+    pipeline_first_parts = FIRST_PARTS
+    pipeline_last_parts = LAST_PARTS
+
+    def __init__(self, config: GPTConfig | None = None, optimizer: OptimizerConfig | None = None):
+        super().__init__()
+        self.config = config if config is not None else GPTConfig()
+        self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        cfg = self.config
+        self.tok_emb = build_unit(cfg, "tok_emb")
+        self.pos_emb = build_unit(cfg, "pos_emb")
+        self.layers = nn.ModuleDict({str(i): build_unit(cfg, f"layers.{i}") for i in range(cfg.num_layers)})
+        self.ln_f = build_unit(cfg, "ln_f")
+        self.head = build_unit(cfg, "head")
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        # Token-weighted mean losses for perplexity. Every rank holds the same values (the strategy's loss
+        # is already global), so nothing is synced: a re-pack's released ranks would never join a sync.
+        self.eval_loss_means = nn.ModuleDict({p: MeanMetric(sync_on_compute=False) for p in ("val", "test")})
+
+    # -- the pipeline contract ------------------------------------------------------------------
+
+    def pipeline_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
+        """Token rows of length ``seq_len + 1`` -> (inputs, next-token targets)."""
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_first(self, idx: Tensor) -> Tensor:
+        """Token plus learned position embeddings (then embedding dropout)."""
+        length = idx.shape[1]
+        if length > self.config.seq_len:
+            raise ValueError(
+                f"the input has {length} tokens per sequence but GPTConfig.seq_len={self.config.seq_len} "
+                "(the number of position embeddings); build the model with seq_len >= the data's seq_len."
+            )
+        positions = torch.arange(length, device=idx.device)
+        hidden = self.tok_emb(idx) + self.pos_emb(positions)
+        return F.dropout(hidden, self.config.dropout, self.training)
+
+    def pipeline_last(self, hidden: Tensor) -> Tensor:
+        """Final LayerNorm and the vocabulary head: logits ``[batch, seq, vocab_size]``."""
+        logits: Tensor = self.head(self.ln_f(hidden))
+        return logits
+
+    def pipeline_loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        """Mean next-token cross-entropy."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def run_blocks(self, hidden: Tensor) -> Tensor:
+        """The blocks in global index order (the single-process path of the pipeline's stages)."""
+        for block in self.layers.values():
+            hidden = block(hidden)
+        return hidden
+
+    @override
+    def forward(self, idx: Tensor) -> Tensor:
+        """Logits of the tokens ``idx`` (``[batch, seq]`` with ``seq <= seq_len``)."""
+        return self.pipeline_last(self.run_blocks(self.pipeline_first(idx)))
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Check that a datamodule's vocabulary and sequence length fit this model, before any step runs."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        vocab, seq_len = getattr(datamodule, "vocab_size", None), getattr(datamodule, "seq_len", None)
+        if isinstance(vocab, int) and vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the datamodule's tokenizer has vocab_size={vocab} but GPTConfig.vocab_size="
+                f"{self.config.vocab_size}; build the model with GPTConfig(vocab_size={vocab}) or more."
+            )
+        if isinstance(seq_len, int) and seq_len > self.config.seq_len:
+            raise ValueError(
+                f"the datamodule serves seq_len={seq_len} tokens but GPTConfig.seq_len="
+                f"{self.config.seq_len}; build the model with GPTConfig(seq_len={seq_len}) or more, or lower "
+                "the datamodule's seq_len."
+            )
+
+    # -- single-process steps (DynMoStrategy replaces them with pipelined steps) ----------------
+
+    @override
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        # Same name and value as DynMoStrategy's pipelined validation: the batch's mean loss.
+        loss = self._loss(batch)
+        self.log("val_loss", loss, prog_bar=True, batch_size=batch.shape[0])
+        return loss
+
+    @override
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("test_loss", loss, prog_bar=True, batch_size=batch.shape[0])
+        return loss
+
+    def _loss(self, batch: Tensor) -> Tensor:
+        inputs, target = self.pipeline_batch(batch)
+        return self.pipeline_loss(self(inputs), target)
+
+    # -- perplexity: fed from the batch-end hooks, which see the batch loss in both modes ------
+
+    @override
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._update_eval_loss("val", outputs, batch)
+
+    @override
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._update_eval_loss("test", outputs, batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_perplexity("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity("test")
+
+    def _update_eval_loss(self, phase: str, loss: Any, batch: Tensor) -> None:
+        if isinstance(loss, Tensor):  # every row has seq_len targets: rows weigh like tokens
+            self._eval_mean(phase).update(loss.detach().float(), weight=batch.shape[0])
+
+    def _log_perplexity(self, phase: str) -> None:
+        mean = self._eval_mean(phase)
+        if mean.update_called:
+            self.log(f"{phase}_ppl", mean.compute().exp(), prog_bar=True, sync_dist=True)
+        mean.reset()
+
+    def _eval_mean(self, phase: str) -> MeanMetric:
+        return cast(MeanMetric, self.eval_loss_means[phase])
+
+    # -- optimizer ----------------------------------------------------------------------------
+
+    @override
+    def configure_optimizers(self) -> Any:
+        """AdamW with a decay and a no-decay group (both always, in that order) over the local units."""
+        tied_head = ("head.weight",) if self.config.tie_embeddings else ()
+        optimizer = build_adamw(self, self.optimizer_config, no_decay=tied_head)
+        if not self.optimizer_config.has_schedule:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(self.optimizer_config))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def unit_names(config: GPTConfig) -> tuple[str, ...]:
+    """Every unit's global name, in pipeline order: first parts, ``layers.<i>``, last parts."""
+    return (*FIRST_PARTS, *(f"layers.{i}" for i in range(config.num_layers)), *LAST_PARTS)
+
+
+def build_unit(config: GPTConfig, name: str) -> nn.Module:
+    """Build and initialise one unit under its own seed (its weights depend on ``(config.seed, name)`` only).
+
+    Raises:
+        ValueError: ``name`` is not a unit of ``config`` (see :func:`unit_names`).
+        TypeError: a block factory returned something other than an ``nn.Module``.
+    """
+    if name not in unit_names(config):
+        raise ValueError(
+            f"build_unit: {name!r} is not a unit of this GPT; units are {FIRST_PARTS}, 'layers.0' .. "
+            f"'layers.{config.num_layers - 1}' and {LAST_PARTS}."
+        )
+    with unit_rng(config.seed, name):
+        module = _construct(config, name)
+        gpt2_init_(module, config.num_layers, config.init_std)
+        init_weights = getattr(module, "init_weights", None)
+        if callable(init_weights):
+            init_weights(config)
+    if name == "head" and config.tie_embeddings:
+        with torch.no_grad():  # the head is the embedding: same values wherever it is built
+            cast(nn.Linear, module).weight.copy_(cast(nn.Embedding, build_unit(config, "tok_emb")).weight)
+    return module
+
+
+def _construct(config: GPTConfig, name: str) -> nn.Module:
+    d = config.d_model
+    if name == "tok_emb":
+        return nn.Embedding(config.vocab_size, d)
+    if name == "pos_emb":
+        return nn.Embedding(config.seq_len, d)
+    if name == "ln_f":
+        return nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
+    if name == "head":
+        return nn.Linear(d, config.vocab_size, bias=False)
+    index = int(name.removeprefix("layers."))
+    kind, options = config.resolved_blocks()[index]
+    block = kind.factory(config, index, options)
+    if not isinstance(block, nn.Module):
+        raise TypeError(
+            f"the factory of block kind {kind.name!r} returned {type(block).__name__} for layer {index}; it "
+            "must return an nn.Module (see lightning_dynmo.models.registry)."
+        )
+    return block

@@ -1,0 +1,64 @@
+"""SIGTERM on any one rank stops every rank at the same batch boundary: noted in the handler, agreed later.
+
+Lightning's SIGTERM handler broadcasts a flag from inside the signal handler. Under pipeline
+parallelism that deadlocks: the handler runs at whatever point the signalled rank's main thread is,
+while its peer waits for it in a pipeline receive, and the broadcast waits for the peer in turn. Its
+per-batch check is also one-sided: the signalled rank raises at the end of its batch, while the others
+go on into the next batch and wait for it until the timeout.
+
+:class:`SigtermAgreement` splits the two: :meth:`~SigtermAgreement.note` only sets a flag (safe in a
+signal handler, at any point of a step), and :meth:`~SigtermAgreement.agree` is a one-element
+all-reduce (maximum) over the active ranks that every rank runs at the same batch boundary. Every rank
+then learns that *some* rank was signalled at the same moment, and all stop together (the strategy
+raises Lightning's ``SIGTERMException`` there, so ``trainer.received_sigterm`` and checkpoint-on-exception
+work as Lightning documents them, collective checkpoint saving included).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SigtermAgreement"]
+
+
+class SigtermAgreement:
+    """A SIGTERM flag set by the signal handler and agreed over the active ranks at a batch boundary.
+
+    Args:
+        forward: Called with the signal number at the first SIGTERM (Lightning's launchers pass it on to
+            the processes they started: ``launcher.kill``).
+    """
+
+    def __init__(self, forward: Callable[[int], Any] | None = None) -> None:
+        self._noted = False
+        self._forward = forward
+
+    @property
+    def noted(self) -> bool:
+        """Whether this rank received SIGTERM."""
+        return self._noted
+
+    def handle(self, signum: int, frame: Any = None) -> None:
+        """The signal handler: record the SIGTERM (and forward the first one). Never communicates."""
+        first = not self._noted
+        self._noted = True
+        if first and self._forward is not None:
+            self._forward(signum)
+
+    def agree(self, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+        """Whether any rank of ``group`` received SIGTERM; collective, call on every rank at one boundary."""
+        flag = torch.tensor([int(self._noted)], dtype=torch.int32, device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item():
+            log.info(
+                "SIGTERM received by some rank (this one: %s); every rank stops at this batch", self._noted
+            )
+        return bool(flag.item())

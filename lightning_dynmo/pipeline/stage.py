@@ -1,0 +1,250 @@
+"""The module one pipeline stage runs, and how the stage interface reaches its blocks.
+
+Read in this order: :class:`StageModule` (first parts, the stage's blocks in global order, last parts),
+its :meth:`StageModule.forward` (what crosses a stage boundary and how blocks are called), then
+:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs).
+
+What crosses a stage boundary: the hidden state alone (the plain contract), or the tuple ``(hidden,
+*side_state)`` in the model's ``pipeline_side_state`` order. torch's ``PipelineStage`` sends every tensor
+of the tuple and hands them to the next stage as positional arguments; tensors that are not floating
+point (a boolean exit mask) travel without gradients. Side inputs (masks, position ids) are keyword
+arguments of the schedule step on every rank, cut into micro-batches by torch, so every stage receives
+them without any point-to-point transfer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dynmo.pipeline.aux import collect_aux_losses
+from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs
+
+__all__ = ["StageModule", "guard_shape_inference"]
+
+State = dict[str, Tensor]
+
+
+class StageModule(nn.Module):
+    """What one pipeline stage runs: first parts (stage 0), its blocks in global order, last parts.
+
+    The blocks and parts are the model's own module objects, registered here too so that
+    ``parameters()`` is exactly this stage's parameters; the model itself is held unregistered, only to
+    call its ``pipeline_first`` / ``pipeline_last``.
+
+    Args:
+        model: The contract-abiding model (holding at least this stage's units).
+        spec: Its :class:`~lightning_dynmo.pipeline.contract.ModelSpec`.
+        layer_ids: The global indices of this stage's blocks.
+        first: Whether this is stage 0 (it receives the model inputs).
+        last: Whether this is the last stage (it returns what ``pipeline_loss`` takes).
+    """
+
+    _model: Any  # the contract-abiding model, unregistered (its methods are the contract's, not nn.Module's)
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, layer_ids: Sequence[int], first: bool, last: bool):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._spec = spec
+        self._is_first, self._is_last = first, last
+        self._runs_first, self._runs_last = first and spec.runs_first, last and spec.runs_last
+        self.first = nn.ModuleDict(
+            {n: getattr(model, n) for n in spec.first_parts} if self._runs_first else {}
+        )
+        blocks = model.get_submodule("layers")
+        self.layers = nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in layer_ids})
+        self.last = nn.ModuleDict({n: getattr(model, n) for n in spec.last_parts} if self._runs_last else {})
+        self._reads = {key: block_inputs(block) for key, block in self.layers.items()}
+        # Side-state shapes and dtypes pipeline_first produced, by input shape (see _start).
+        self._state_layout: dict[tuple[int, ...], dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._inferring = False
+
+    @property
+    def model_name(self) -> str:
+        """The model's class name, for error messages."""
+        return type(self._model).__name__
+
+    def forward(self, *flat: Tensor, **side_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
+        if self._inferring:
+            _zero_received(flat, self._is_first)
+        state = self._start(flat, side_inputs) if self._is_first else self._unpack(flat)
+        for key, block in self.layers.items():
+            state = self._run_block(key, block, state, side_inputs)
+        if self._is_last:
+            return self._finish(state, side_inputs)
+        return self._pack(state)
+
+    @contextlib.contextmanager
+    def shape_inference(self) -> Iterator[None]:
+        """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass)."""
+        self._inferring = True
+        try:
+            with collect_aux_losses(allowed=self._spec.aux_losses, model_name=self.model_name):
+                yield
+        finally:
+            self._inferring = False
+
+    # -- boundaries ------------------------------------------------------------------------------
+
+    def _start(self, flat: tuple[Tensor, ...], side_inputs: Mapping[str, Tensor]) -> State:
+        if len(flat) != 1:
+            raise TypeError(f"stage 0 of {self.model_name} expects one input tensor, got {len(flat)}.")
+        inputs = flat[0]
+        if not self._runs_first:
+            return {HIDDEN: inputs}
+        out = self._model.pipeline_first(
+            inputs, **_pick(side_inputs, self._spec.first_inputs, "pipeline_first")
+        )
+        if not self._spec.side_state:
+            if not isinstance(out, Tensor):
+                raise TypeError(
+                    f"{self.model_name}.pipeline_first returned a {type(out).__name__}; without side state "
+                    "(pipeline_side_state) it returns the hidden tensor."
+                )
+            return {HIDDEN: out}
+        state = self._check_first_state(out)
+        layout = {n: (tuple(t.shape), t.dtype) for n, t in state.items() if n != HIDDEN}
+        expected = self._state_layout.setdefault(tuple(inputs.shape), layout)
+        if layout != expected:
+            changed = [n for n in layout if layout[n] != expected[n]]
+            raise ValueError(
+                f"{self.model_name}.pipeline_first made side state {changed} with shape/dtype "
+                f"{[layout[n] for n in changed]}, but earlier steps with the same input shape made "
+                f"{[expected[n] for n in changed]}. Side state must keep its shape from step to step "
+                "(torch's pipeline stages allocate their receive buffers once); pad it to a fixed size."
+            )
+        return state
+
+    def _check_first_state(self, out: Any) -> State:
+        wanted = (HIDDEN, *self._spec.side_state)
+        if not isinstance(out, Mapping) or sorted(out) != sorted(wanted):
+            got = sorted(out) if isinstance(out, Mapping) else type(out).__name__
+            raise TypeError(
+                f"{self.model_name}.pipeline_first returned {got}; with pipeline_side_state="
+                f"{self._spec.side_state!r} it must return a dict with exactly the keys {list(wanted)}."
+            )
+        bad = [n for n, t in out.items() if not isinstance(t, Tensor)]
+        if bad:
+            raise TypeError(f"{self.model_name}.pipeline_first returned non-tensor entries {bad}.")
+        return dict(out)
+
+    def _unpack(self, flat: tuple[Tensor, ...]) -> State:
+        names = (HIDDEN, *self._spec.side_state)
+        if len(flat) != len(names):
+            raise RuntimeError(
+                f"a stage of {self.model_name} received {len(flat)} tensors, expected {len(names)} "
+                f"({list(names)}); the previous stage sent another structure."
+            )
+        return dict(zip(names, flat, strict=True))
+
+    def _pack(self, state: State) -> Tensor | tuple[Tensor, ...]:
+        if not self._spec.side_state:
+            return state[HIDDEN]
+        return (state[HIDDEN], *(state[n] for n in self._spec.side_state))
+
+    def _finish(self, state: State, side_inputs: Mapping[str, Tensor]) -> Tensor:
+        if not self._runs_last:
+            return state[HIDDEN]
+        kwargs = {
+            n: state[n] if n in state else _get(side_inputs, n, "pipeline_last")
+            for n in self._spec.last_inputs
+        }
+        out: Tensor = self._model.pipeline_last(state[HIDDEN], **kwargs)
+        return out
+
+    # -- blocks ----------------------------------------------------------------------------------
+
+    def _run_block(
+        self, key: str, block: nn.Module, state: State, side_inputs: Mapping[str, Tensor]
+    ) -> State:
+        who = f"layers.{key}"
+        kwargs = {n: state[n] if n in state else _get(side_inputs, n, who) for n in self._reads[key]}
+        out = block(state[HIDDEN], **kwargs)
+        if isinstance(out, Tensor):
+            state[HIDDEN] = out
+            return state
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], Tensor)
+            and isinstance(out[1], Mapping)
+        ):
+            raise TypeError(
+                f"{self.model_name}: {who} ({type(block).__name__}) returned {_describe(out)}; a block "
+                "returns the new hidden tensor, or (hidden, updates) with updates a dict of side-state "
+                "entries. Wrap blocks that return more (e.g. Hugging Face blocks return a tuple: take its "
+                "first element)."
+            )
+        hidden, updates = out
+        for name, value in updates.items():
+            self._check_update(who, block, state, name, value)
+            state[name] = value
+        state[HIDDEN] = hidden
+        return state
+
+    def _check_update(self, who: str, block: nn.Module, state: State, name: str, value: Any) -> None:
+        if name not in self._spec.side_state:
+            raise TypeError(
+                f"{self.model_name}: {who} ({type(block).__name__}) updates side state {name!r}, which the "
+                f"model does not declare (pipeline_side_state={self._spec.side_state!r}); declare it there."
+            )
+        old = state[name]
+        if not isinstance(value, Tensor) or value.shape != old.shape or value.dtype != old.dtype:
+            got = (
+                f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else _describe(value)
+            )
+            raise ValueError(
+                f"{self.model_name}: {who} ({type(block).__name__}) replaced side state {name!r} "
+                f"(shape {tuple(old.shape)} {old.dtype}) with {got}. Side state keeps its shape and dtype "
+                "(torch's pipeline stages allocate their buffers once); pad or cast it."
+            )
+
+
+def guard_shape_inference(stage: Any, module: StageModule) -> None:
+    """Run torch's forward metadata pass of ``stage`` inside ``module.shape_inference()``.
+
+    Before its first step, torch's ``PipelineStage`` runs the stage once to learn its output shapes; a
+    stage after the first one then receives ``torch.empty`` tensors (uninitialised memory). Zeroing them
+    keeps blocks that index or branch on side state (routing indices, exit masks) well defined, and the
+    auxiliary losses of that pass are not recorded.
+    """
+    original = stage._prepare_forward_infra
+
+    def prepare_forward_infra(*args: Any, **kwargs: Any) -> Any:
+        with module.shape_inference():
+            return original(*args, **kwargs)
+
+    stage._prepare_forward_infra = prepare_forward_infra
+
+
+def _zero_received(flat: tuple[Tensor, ...], is_first: bool) -> None:
+    if is_first:
+        return  # stage 0 infers from the real first micro-batch
+    with torch.no_grad():
+        for t in flat:
+            t.zero_()
+
+
+def _pick(side_inputs: Mapping[str, Tensor], names: Sequence[str], who: str) -> dict[str, Tensor]:
+    return {n: _get(side_inputs, n, who) for n in names}
+
+
+def _get(side_inputs: Mapping[str, Tensor], name: str, who: str) -> Tensor:
+    if name not in side_inputs:
+        raise KeyError(
+            f"{who} asks for the side input {name!r}, but this step's batch does not provide it (got "
+            f"{sorted(side_inputs)}); return it from pipeline_batch as (inputs, target, {{{name!r}: ...}})."
+        )
+    return side_inputs[name]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(v).__name__ for v in value[:4])})"
+    return f"a {type(value).__name__}"
