@@ -779,9 +779,10 @@ class DynMoStrategy(ParallelStrategy):
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = layout_of(self)
         if self._save_distributed_checkpoint:
-            path = self.broadcast(str(filepath))
             with self._guard("checkpoint saving (each rank writing its units)"):
-                save_sharded(path, checkpoint, group=self._active_group, coordinator=self._active_ranks[0])
+                save_sharded(
+                    filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
+                )
         elif self.is_global_zero:
             with prepared_for_file(filepath):
                 super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

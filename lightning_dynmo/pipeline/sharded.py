@@ -108,7 +108,8 @@ def save_sharded(
     The rest is written by ``coordinator`` as ``meta.pt``.
 
     Args:
-        path: The checkpoint directory; an existing checkpoint there is replaced.
+        path: The checkpoint directory (``coordinator``'s value counts); an existing checkpoint there is
+            replaced.
         checkpoint: See above.
         group: The ranks that save (every active rank); ``None`` is the default group.
         coordinator: GLOBAL rank that writes ``meta.pt`` and the manifest (a member of ``group``).
@@ -116,7 +117,9 @@ def save_sharded(
     Raises:
         FileExistsError: if ``path`` is a non-empty directory that is not a checkpoint.
     """
-    path, is_coordinator = Path(path), dist.get_rank() == coordinator
+    box: list[Any] = [str(path)]
+    dist.broadcast_object_list(box, src=coordinator, group=group)  # every rank writes the same directory
+    path, is_coordinator = Path(box[0]), dist.get_rank() == coordinator
     _check_target(path)  # on every rank (one file system), so a bad path fails all ranks, none waits
     if is_coordinator:
         _prepare_directory(path)
