@@ -19,6 +19,7 @@ rank did before: its construction alone exceeds the budget.
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 import os
 from dataclasses import dataclass, replace
@@ -123,6 +124,9 @@ class Watch(pl.Callback):
         self.held: list[int] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        # Garbage inherited from the parent (an earlier test's Trainer and its optimizer state) would be
+        # freed inside the window and hide what is allocated there: collect it first.
+        gc.collect()
         fresh_pages_for_big_allocations()
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident size (VmHWM) to now
         self.baseline_kib = resident_kib("VmRSS")
@@ -168,6 +172,7 @@ def construction_worker(rank: int, world_size: int, run: MetaRun) -> dict[str, A
 
 
 def fit(run: MetaRun, tmp_path: Path) -> list[dict[str, Any]]:
+    gc.collect()  # the ranks inherit this process's memory: leave them no garbage to free
     return run_distributed(construction_worker, run.world_size, tmp_path, timeout_s=180, args=(run,))
 
 
