@@ -15,14 +15,24 @@ Pipeline units: the first-stage parts ``tok_emb`` and ``pos_emb``, the blocks ``
 last-stage parts ``ln_f`` and ``head``. Each is built by :func:`build_unit` under its own seed, so a rank
 that builds only some units gets the weights a single process would.
 
-Stage interface (issue #9): today blocks map ``hidden -> hidden``. When the richer interface lands, the
-model declares ``pipeline_side_inputs`` / ``pipeline_side_state`` / ``pipeline_aux_losses`` from its
-blocks, :meth:`GPT.pipeline_batch` returns the side inputs and :meth:`GPT.run_blocks` (the single-process
-path) passes each block what it declares; nothing else here changes.
+Stage interface (:mod:`lightning_dynmo.pipeline.contract`): the model declares what its blocks need,
+collected from the blocks when it is built (:func:`block_interface`):
+
+- side inputs: ``"labels"`` (the next-token targets, for per-layer losses such as early exit), given by
+  :meth:`GPT.pipeline_batch` only when a block reads it;
+- side state: every entry a block's ``side_state_init`` names (e.g. an exit mask), created by
+  :meth:`GPT.pipeline_first` from the embedded hidden state;
+- auxiliary losses: every name a block's ``pipeline_aux_losses`` lists (e.g. a MoE balancing loss).
+
+The single-process path (:meth:`GPT.run_blocks`) calls blocks exactly as a pipeline stage does
+(:func:`~lightning_dynmo.pipeline.stage.run_block`), and :meth:`GPT.training_step` cuts each batch into
+``microbatches`` pieces and adds their auxiliary losses as a pipeline does, so it is the exact reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import lightning.pytorch as pl
@@ -36,11 +46,25 @@ from lightning_dynmo.models import dense as _dense  # noqa: F401  # registers th
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
 from lightning_dynmo.models.init import gpt2_init_, unit_rng
 from lightning_dynmo.models.optim import WarmupCosine, build_adamw
+from lightning_dynmo.pipeline.aux import collect_aux_losses
+from lightning_dynmo.pipeline.contract import HIDDEN, block_inputs
+from lightning_dynmo.pipeline.stage import run_block
 
-__all__ = ["FIRST_PARTS", "GPT", "LAST_PARTS", "build_unit", "unit_names"]
+__all__ = [
+    "FIRST_PARTS",
+    "GPT",
+    "LAST_PARTS",
+    "SIDE_INPUTS",
+    "BlockInterface",
+    "block_interface",
+    "build_unit",
+    "unit_names",
+]
 
 FIRST_PARTS = ("tok_emb", "pos_emb")
 LAST_PARTS = ("ln_f", "head")
+#: The side inputs a GPT can give its blocks.
+SIDE_INPUTS = ("labels",)
 
 
 class GPT(pl.LightningModule):
@@ -54,15 +78,28 @@ class GPT(pl.LightningModule):
     Args:
         config: Shape, block kinds and seed; ``None`` is ``GPTConfig()``.
         optimizer: AdamW settings and LR schedule; ``None`` is ``OptimizerConfig()``.
+        microbatches: The single-process ``training_step`` cuts each batch into this many equal pieces
+            and averages their losses, as a pipeline with ``num_microbatches`` does. Set it to the
+            pipeline's micro-batch count times its data-parallel size for an exact reference when blocks
+            route per micro-batch (MoE capacity, auxiliary losses); 1 for plain training.
     """
 
     pipeline_first_parts = FIRST_PARTS
     pipeline_last_parts = LAST_PARTS
 
-    def __init__(self, config: GPTConfig | None = None, optimizer: OptimizerConfig | None = None):
+    def __init__(
+        self,
+        config: GPTConfig | None = None,
+        optimizer: OptimizerConfig | None = None,
+        *,
+        microbatches: int = 1,
+    ):
         super().__init__()
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"GPT(microbatches={microbatches!r}) must be an integer >= 1.")
         self.config = config if config is not None else GPTConfig()
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
+        self.microbatches = microbatches
         cfg = self.config
         self.tok_emb = build_unit(cfg, "tok_emb")
         self.pos_emb = build_unit(cfg, "pos_emb")
@@ -71,18 +108,26 @@ class GPT(pl.LightningModule):
         self.head = build_unit(cfg, "head")
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        interface = block_interface(self.layers.values())
+        self.pipeline_side_inputs = interface.side_inputs
+        self.pipeline_side_state = tuple(interface.side_state_init)
+        self.pipeline_aux_losses = interface.aux_losses
+        self._side_state_init = interface.side_state_init  # from the block classes: known on every rank
         # Token-weighted mean losses for perplexity. Every rank holds the same values (the strategy's loss
         # is already global), so nothing is synced: a re-pack's released ranks would never join a sync.
         self.eval_loss_means = nn.ModuleDict({p: MeanMetric(sync_on_compute=False) for p in ("val", "test")})
 
     # -- the pipeline contract ------------------------------------------------------------------
 
-    def pipeline_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
-        """Token rows of length ``seq_len + 1`` -> (inputs, next-token targets)."""
-        return batch[:, :-1], batch[:, 1:]
+    def pipeline_batch(self, batch: Tensor) -> Any:
+        """Token rows of length ``seq_len + 1`` -> (inputs, next-token targets[, side inputs])."""
+        inputs, target = batch[:, :-1], batch[:, 1:]
+        if not self.pipeline_side_inputs:
+            return inputs, target
+        return inputs, target, {"labels": target}
 
-    def pipeline_first(self, idx: Tensor) -> Tensor:
-        """Token plus learned position embeddings (then embedding dropout)."""
+    def pipeline_first(self, idx: Tensor) -> Any:
+        """Token plus learned position embeddings (then embedding dropout), and the blocks' side state."""
         length = idx.shape[1]
         if length > self.config.seq_len:
             raise ValueError(
@@ -90,8 +135,10 @@ class GPT(pl.LightningModule):
                 "(the number of position embeddings); build the model with seq_len >= the data's seq_len."
             )
         positions = torch.arange(length, device=idx.device)
-        hidden = self.tok_emb(idx) + self.pos_emb(positions)
-        return F.dropout(hidden, self.config.dropout, self.training)
+        hidden = F.dropout(self.tok_emb(idx) + self.pos_emb(positions), self.config.dropout, self.training)
+        if not self._side_state_init:
+            return hidden
+        return {HIDDEN: hidden, **{name: init(hidden) for name, init in self._side_state_init.items()}}
 
     def pipeline_last(self, hidden: Tensor) -> Tensor:
         """Final LayerNorm and the vocabulary head: logits ``[batch, seq, vocab_size]``."""
@@ -102,16 +149,34 @@ class GPT(pl.LightningModule):
         """Mean next-token cross-entropy."""
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
-    def run_blocks(self, hidden: Tensor) -> Tensor:
-        """The blocks in global index order (the single-process path of the pipeline's stages)."""
-        for block in self.layers.values():
-            hidden = block(hidden)
-        return hidden
+    def run_blocks(self, first: Any, side_inputs: Mapping[str, Tensor] | None = None) -> Tensor:
+        """The blocks in global index order, called as a pipeline stage calls them; the last hidden state.
+
+        Args:
+            first: What :meth:`pipeline_first` returned (the hidden state, or it and the side state).
+            side_inputs: The side inputs the blocks read (``{"labels": target}`` when one reads labels).
+        """
+        state: dict[str, Tensor] = dict(first) if isinstance(first, Mapping) else {HIDDEN: first}
+        for key, block in self.layers.items():
+            state = run_block(
+                block,
+                state,
+                side_inputs or {},
+                reads=block_inputs(block),
+                side_state=self.pipeline_side_state,
+                who=f"layers.{key}",
+                model_name=type(self).__name__,
+            )
+        return state[HIDDEN]
 
     @override
-    def forward(self, idx: Tensor) -> Tensor:
-        """Logits of the tokens ``idx`` (``[batch, seq]`` with ``seq <= seq_len``)."""
-        return self.pipeline_last(self.run_blocks(self.pipeline_first(idx)))
+    def forward(self, idx: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Logits of the tokens ``idx`` (``[batch, seq]`` with ``seq <= seq_len``).
+
+        ``labels`` (the next-token targets) is needed only when a block reads it (e.g. early-exit losses).
+        """
+        side = {"labels": labels} if labels is not None else {}
+        return self.pipeline_last(self.run_blocks(self.pipeline_first(idx), side))
 
     @override
     def setup(self, stage: str) -> None:
@@ -134,9 +199,20 @@ class GPT(pl.LightningModule):
 
     @override
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        # As a pipeline: the mean of the micro-batches' losses, each micro-batch's auxiliary losses added.
+        n = self.microbatches
+        if batch.shape[0] % n:
+            raise ValueError(
+                f"a batch of {batch.shape[0]} rows cannot be cut into GPT(microbatches={n}) equal "
+                f"pieces; use a batch size that is a multiple of {n}."
+            )
+        with collect_aux_losses(attach=False, allowed=self.pipeline_aux_losses, model_name="GPT") as aux:
+            main = torch.stack([self._loss(piece) for piece in batch.chunk(n)]).mean()
+        self.log("train_loss", main.detach(), prog_bar=True)
+        totals = aux.totals()
+        for name in self.pipeline_aux_losses:
+            self.log(f"train_aux/{name}", totals[name] / n if name in totals else torch.zeros(()))
+        return main + aux.total() / n
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -152,8 +228,9 @@ class GPT(pl.LightningModule):
         return loss
 
     def _loss(self, batch: Tensor) -> Tensor:
-        inputs, target = self.pipeline_batch(batch)
-        return self.pipeline_loss(self(inputs), target)
+        inputs, target = batch[:, :-1], batch[:, 1:]
+        labels = target if self.pipeline_side_inputs else None
+        return self.pipeline_loss(self(inputs, labels), target)
 
     # -- perplexity: fed from the batch-end hooks, which see the batch loss in both modes ------
 
@@ -249,3 +326,50 @@ def _construct(config: GPTConfig, name: str) -> nn.Module:
             "must return an nn.Module (see lightning_dynmo.models.registry)."
         )
     return block
+
+
+@dataclass(frozen=True)
+class BlockInterface:
+    """What a GPT's blocks need from the stage interface (see :func:`block_interface`).
+
+    Attributes:
+        side_inputs: The side inputs some block reads (a subset of :data:`SIDE_INPUTS`).
+        side_state_init: Per side-state entry some block reads, how to make its initial value from the
+            embedded hidden state ``[batch, seq, d_model]``.
+        aux_losses: The auxiliary losses the blocks may add.
+    """
+
+    side_inputs: tuple[str, ...]
+    side_state_init: dict[str, Callable[[Tensor], Tensor]]
+    aux_losses: tuple[str, ...]
+
+
+def block_interface(blocks: Iterable[nn.Module]) -> BlockInterface:
+    """Collect the blocks' stage-interface declarations.
+
+    A block declares, as class or instance attributes: ``pipeline_inputs`` (what it reads, the
+    contract's), ``side_state_init`` (a mapping from each side-state entry it introduces to a function
+    of the embedded hidden state giving its initial value) and ``pipeline_aux_losses`` (the names of the
+    auxiliary losses it adds).
+
+    Raises:
+        TypeError: a block reads a name that is neither a GPT side input nor a declared side-state entry.
+    """
+    side_inputs: list[str] = []
+    inits: dict[str, Callable[[Tensor], Tensor]] = {}
+    aux: list[str] = []
+    blocks = list(blocks)
+    for block in blocks:
+        inits.update({k: v for k, v in dict(getattr(block, "side_state_init", {})).items() if k not in inits})
+        aux += [n for n in getattr(block, "pipeline_aux_losses", ()) if n not in aux]
+    for block in blocks:
+        for name in block_inputs(block):
+            if name in SIDE_INPUTS:
+                side_inputs += [name] if name not in side_inputs else []
+            elif name not in inits:
+                raise TypeError(
+                    f"the GPT block {type(block).__name__} reads {name!r}, which is neither a GPT side input "
+                    f"{SIDE_INPUTS} nor a side-state entry some block initialises (side_state_init); give "
+                    "the block a side_state_init for it."
+                )
+    return BlockInterface(tuple(side_inputs), inits, tuple(aux))

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_dynmo.pipeline.aux import collect_aux_losses
 from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs
 
-__all__ = ["StageModule", "guard_shape_inference"]
+__all__ = ["StageModule", "guard_shape_inference", "run_block"]
 
 State = dict[str, Tensor]
 
@@ -161,47 +161,92 @@ class StageModule(nn.Module):
     def _run_block(
         self, key: str, block: nn.Module, state: State, side_inputs: Mapping[str, Tensor]
     ) -> State:
-        who = f"layers.{key}"
-        kwargs = {n: state[n] if n in state else _get(side_inputs, n, who) for n in self._reads[key]}
-        out = block(state[HIDDEN], **kwargs)
-        if isinstance(out, Tensor):
-            state[HIDDEN] = out
-            return state
-        if not (
-            isinstance(out, tuple)
-            and len(out) == 2
-            and isinstance(out[0], Tensor)
-            and isinstance(out[1], Mapping)
-        ):
-            raise TypeError(
-                f"{self.model_name}: {who} ({type(block).__name__}) returned {_describe(out)}; a block "
-                "returns the new hidden tensor, or (hidden, updates) with updates a dict of side-state "
-                "entries. Wrap blocks that return more (e.g. Hugging Face blocks return a tuple: take its "
-                "first element)."
-            )
-        hidden, updates = out
-        for name, value in updates.items():
-            self._check_update(who, block, state, name, value)
-            state[name] = value
-        state[HIDDEN] = hidden
-        return state
+        return run_block(
+            block,
+            state,
+            side_inputs,
+            reads=self._reads[key],
+            side_state=self._spec.side_state,
+            who=f"layers.{key}",
+            model_name=self.model_name,
+        )
 
-    def _check_update(self, who: str, block: nn.Module, state: State, name: str, value: Any) -> None:
-        if name not in self._spec.side_state:
-            raise TypeError(
-                f"{self.model_name}: {who} ({type(block).__name__}) updates side state {name!r}, which the "
-                f"model does not declare (pipeline_side_state={self._spec.side_state!r}); declare it there."
-            )
-        old = state[name]
-        if not isinstance(value, Tensor) or value.shape != old.shape or value.dtype != old.dtype:
-            got = (
-                f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else _describe(value)
-            )
-            raise ValueError(
-                f"{self.model_name}: {who} ({type(block).__name__}) replaced side state {name!r} "
-                f"(shape {tuple(old.shape)} {old.dtype}) with {got}. Side state keeps its shape and dtype "
-                "(torch's pipeline stages allocate their buffers once); pad or cast it."
-            )
+
+def run_block(
+    block: nn.Module,
+    state: State,
+    side_inputs: Mapping[str, Tensor],
+    *,
+    reads: Sequence[str],
+    side_state: Sequence[str],
+    who: str,
+    model_name: str,
+) -> State:
+    """Call ``block`` the way a stage does, and return the updated state (``state`` itself, updated).
+
+    Models use it for their single-process forward, so both paths call blocks identically.
+
+    Args:
+        block: The block.
+        state: ``{"hidden": h, <side-state name>: tensor, ...}``.
+        side_inputs: This micro-batch's side inputs.
+        reads: The names the block reads (its ``pipeline_inputs``).
+        side_state: The model's side-state names (the entries a block may update).
+        who: The block's name for errors (``"layers.3"``).
+        model_name: The model's class name for errors.
+
+    Raises:
+        TypeError: the block returned something other than ``hidden`` or ``(hidden, updates)``, or
+            updated an undeclared entry.
+        ValueError: an update changes an entry's shape or dtype.
+        KeyError: the block reads a side input the batch does not provide.
+    """
+    kwargs = {n: state[n] if n in state else _get(side_inputs, n, who) for n in reads}
+    out = block(state[HIDDEN], **kwargs)
+    if isinstance(out, Tensor):
+        state[HIDDEN] = out
+        return state
+    if not (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[0], Tensor)
+        and isinstance(out[1], Mapping)
+    ):
+        raise TypeError(
+            f"{model_name}: {who} ({type(block).__name__}) returned {_describe(out)}; a block returns the "
+            "new hidden tensor, or (hidden, updates) with updates a dict of side-state entries. Wrap blocks "
+            "that return more (e.g. Hugging Face blocks return a tuple: take its first element)."
+        )
+    hidden, updates = out
+    for name, value in updates.items():
+        _check_update(who, block, model_name, side_state, state, name, value)
+        state[name] = value
+    state[HIDDEN] = hidden
+    return state
+
+
+def _check_update(
+    who: str,
+    block: nn.Module,
+    model_name: str,
+    side_state: Sequence[str],
+    state: State,
+    name: str,
+    value: Any,
+) -> None:
+    if name not in side_state:
+        raise TypeError(
+            f"{model_name}: {who} ({type(block).__name__}) updates side state {name!r}, which the model does "
+            f"not declare (pipeline_side_state={tuple(side_state)!r}); declare it there."
+        )
+    old = state[name]
+    if not isinstance(value, Tensor) or value.shape != old.shape or value.dtype != old.dtype:
+        got = f"shape {tuple(value.shape)} {value.dtype}" if isinstance(value, Tensor) else _describe(value)
+        raise ValueError(
+            f"{model_name}: {who} ({type(block).__name__}) replaced side state {name!r} (shape "
+            f"{tuple(old.shape)} {old.dtype}) with {got}. Side state keeps its shape and dtype (torch's "
+            "pipeline stages allocate their buffers once); pad or cast it."
+        )
 
 
 def guard_shape_inference(stage: Any, module: StageModule) -> None:
