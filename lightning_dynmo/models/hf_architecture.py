@@ -121,13 +121,14 @@ def find_pieces(model: nn.Module, architecture: HFArchitecture | None = None) ->
             found, missing = _survey(model, _LLAMA_LIKE)
             raise TypeError(
                 f"HuggingFaceCausalLM does not support the {name}: it knows the model types "
-                f"{sorted(ARCHITECTURES)}. Looked up with the Llama layout, it has {found or 'none of them'} and "
+                f"{sorted(ARCHITECTURES)}. Looked up with the Llama layout, it has {found or 'none of them'} "
+                f"and "
                 f"lacks {missing or 'nothing'}. If its forward is embedding -> decoder layers (causal mask, "
                 "rotary cos/sin) -> final norm -> head and nothing else, pass "
                 "architecture=HFArchitecture(embedding=..., layers=..., final_norm=..., rotary=...) with its "
                 "paths; otherwise it needs an adapter of its own."
             )
-        architecture = ARCHITECTURES[model_type]
+        architecture = ARCHITECTURES[str(model_type)]
     found, missing = _survey(model, architecture)
     if missing:
         raise TypeError(
@@ -135,7 +136,7 @@ def find_pieces(model: nn.Module, architecture: HFArchitecture | None = None) ->
             f"{found or 'none of the pieces'}). Pass architecture=HFArchitecture(...) with the paths where "
             "this model keeps these pieces."
         )
-    layers = list(_get(model, architecture.layers))  # type: ignore[arg-type]
+    layers = list(_get(model, architecture.layers))
     parts = {role: _get(model, path) for role, path in architecture.part_paths().items()}
     rotary = _get(model, architecture.rotary) if architecture.rotary else None
     return Pieces(
@@ -146,7 +147,8 @@ def find_pieces(model: nn.Module, architecture: HFArchitecture | None = None) ->
 
 
 def _survey(model: nn.Module, architecture: HFArchitecture) -> tuple[list[str], list[str]]:
-    found, missing = [], []
+    found: list[str] = []
+    missing: list[str] = []
     for field in fields(architecture):
         path = getattr(architecture, field.name)
         if path is None or field.name == "router":

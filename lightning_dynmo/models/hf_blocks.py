@@ -99,7 +99,9 @@ class HuggingFaceBlock(nn.Module):
         rotary_cos: Tensor | None = None,
         rotary_sin: Tensor | None = None,
     ) -> Tensor:
-        make_mask = create_sliding_window_causal_mask if self.kind == "sliding_attention" else create_causal_mask
+        make_mask = (
+            create_sliding_window_causal_mask if self.kind == "sliding_attention" else create_causal_mask
+        )
         mask = make_mask(
             config=self.config,
             inputs_embeds=hidden,
@@ -144,7 +146,8 @@ def attention_kind(config: Any, index: int) -> str:
         kind = str(types[index])
         if kind not in _KINDS:
             raise ValueError(
-                f"layer {index} of this {getattr(config, 'model_type', '?')!r} model has layer type {kind!r}; "
+                f"layer {index} of this {getattr(config, 'model_type', '?')!r} model has layer type "
+                f"{kind!r}; "
                 f"HuggingFaceCausalLM builds masks for {_KINDS} only."
             )
         return kind

@@ -130,6 +130,13 @@ class HuggingFaceCausalLM(pl.LightningModule):
         ValueError: a bad argument (the message names it).
     """
 
+    # The parts (the model's own modules; ``None`` on ranks that do not own them under DynMoStrategy).
+    embedding: Any
+    position_embedding: Any
+    embedding_dropout: Any
+    final_norm: Any
+    head: Any
+
     def __init__(
         self,
         model: PreTrainedModel | PretrainedConfig,
@@ -156,7 +163,7 @@ class HuggingFaceCausalLM(pl.LightningModule):
             setattr(self, role, module)
         self.pipeline_first_parts = tuple(r for r in FIRST_ROLES if r in pieces.parts)
         self.pipeline_last_parts = tuple(r for r in LAST_ROLES if r in pieces.parts)
-        # Not a unit: no parameters and no persistent buffers, so every rank keeps its own (see pipeline_batch).
+        # Not a unit: no parameters, no persistent buffers; every rank keeps its own (see pipeline_batch).
         self.rotary = pieces.rotary
         router_weight = _router_loss_weight(hf.config, recipe, len(pieces.layers))
         self.layers = nn.ModuleDict(
@@ -203,11 +210,11 @@ class HuggingFaceCausalLM(pl.LightningModule):
     def pipeline_first(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """Token embedding (plus learned positions and embedding dropout where the model has them)."""
         hidden: Tensor = self.embedding(input_ids)
-        position_embedding = getattr(self, "position_embedding", None)
-        if position_embedding is not None:
-            hidden = hidden + position_embedding(position_ids)
-        dropout = getattr(self, "embedding_dropout", None)
-        return dropout(hidden) if dropout is not None else hidden
+        if getattr(self, "position_embedding", None) is not None:
+            hidden = hidden + self.position_embedding(position_ids)
+        if getattr(self, "embedding_dropout", None) is not None:
+            hidden = self.embedding_dropout(hidden)
+        return hidden
 
     def pipeline_last(self, hidden: Tensor) -> Tensor:
         """Final norm and the vocabulary head: logits ``[batch, seq, vocab]``."""
@@ -220,7 +227,10 @@ class HuggingFaceCausalLM(pl.LightningModule):
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
         return total * (rows.to(total.dtype) / (tokens.clamp(min=1).to(total.dtype) * labels.shape[0]))
 
@@ -246,7 +256,9 @@ class HuggingFaceCausalLM(pl.LightningModule):
             )
         name = type(self).__name__
         with collect_aux_losses(attach=False, allowed=self.pipeline_aux_losses, model_name=name) as aux:
-            losses = [self.pipeline_loss(self._logits(i, s), t) for i, t, s in _chunks(inputs, target, side, n)]
+            losses = [
+                self.pipeline_loss(self._logits(i, s), t) for i, t, s in _chunks(inputs, target, side, n)
+            ]
         main = torch.stack(losses).mean()
         self.log("train_loss", main.detach(), prog_bar=True)
         totals = aux.totals()
@@ -279,7 +291,12 @@ class HuggingFaceCausalLM(pl.LightningModule):
         state = {HIDDEN: hidden}
         for key, block in self.layers.items():
             state = run_block(
-                block, state, side, reads=block_inputs(block), side_state=(), who=f"layers.{key}",
+                block,
+                state,
+                side,
+                reads=block_inputs(block),
+                side_state=(),
+                who=f"layers.{key}",
                 model_name=type(self).__name__,
             )
         return self.pipeline_last(state[HIDDEN])
@@ -351,7 +368,7 @@ def _build(model: Any, attn_implementation: str | None, seed: int) -> Any:
         kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(model, **kwargs)
+            return AutoModelForCausalLM.from_config(model, **kwargs)  # type: ignore[no-untyped-call]
     if isinstance(model, PreTrainedModel):
         if attn_implementation is not None:
             raise ValueError(
@@ -361,8 +378,9 @@ def _build(model: Any, attn_implementation: str | None, seed: int) -> Any:
             )
         return model
     raise TypeError(
-        f"HuggingFaceCausalLM takes a transformers causal-LM model or its config, got {type(model).__name__}; "
-        "e.g. HuggingFaceCausalLM(LlamaConfig(...)) or HuggingFaceCausalLM(AutoModelForCausalLM.from_config(c))."
+        f"HuggingFaceCausalLM takes a transformers causal-LM model or its config, got "
+        f"{type(model).__name__}; e.g. HuggingFaceCausalLM(LlamaConfig(...)) or "
+        "HuggingFaceCausalLM(AutoModelForCausalLM.from_config(config))."
     )
 
 
@@ -383,12 +401,15 @@ def _batch_fields(batch: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     unknown = sorted(k for k in batch if k not in BATCH_KEYS)
     if unknown:
         raise ValueError(
-            f"the batch has keys {unknown} that HuggingFaceCausalLM does not use (it reads {list(BATCH_KEYS)}); "
+            f"the batch has keys {unknown} that HuggingFaceCausalLM does not use (it reads "
+            f"{list(BATCH_KEYS)}); "
             "drop them from the batch (e.g. in the collator) rather than have them silently ignored."
         )
     ids = batch["input_ids"]
     if ids.dim() != 2 or ids.dtype.is_floating_point:
-        raise TypeError(f"batch['input_ids'] must be integer token ids [batch, seq], got {ids.dtype} {tuple(ids.shape)}.")
+        raise TypeError(
+            f"batch['input_ids'] must be integer token ids [batch, seq], got {ids.dtype} {tuple(ids.shape)}."
+        )
     for key in BATCH_KEYS[1:]:
         value = batch.get(key)
         if value is not None and (not isinstance(value, Tensor) or value.shape != ids.shape):

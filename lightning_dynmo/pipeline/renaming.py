@@ -1,4 +1,4 @@
-"""Rename the parameter keys of a Lightning checkpoint: its model state and DynMo's name-keyed optimizer state.
+"""Rename a Lightning checkpoint's parameter keys: its model state and DynMo's name-keyed optimizer state.
 
 A model whose checkpoint should carry other names than its units' (an adapter that keeps a Hugging Face
 model's own state-dict names, ``model.layers.3.mlp.up_proj.weight`` instead of
@@ -43,7 +43,8 @@ def _renamed(entries: MutableMapping[str, Any], rename: Callable[[str], str], wh
         new = rename(key)
         if new in out:
             raise ValueError(
-                f"renaming checkpoint['{where}'] maps two keys to {new!r} (one of them {key!r}); the renaming "
+                f"renaming checkpoint['{where}'] maps two keys to {new!r} (one of them {key!r}); the "
+                "renaming "
                 "must be one-to-one."
             )
         out[new] = value

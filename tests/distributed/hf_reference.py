@@ -7,8 +7,9 @@ would cap a float64 comparison at float32 rounding (``test_huggingface.py`` chec
 float32 precision). For MoE models it adds the per-layer Switch load-balancing loss, written here
 independently from the adapter's, over each of ``microbatches`` row chunks (as a pipeline sees them).
 
-Its switches are the negative controls of the equivalence tests: drop the attention mask, count positions
-0..seq-1 (the model's default), drop the router loss, or use the library's cross-layer router loss.
+Its switches are the negative controls of the equivalence tests: drop the attention mask, drop the
+causal mask too, count positions 0..seq-1 (the model's default), drop the router loss, or use the
+library's cross-layer router loss.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def tiny_config(kind: str, *, num_layers: int = 4, **overrides: Any) -> Any:
         return transformers.GPT2Config(**{**base, **overrides})
     common: dict[str, Any] = {
         "num_hidden_layers": num_layers, "hidden_size": WIDTH, "intermediate_size": 32,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB, "max_position_embeddings": 16,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB,
+        "max_position_embeddings": 16,
         "bos_token_id": 1, "eos_token_id": 1, "pad_token_id": None,
     }  # fmt: skip
     classes = {
@@ -66,7 +68,7 @@ def tiny_model(kind: str, *, attn: str = "eager", seed: int = 0, **overrides: An
 
 
 class PaddedBatches(Dataset[dict[str, Tensor]]):
-    """Token rows of ``SEQ`` with 0-3 padding tokens: ``"right"``, ``"left"``, alternating (``"both"``) or ``"none"``."""
+    """Rows of ``SEQ`` tokens with 0-3 padding: "right", "left", alternating ("both") or "none"."""
 
     def __init__(self, num_samples: int, padding: str = "both", seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -109,7 +111,9 @@ def per_layer_router_loss(
         total = torch.zeros((), dtype=router_logits[0].dtype)
         real = mask[rows_mb].reshape(-1).bool()
         for layer_logits in router_logits:
-            logits = layer_logits.reshape(rows, -1, layer_logits.shape[-1])[rows_mb].reshape(-1, layer_logits.shape[-1])
+            logits = layer_logits.reshape(rows, -1, layer_logits.shape[-1])[rows_mb].reshape(
+                -1, layer_logits.shape[-1]
+            )
             probs = logits.softmax(-1)[real]
             experts = probs.shape[-1]
             chosen = probs.topk(top_k, dim=-1).indices
@@ -129,13 +133,14 @@ class HFReference(pl.LightningModule):
         lr: float = 0.01,
         microbatches: int = 1,
         use_mask: bool = True,
+        causal: bool = True,
         positions: str = "from_mask",
         router: str = "per_layer",
     ) -> None:
         super().__init__()
         self.hf = model
         self.lr, self.microbatches = lr, microbatches
-        self.use_mask, self.positions, self.router = use_mask, positions, router
+        self.use_mask, self.causal, self.positions, self.router = use_mask, causal, positions, router
         self.moe = getattr(model.config, "output_router_logits", False)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -143,6 +148,10 @@ class HFReference(pl.LightningModule):
         kwargs: dict[str, Any] = {"input_ids": ids}
         if self.use_mask:
             kwargs["attention_mask"] = mask
+        if not self.causal:  # a prepared 4-D mask is used as it is: every token sees every token
+            kwargs["attention_mask"] = torch.zeros(
+                ids.shape[0], 1, ids.shape[1], ids.shape[1], dtype=torch.float64
+            )
         if self.positions == "from_mask":  # as Hugging Face generation makes them
             kwargs["position_ids"] = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
         if self.moe:

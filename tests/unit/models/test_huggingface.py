@@ -22,21 +22,20 @@ import pytest
 import torch
 from torch import Tensor
 
+from lightning_dynmo.models.hf_architecture import HFArchitecture
+from lightning_dynmo.models.hf_blocks import switch_load_balancing_loss
+from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
+from lightning_dynmo.pipeline.contract import check_model_contract, split_batch
+from lightning_dynmo.pipeline.renaming import rename_checkpoint_keys
 from tests.distributed.hf_reference import (
-    PaddedBatches,
     HFReference,
+    PaddedBatches,
     causal_lm_loss,
     per_layer_router_loss,
     tiny_config,
     tiny_model,
     transformers,
 )
-
-from lightning_dynmo.models.hf_architecture import HFArchitecture  # noqa: E402
-from lightning_dynmo.models.hf_blocks import switch_load_balancing_loss  # noqa: E402
-from lightning_dynmo.models.huggingface import HuggingFaceCausalLM  # noqa: E402
-from lightning_dynmo.pipeline.contract import check_model_contract, split_batch  # noqa: E402
-from lightning_dynmo.pipeline.renaming import rename_checkpoint_keys  # noqa: E402
 
 KINDS = ("gpt2", "llama", "qwen2", "mistral", "mixtral")
 
@@ -94,11 +93,12 @@ def test_loss_and_gradients_equal_the_reference_with_unequal_micro_batches(kind:
     assert set(ours) == set(theirs) - ({"lm_head.weight"} if kind == "gpt2" else set())
     assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-12
     # Control: the mean of the micro-batches' own token means is not the batch's token mean.
-    inputs, target, side = adapter.pipeline_batch(batch)
     with torch.no_grad():
         logits = adapter(batch["input_ids"], batch["attention_mask"])
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    naive = torch.stack([causal_lm_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4))]).mean()
+    naive = torch.stack(
+        [causal_lm_loss(lg, lb) for lg, lb in zip(logits.chunk(4), labels.chunk(4), strict=True)]
+    ).mean()
     assert abs(naive.item() - causal_lm_loss(logits, labels).item()) > 1e-4
 
 
@@ -194,7 +194,9 @@ def test_builds_from_a_config_with_the_same_weights_for_the_same_seed() -> None:
     config = tiny_config("llama", num_layers=2)
     one, two = (HuggingFaceCausalLM(config, attn_implementation="eager", seed=3) for _ in range(2))
     assert one.hf_config._attn_implementation == "eager"
-    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(one.state_dict().values(), two.state_dict().values(), strict=True)
+    )
 
 
 # -- errors ----------------------------------------------------------------------------------------------
@@ -250,5 +252,5 @@ def test_a_side_input_the_blocks_need_that_the_batch_does_not_provide() -> None:
         split_batch(adapter, spec, _batch(2))
     inputs, _, side = HuggingFaceCausalLM.pipeline_batch(adapter, _batch(2))
     del side["position_ids"]
-    with pytest.raises(KeyError, match="layers.0 asks for the side input 'position_ids'"):
+    with pytest.raises(KeyError, match=r"layers\.0 asks for the side input 'position_ids'"):
         adapter._logits(inputs, side)
