@@ -189,7 +189,7 @@ def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained
     assert plain.lm_head.weight is plain.transformer.wte.weight
     for key, value in plain.state_dict().items():
         assert torch.equal(value, trained[key]), key
-    assert any(k == "transformer.h.3.attn.c_attn.weight" for k in checkpoint["optimizer_states"][0]["state"])
+    assert "transformer.h.3.attn.c_attn.weight" in checkpoint["optimizer_states"][0]["state"]
     # The strategy loaded it by name at another placement: its validation loss is the plain model's.
     batch = next(iter(setup.loader()))
     reference = HFReference(plain)
