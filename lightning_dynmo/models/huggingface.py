@@ -40,11 +40,15 @@ is added per layer through :func:`~lightning_dynmo.pipeline.aux.add_aux_loss` (s
 :mod:`~lightning_dynmo.models.hf_blocks` for how it relates to the library's cross-layer formula) and
 logged as ``train_aux/router_load_balance``.
 
-Checkpoints keep the model's own state-dict names (``model.layers.0.self_attn.q_proj.weight``,
+Checkpoint files keep the model's own state-dict names (``model.layers.0.self_attn.q_proj.weight``,
 ``transformer.h.0.attn.c_attn.weight``, ``lm_head.weight``): the adapter renames the keys in
 ``on_save_checkpoint`` and back in ``on_load_checkpoint``
 (:func:`~lightning_dynmo.pipeline.renaming.rename_checkpoint_keys`), so ``checkpoint["state_dict"]`` loads
-strictly into the plain model, which ``save_pretrained`` then writes.
+strictly into the plain model, which ``save_pretrained`` then writes. A sharded checkpoint (a directory,
+DynMoStrategy's default) keeps the units' names, because each rank reads its own units' items back by
+those names before any model hook runs; :func:`~lightning_dynmo.pipeline.sharded.export_full_checkpoint`
+makes one file of it and :meth:`~HuggingFaceCausalLM.rename_for_huggingface` gives that file the model's
+names.
 
 Dropout is the model's own modules' (configure it in the config; training and evaluation modes are
 Lightning's); the generation config is kept untouched and handed to :meth:`~HuggingFaceCausalLM.
@@ -338,12 +342,25 @@ class HuggingFaceCausalLM(pl.LightningModule):
             model.generation_config = copy.deepcopy(self._generation_config)
         return model
 
-    @override
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def rename_for_huggingface(self, checkpoint: dict[str, Any]) -> None:
+        """Give a loaded checkpoint's model and optimizer state the model's own names, in place.
+
+        For a file exported from a sharded checkpoint (one-file checkpoints already have them); then
+        ``checkpoint["state_dict"]`` loads into the plain model with ``load_state_dict(strict=True)``.
+        Keys that belong to no unit are kept.
+        """
         rename_checkpoint_keys(checkpoint, self._saved_name)
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A sharded save (a directory) is read back unit by unit under the units' names: keep them there.
+        strategy = getattr(self._trainer, "strategy", None)
+        if not getattr(strategy, "_save_distributed_checkpoint", False):
+            self.rename_for_huggingface(checkpoint)
+
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Files with the model's names get the units' names back; units' names are kept (sharded saves).
         rename_checkpoint_keys(checkpoint, self._loaded_name)
 
     def _saved_name(self, key: str) -> str:

@@ -7,7 +7,8 @@ under the model's own names, with ``HFReference``: the plain Hugging Face model 
 its own forward on whole batches, in float64. Negative controls train the reference without the
 attention mask, with the model's default positions, or with another router loss, and must differ by far
 more than the tolerance. A last test saves a checkpoint under the strategy, validates from it at another
-placement, loads it strictly into the plain model and round-trips it through ``save_pretrained``.
+placement, loads it strictly into the plain model (one file as saved, a sharded directory once exported)
+and round-trips it through ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
+from lightning_dynmo.pipeline.sharded import export_full_checkpoint
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.harness import run_distributed
 from tests.distributed.hf_reference import HFReference, PaddedBatches, tiny_model, transformers
@@ -43,6 +45,7 @@ class Setup:
     batch_size: int = 8
     steps: int = 5
     lr: float = 0.01
+    sharded_checkpoint: bool = False
     # A migration, then a re-pack onto rank 0 (rank 1 is released).
     migrations: tuple[tuple[int, str], ...] = ((1, "0-0|1-3"), (3, "0-3"))
 
@@ -85,7 +88,11 @@ def _fit_worker(rank: int, world_size: int, setup: Setup, checkpoint: Path | Non
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     recorder = Recorder(dict(setup.migrations))
-    strategy = DynMoStrategy(num_microbatches=setup.num_microbatches, placement="0-1|2-3")
+    strategy = DynMoStrategy(
+        num_microbatches=setup.num_microbatches,
+        placement="0-1|2-3",
+        save_distributed_checkpoint=setup.sharded_checkpoint,
+    )
     trainer = pl.Trainer(
         devices=world_size, strategy=strategy, use_distributed_sampler=False, callbacks=[recorder],
         **setup.trainer_kwargs(),
@@ -101,7 +108,9 @@ def _fit_worker(rank: int, world_size: int, setup: Setup, checkpoint: Path | Non
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
         # Validate from the checkpoint at another placement on fresh ranks' models (weights by HF name).
-        fresh = DynMoStrategy(num_microbatches=2, placement="0-0|1-3")
+        fresh = DynMoStrategy(
+            num_microbatches=2, placement="0-0|1-3", save_distributed_checkpoint=setup.sharded_checkpoint
+        )
         validator = pl.Trainer(devices=world_size, strategy=fresh, use_distributed_sampler=False,
                                **setup.trainer_kwargs())  # fmt: skip
         metrics = validator.validate(
@@ -178,12 +187,24 @@ def test_mixtral_with_its_router_loss_on_every_stage(tmp_path: Path) -> None:
     _fit_and_compare(setup, tmp_path, controls)
 
 
-def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained(tmp_path: Path) -> None:
-    setup = Setup(kind="gpt2", attn="eager", steps=3, migrations=((1, "0-2|3-3"),))
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained(
+    tmp_path: Path, sharded: bool
+) -> None:
+    # One file carries the model's own names; a sharded directory keeps the units' names (each rank reads
+    # its units back by them) and gets the model's names when exported to one file.
+    setup = Setup(
+        kind="gpt2", attn="eager", steps=3, migrations=((1, "0-2|3-3"),), sharded_checkpoint=sharded
+    )
     path = tmp_path / "hf.ckpt"
     kept, other = run_distributed(_fit_worker, 2, tmp_path, timeout_s=240, args=(setup, path))
     trained = {**other["state"], **kept["state"]}
-    checkpoint = torch.load(path, weights_only=False)
+    if sharded:
+        checkpoint = torch.load(export_full_checkpoint(path, tmp_path / "full.ckpt"), weights_only=False)
+        assert "layers.3.layer.attn.c_attn.weight" in checkpoint["state_dict"]
+        HuggingFaceCausalLM(setup.hf_model()).rename_for_huggingface(checkpoint)
+    else:
+        checkpoint = torch.load(path, weights_only=False)
     plain = setup.hf_model()
     plain.load_state_dict(checkpoint["state_dict"], strict=True)
     assert plain.lm_head.weight is plain.transformer.wte.weight
@@ -191,18 +212,20 @@ def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained
         assert torch.equal(value, trained[key]), key
     assert "transformer.h.3.attn.c_attn.weight" in checkpoint["optimizer_states"][0]["state"]
     # The strategy loaded it by name at another placement: its validation loss is the plain model's.
-    batch = next(iter(setup.loader()))
     reference = HFReference(plain)
     reference.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
     with torch.no_grad():
         losses = [reference.training_step(b, 0) for b in setup.loader()]
     expected = torch.stack(losses).mean().item()
     assert abs(kept["val_loss"] - expected) < TOL and abs(other["val_loss"] - expected) < TOL
+    if sharded:
+        return
     plain.save_pretrained(tmp_path / "pretrained")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "pretrained", dtype=torch.float64, attn_implementation="eager"
     )
     assert loaded.state_dict().keys() == plain.state_dict().keys()
     assert all(torch.equal(v, plain.state_dict()[k]) for k, v in loaded.state_dict().items())
+    batch = next(iter(setup.loader()))
     with torch.no_grad():
         assert torch.equal(loaded(**batch).logits, plain(**batch).logits)
