@@ -82,7 +82,9 @@ def main() -> None:
         config(args.model, args.layers), seed=0, lr=3e-3
     )  # same weights on every rank
     loader = DataLoader(PaddedText(8 * args.steps), batch_size=8, drop_last=True)
-    strategy = DynMoStrategy(num_microbatches=4)
+    # One checkpoint file, whose state dict has the model's own names (a sharded directory, the default,
+    # keeps the units' names: export_full_checkpoint + model.rename_for_huggingface convert it).
+    strategy = DynMoStrategy(num_microbatches=4, save_distributed_checkpoint=False)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -95,7 +97,7 @@ def main() -> None:
     )
     trainer.fit(model, loader)
     checkpoint = args.out / "last.ckpt"
-    trainer.save_checkpoint(checkpoint)  # on every rank: the strategy gathers the units
+    trainer.save_checkpoint(checkpoint)  # on every rank: the strategy gathers the units on rank 0
     if trainer.is_global_zero:
         print(
             f"final loss {float(trainer.callback_metrics['train_loss']):.4f}, placement {strategy.placement}"
