@@ -124,12 +124,13 @@ def rotation_seed(model_seed: int, hash_seed: int, layer_index: int, forward_ind
 
 
 def random_rotations(seed: int, num_heads: int, head_dim: int, num_buckets: int) -> Tensor | None:
-    """``[num_heads, head_dim, num_buckets / 2]`` float64 CPU matrices with unit columns; ``None`` for 1 bucket."""
+    """``[num_heads, head_dim, num_buckets / 2]`` float64 CPU matrices, unit columns; ``None``: 1 bucket."""
     if num_buckets == 1:
         return None
     generator = torch.Generator().manual_seed(seed)
     rotations = torch.randn(num_heads, head_dim, num_buckets // 2, generator=generator, dtype=torch.float64)
-    return rotations / rotations.norm(dim=1, keepdim=True)
+    unit: Tensor = rotations / rotations.norm(dim=1, keepdim=True)
+    return unit
 
 
 def hash_buckets(x: Tensor, rotations: Tensor | None) -> Tensor:
@@ -177,7 +178,7 @@ class TilePlan(NamedTuple):
         return int(self.active.sum())
 
     def causal_blocks(self) -> int:
-        """Tile pairs dense causal attention computes on the same input (``n (n + 1) / 2`` per row and head)."""
+        """Tile pairs dense causal attention computes on this input: ``n (n + 1) / 2`` per row and head."""
         b, h, n, _ = self.active.shape
         return b * h * n * (n + 1) // 2
 
@@ -292,8 +293,10 @@ def bucket_masked_attention(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k
 
 
 class HashedCausalSelfAttention(nn.Module):
-    """Multi-head hash-sparse causal self-attention with :class:`~lightning_dynmo.models.CausalSelfAttention`'s
-    parameters (fused ``qkv``, output ``proj``), so a dense block's weights load into it.
+    """Multi-head hash-sparse causal self-attention.
+
+    Its parameters are those of :class:`~lightning_dynmo.models.CausalSelfAttention` (fused ``qkv``,
+    output ``proj``), so a dense block's weights load into it.
 
     Args:
         config: The GPT's shape.
@@ -365,7 +368,8 @@ class SparseAttentionBlock(nn.Module):
 
     def rotations(self) -> Tensor | None:
         """The rotations the next forward uses (from the current ``hash_forwards``)."""
-        seed = rotation_seed(self.model_seed, self.options.hash_seed, self.layer_index, int(self.hash_forwards))
+        count = int(self.hash_forwards)
+        seed = rotation_seed(self.model_seed, self.options.hash_seed, self.layer_index, count)
         return random_rotations(seed, self.attn.num_heads, self.head_dim, self.options.num_buckets)
 
     def forward(self, hidden: Tensor) -> Tensor:

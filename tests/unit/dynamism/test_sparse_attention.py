@@ -161,7 +161,8 @@ def test_every_visible_pair_lies_in_an_active_tile(seed: int) -> None:
 def test_rotation_seeds_are_stable_and_depend_on_every_part() -> None:
     seed = rotation_seed(0, 0, 3, 10)
     assert seed == rotation_seed(0, 0, 3, 10) and 0 <= seed < 2**63
-    assert len({seed, rotation_seed(1, 0, 3, 10), rotation_seed(0, 1, 3, 10), rotation_seed(0, 0, 4, 10)}) == 4
+    others = {rotation_seed(1, 0, 3, 10), rotation_seed(0, 1, 3, 10), rotation_seed(0, 0, 4, 10)}
+    assert len({seed, *others}) == 4
     assert rotation_seed(0, 0, 3, 11) != seed
     rotations = random_rotations(seed, 2, 8, 6)
     assert rotations is not None and rotations.shape == (2, 8, 3)
@@ -306,9 +307,7 @@ def test_bad_options_are_refused(options: dict[str, Any], match: str) -> None:
 
 
 def test_a_block_size_that_does_not_divide_the_sequence_is_refused() -> None:
-    with pytest.raises(
-        ValueError, match=r"block_size=48 does not divide seq_len=128: .* \(e\.g\. 16\)"
-    ):
+    with pytest.raises(ValueError, match=r"block_size=48 does not divide seq_len=128: .* \(e\.g\. 16\)"):
         sparse_attention_gpt_config(seq_len=128, block_size=48)
     config = GPTConfig(seq_len=12, blocks=SparseAttentionOptions(block_size=8))
     with pytest.raises(ValueError, match=r"block_size=8 does not divide GPTConfig.seq_len=12"):
