@@ -70,3 +70,25 @@ def test_moe_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert text.count("| per-step min-max partition") == 1
     assert "python -m benchmarks.moe --quick --spread 0" in text
+
+
+def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import sparse_attention
+
+    out = tmp_path / "sparse_attention.md"
+    argv = ["--quick", "--spread", "0", "--steps", "5", "--measure-steps", "5", "--repeats", "1"]
+    sparse_attention.main([*argv, "--out", str(out)])
+    text = out.read_text()
+    for label in (
+        "| dense (SDPA) | 1.000 |",
+        "Linear fit over the hashed rows",
+        "| lag-1 autocorrelation |",
+        "| 2 | parameters |",
+        "| DynMo every 2 steps (",
+        "| static (uniform) (ideal) |",
+        "| DynMo every_n_steps=2 |",
+        "| DynMo every_step |",
+    ):
+        assert label in text
+    assert text.count("| per-step min-max partition") == 1
+    assert "python -m benchmarks.sparse_attention --quick --spread 0" in text
