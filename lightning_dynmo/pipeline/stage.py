@@ -2,7 +2,8 @@
 
 Read in this order: :class:`StageModule` (first parts, the stage's blocks in global order, last parts),
 its :meth:`StageModule.forward` (what crosses a stage boundary and how blocks are called), then
-:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs).
+:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs) and
+:func:`in_shape_inference` (blocks that keep statistics of their forwards skip that pass).
 
 What crosses a stage boundary: the hidden state alone (the plain contract), or the tuple ``(hidden,
 *side_state)`` in the model's ``pipeline_side_state`` order. torch's ``PipelineStage`` sends every tensor
@@ -15,6 +16,7 @@ them without any point-to-point transfer.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +26,21 @@ from torch import Tensor, nn
 from lightning_dynmo.pipeline.aux import collect_aux_losses
 from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs
 
-__all__ = ["StageModule", "guard_shape_inference", "run_block"]
+__all__ = ["StageModule", "guard_shape_inference", "in_shape_inference", "run_block"]
 
 State = dict[str, Tensor]
+
+_inference = threading.local()
+
+
+def in_shape_inference() -> bool:
+    """Whether torch's forward metadata pass is running a stage in this thread now.
+
+    That pass runs a stage's blocks once more on zeroed inputs (with gradients enabled in training): a
+    block that counts what its forwards do (MoE expert loads, exited tokens) skips it, so its counts are
+    those of the real micro-batches, as in a single process.
+    """
+    return getattr(_inference, "depth", 0) > 0
 
 
 class StageModule(nn.Module):
@@ -82,10 +96,12 @@ class StageModule(nn.Module):
     def shape_inference(self) -> Iterator[None]:
         """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass)."""
         self._inferring = True
+        _inference.depth = getattr(_inference, "depth", 0) + 1
         try:
             with collect_aux_losses(allowed=self._spec.aux_losses, model_name=self.model_name):
                 yield
         finally:
+            _inference.depth -= 1
             self._inferring = False
 
     # -- boundaries ------------------------------------------------------------------------------
