@@ -172,10 +172,25 @@ class MaskedLinear(nn.Linear):
 
     def _init_pruning_state(self) -> None:
         self.register_buffer("weight_mask", torch.ones_like(self.weight, dtype=torch.bool))
+        self._init_flags()
+
+    def _init_flags(self) -> None:
         self.kernel = "dense"
         self.rows_seen = 0
         self._pruned = False
         self._pattern: SparsePattern | None = None
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation; the layer is unpruned again (mask all ``True``, dense kernel).
+
+        Local construction (:mod:`lightning_dynmo.pipeline.construction`) materialises a meta-declared
+        unit by calling this, so the mask gets defined values there too.
+        """
+        super().reset_parameters()
+        if "weight_mask" in self._buffers:  # nn.Linear.__init__ calls this before the mask exists
+            with torch.no_grad():
+                self.weight_mask.fill_(True)
+            self._init_flags()
 
     # -- state -----------------------------------------------------------------------------------
 

@@ -78,22 +78,28 @@ class PruneRun:
 class DropMasksOnArrival(DynMoStrategy):
     """Negative control: a layer that migrates arrives without its masks (all weights kept again)."""
 
-    def _attach_unit(self, unit: str, module: nn.Module) -> None:
-        for sub in module.modules():
-            if isinstance(sub, MaskedLinear):
-                sub.weight_mask.fill_(True)
-                sub._pruned = False
-        super()._attach_unit(unit, module)
+    def apply_placement(self, new: Any) -> Any:
+        report = super().apply_placement(new)
+        module = self.lightning_module
+        assert module is not None
+        for move in report.moves:
+            if move.dst == self.global_rank:
+                forget_masks(module.get_submodule(move.name))
+        return report
+
+
+def forget_masks(module: nn.Module) -> None:
+    for sub in module.modules():
+        if isinstance(sub, MaskedLinear):
+            sub.weight_mask.fill_(True)
+            sub._pruned = False
 
 
 class DropMasksOnResume(pl.Callback):
     """Negative control: the resumed run starts with every weight kept (masks lost by the checkpoint)."""
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        for sub in pl_module.modules():
-            if isinstance(sub, MaskedLinear):
-                sub.weight_mask.fill_(True)
-                sub._pruned = False
+        forget_masks(pl_module)
 
 
 def outcome(model: GPT, recorder: LossRecorder, pruning: PruningCallback) -> dict[str, Any]:

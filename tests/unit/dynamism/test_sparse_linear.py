@@ -156,3 +156,16 @@ def test_time_kernels_measures_both_kernels_without_touching_grads() -> None:
     times: dict[str, Any] = time_kernels(layer, rows=4, repeats=3, clock=clock)
     assert set(times) == {"dense", "csr"} and all(t == 1.0 for t in times.values())
     assert layer.weight.grad is None and layer.bias is not None and layer.bias.grad is None
+
+
+def test_a_meta_declared_layer_materialises_unpruned() -> None:
+    # Local construction gives meta tensors storage, then calls reset_parameters.
+    with torch.device("meta"):
+        layer = MaskedLinear(4, 3)
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert layer.weight_mask.all() and layer.kernel == "dense" and layer.sparsity == 0.0
+    pruned = masked_layer(4, 3, 0.5)
+    pruned.set_kernel("csr")
+    pruned.reset_parameters()
+    assert pruned.weight_mask.all() and pruned.kernel == "dense"
