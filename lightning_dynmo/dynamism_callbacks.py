@@ -59,7 +59,8 @@ class PruningCallback(Callback):
     """Gradual global magnitude pruning of the blocks in ``fit`` (:mod:`lightning_dynmo.dynamism.pruning`).
 
     At ``setup`` every ``nn.Linear`` of the blocks (``pl_module.layers``) becomes a masked Linear, on the
-    whole model before the strategy keeps each rank's part. At the first batch of every optimizer step
+    whole model before the strategy keeps each rank's part (blocks a model creates later, in
+    ``configure_model``, are converted at the first pruning step). At the first batch of every optimizer step
     (``trainer.global_step``; once per step under gradient accumulation) it runs the pruner, which prunes
     at the schedule's steps and publishes a ``pruned`` event that :class:`~lightning_dynmo.DynMoCallback`
     answers by profiling and rebalancing. The history of pruning steps is saved in checkpoints; masks and
@@ -81,8 +82,9 @@ class PruningCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.pruner.prepare({int(k): m for k, m in _blocks(pl_module).items()})
+        layers = getattr(pl_module, "layers", None)
+        if stage == "fit" and layers is not None:  # blocks made later (configure_model) convert when pruned
+            self.pruner.prepare({int(k): m for k, m in layers.items()})
 
     @override
     def on_train_batch_start(
