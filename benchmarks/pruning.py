@@ -170,9 +170,15 @@ def block_times(model: GPT, sizes: Sizes, repeats: int) -> dict[str, list[tuple[
 
 
 def linear_dense_s(model: GPT, sizes: Sizes, repeats: int) -> list[list[float]]:
-    """Per block, each Linear's forward + backward seconds on the dense kernel (measured once, unpruned)."""
+    """Per block, each Linear's forward + backward seconds on the dense kernel (measured once, unpruned).
+
+    As many repeats as the blocks' dense time gets over all levels, so both minima are comparably clean.
+    """
     return [
-        [time_kernels(m, sizes.rows, repeats=repeats)["dense"] for _, _, m in prunable_linears({0: block})]
+        [
+            time_kernels(m, sizes.rows, repeats=repeats * len(LEVELS))["dense"]
+            for _, _, m in prunable_linears({0: block})
+        ]
         for _, block in sorted((int(k), b) for k, b in model.layers.items())
     ]
 

@@ -337,7 +337,10 @@ class GlobalMagnitudePruner:
         timed = [
             (i, n, m)
             for i, n, m in linears
-            if policy == "auto" and m.sparsity >= self.config.csr_min_sparsity and m.sparsity > 0
+            if policy == "auto"
+            and m.csr_supported
+            and m.sparsity >= self.config.csr_min_sparsity
+            and m.sparsity > 0
         ]
         times = self._time(timed, scope)
         chosen = []

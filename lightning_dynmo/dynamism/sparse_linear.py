@@ -251,14 +251,27 @@ class MaskedLinear(nn.Linear):
 
     # -- compute ---------------------------------------------------------------------------------
 
+    @property
+    def csr_supported(self) -> bool:
+        """Whether the CSR kernel can run this layer's dtype here (torch's CPU CSR kernels: float32/64)."""
+        return self.weight.device.type != "cpu" or self.weight.dtype in (torch.float32, torch.float64)
+
     def forward(self, x: Tensor) -> Tensor:
-        """``x W^T + b`` with the pruned entries of ``W`` left out, on the chosen kernel."""
+        """``x W^T + b`` with the pruned entries of ``W`` left out, on the chosen kernel.
+
+        The CSR kernel computes in the weight's dtype; under autocast, or for an input of another dtype,
+        or a dtype the device's CSR kernels lack, the layer runs the dense kernel (same function).
+        """
         self.rows_seen = x.numel() // self.in_features
         if not self._pruned:
             return F.linear(x, self.weight, self.bias)
-        if self.kernel == "csr":
+        if self.kernel == "csr" and self._csr_runs(x):
             return self.forward_csr(x)
         return self.forward_dense(x)
+
+    def _csr_runs(self, x: Tensor) -> bool:
+        autocast = torch.is_autocast_enabled(x.device.type)
+        return not autocast and x.dtype == self.weight.dtype and self.csr_supported
 
     def forward_dense(self, x: Tensor) -> Tensor:
         """The dense kernel: ``F.linear`` on the masked weight."""

@@ -169,3 +169,18 @@ def test_a_meta_declared_layer_materialises_unpruned() -> None:
     pruned.set_kernel("csr")
     pruned.reset_parameters()
     assert pruned.weight_mask.all() and pruned.kernel == "dense"
+
+
+def test_the_csr_kernel_falls_back_to_dense_where_it_cannot_run() -> None:
+    # torch's CPU CSR kernels have no bfloat16: under autocast (or for bf16 weights) the layer runs dense.
+    layer = masked_layer(8, 6, 0.5)
+    layer.float()
+    layer.set_kernel("csr")
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert layer.weight.grad is not None and (layer.weight.grad[~layer.weight_mask] == 0).all()
+    assert layer.csr_supported and not layer.to(torch.bfloat16).csr_supported
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
