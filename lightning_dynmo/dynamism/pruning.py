@@ -282,13 +282,7 @@ class GlobalMagnitudePruner:
             group=scope.pipeline_group,
             device=scope.device,
         )
-        changed = []
-        for entry, mask in zip(linears, selection.masks, strict=True):
-            module = entry[2]
-            if bool((mask != module.weight_mask).any()):
-                module.set_mask(mask)
-                self._zero_optimizer_state(module, scope.optimizers)
-                changed.append(entry)
+        changed = self._apply_masks(linears, selection.masks, scope.optimizers)
         kernels = self._choose_kernels(changed, scope)
         changed_layers = tuple(sorted({index for index, _, _ in changed}))
         report = PruningReport(
@@ -319,6 +313,22 @@ class GlobalMagnitudePruner:
         self.history = [PruningReport.from_dict(r) for r in state["history"]]
 
     # -- the parts of a step ---------------------------------------------------------------------
+
+    def _apply_masks(
+        self,
+        linears: list[tuple[int, str, MaskedLinear]],
+        masks: Sequence[torch.Tensor],
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> list[tuple[int, str, MaskedLinear]]:
+        """Install the new masks (zeroing weights and their optimizer state); the Linears that changed."""
+        changed = []
+        for entry, mask in zip(linears, masks, strict=True):
+            module = entry[2]
+            if bool((mask != module.weight_mask).any()):
+                module.set_mask(mask)
+                self._zero_optimizer_state(module, optimizers)
+                changed.append(entry)
+        return changed
 
     def _zero_optimizer_state(
         self, module: MaskedLinear, optimizers: Sequence[torch.optim.Optimizer]
