@@ -1,4 +1,9 @@
-"""Dynamic blocks for the GPT, one module per case; importing a module registers its block kind."""
+"""Dynamic blocks for the GPT, one module per case; importing a module registers its block kind.
 
-from lightning_dynmo.dynamism import moe  # noqa: F401  # registers "moe" (MoEOptions)
-from lightning_dynmo.dynamism import sparse_attention as sparse_attention  # registers "sparse_attention"
+``moe`` registers "moe" (MoEOptions), ``sparse_attention`` registers "sparse_attention"; ``pruning`` is the
+gradual global magnitude pruner (no block kind).
+"""
+
+from lightning_dynmo.dynamism import moe as moe
+from lightning_dynmo.dynamism import pruning as pruning
+from lightning_dynmo.dynamism import sparse_attention as sparse_attention

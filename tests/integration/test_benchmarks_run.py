@@ -92,3 +92,22 @@ def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert text.count("| per-step min-max partition") == 1
     assert "python -m benchmarks.sparse_attention --quick --spread 0" in text
+
+
+def test_pruning_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import pruning
+
+    out = tmp_path / "pruning.md"
+    pruning.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    for heading in (
+        "### 1. Per-layer",
+        "### 2. Stage-load imbalance",
+        "### 3. Static vs DynMo",
+        "### 4. Projection",
+    ):
+        assert heading in text
+    for label in ("| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"):
+        assert label in text
+    assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
+    assert "python -m benchmarks.pruning --quick" in text
