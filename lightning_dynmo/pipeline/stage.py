@@ -15,6 +15,7 @@ them without any point-to-point transfer.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -24,9 +25,21 @@ from torch import Tensor, nn
 from lightning_dynmo.pipeline.aux import collect_aux_losses
 from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs
 
-__all__ = ["StageModule", "guard_shape_inference", "run_block"]
+__all__ = ["StageModule", "guard_shape_inference", "in_shape_inference", "run_block"]
 
 State = dict[str, Tensor]
+
+_inference = threading.local()
+
+
+def in_shape_inference() -> bool:
+    """Whether torch's shape-inference pass is running a stage in this thread now.
+
+    Blocks that keep statistics of what they processed (token counts, router loads) skip that pass: it
+    runs a stage once more on stage 0's first micro-batch, and on zeros elsewhere (see
+    :func:`guard_shape_inference`), every time the pipeline is built.
+    """
+    return bool(getattr(_inference, "active", False))
 
 
 class StageModule(nn.Module):
@@ -80,13 +93,18 @@ class StageModule(nn.Module):
 
     @contextlib.contextmanager
     def shape_inference(self) -> Iterator[None]:
-        """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass)."""
+        """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass).
+
+        :func:`in_shape_inference` is true inside, so blocks can leave their statistics alone.
+        """
         self._inferring = True
+        _inference.active = True
         try:
             with collect_aux_losses(allowed=self._spec.aux_losses, model_name=self.model_name):
                 yield
         finally:
             self._inferring = False
+            _inference.active = False
 
     # -- boundaries ------------------------------------------------------------------------------
 
