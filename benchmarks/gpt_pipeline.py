@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds in the spawned ranks
-from benchmarks.common import StepTimer
+from benchmarks.common import StepTimer, benchmark_trainer
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
@@ -127,18 +127,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     placement = schedule[0][0] if schedule else spec.placement
     strategy = DynMoStrategy(num_microbatches=spec.num_microbatches, schedule="1F1B", placement=placement)
     steps = len(schedule) if schedule else spec.steps
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
+    trainer = benchmark_trainer(strategy, callbacks, steps)
     model = GPT(spec.config, OptimizerConfig(lr=spec.lr, weight_decay=0.0))
     trainer.fit(model, random_tokens(spec, steps))
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}

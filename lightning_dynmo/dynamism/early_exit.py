@@ -59,7 +59,7 @@ from lightning_dynmo.dynamism.tokens import (
 )
 from lightning_dynmo.events import notify_dynamism
 from lightning_dynmo.models.config import GPTConfig
-from lightning_dynmo.models.dense import MLP, CausalSelfAttention
+from lightning_dynmo.models.dense import DenseBlock
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.aux import add_aux_loss
 
@@ -139,7 +139,7 @@ def no_token_exited(hidden: Tensor) -> Tensor:
     return torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
 
 
-class EarlyExitBlock(nn.Module):
+class EarlyExitBlock(DenseBlock):
     """A GPT-2 block that skips exited tokens, then lets confident tokens exit (see the module docstring).
 
     Its dense parts have :class:`~lightning_dynmo.models.DenseBlock`'s names and initial weights (the exit
@@ -158,12 +158,8 @@ class EarlyExitBlock(nn.Module):
     pipeline_aux_losses = (EXIT_LOSS,)
 
     def __init__(self, config: GPTConfig, layer_index: int, options: EarlyExitOptions) -> None:
-        super().__init__()
+        super().__init__(config)  # the dense parts first: DenseBlock's names and initial weights
         d = config.d_model
-        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
         self.exit_norm: nn.LayerNorm | None = None
         self.exit_head: nn.Linear | None = None
         if layer_index < config.num_layers - 1:
@@ -178,7 +174,9 @@ class EarlyExitBlock(nn.Module):
         self.active_fraction: float | None = None
         self._announced_fraction = 1.0
 
-    def forward(self, hidden: Tensor, labels: Tensor, exited: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def forward(  # type: ignore[override]  # a stage-interface block: reads side inputs, updates side state
+        self, hidden: Tensor, labels: Tensor, exited: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """``hidden`` ``[batch, seq, d_model]``, ``labels`` and ``exited`` ``[batch, seq]`` -> new both."""
         active = select_tokens(~exited)
         self._observe(active.count, exited.numel())

@@ -52,7 +52,7 @@ from lightning_dynmo.dynamism.tokens import (
     training_forward,
 )
 from lightning_dynmo.models.config import GPTConfig
-from lightning_dynmo.models.dense import MLP, CausalSelfAttention
+from lightning_dynmo.models.dense import DenseBlock
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.aux import add_aux_loss
 
@@ -119,7 +119,7 @@ class MoDOptions:
         return max(1, min(seq, int(self.capacity * seq + 1e-9)))
 
 
-class MoDBlock(nn.Module):
+class MoDBlock(DenseBlock):
     """A GPT-2 block behind a scalar router (see the module docstring).
 
     Its dense parts have :class:`~lightning_dynmo.models.DenseBlock`'s names and initial weights (router
@@ -134,12 +134,8 @@ class MoDBlock(nn.Module):
     pipeline_aux_losses = (PREDICTOR_LOSS,)
 
     def __init__(self, config: GPTConfig, layer_index: int, options: MoDOptions) -> None:
-        super().__init__()
+        super().__init__(config)  # the dense parts first: DenseBlock's names and initial weights
         d = config.d_model
-        self.ln_1 = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(d, eps=config.layer_norm_eps, bias=config.bias)
-        self.mlp = MLP(config)
         width = options.predictor_hidden or max(1, d // 8)
         with torch.random.fork_rng(devices=[]):  # leave the generator as DenseBlock leaves it
             self.router = nn.Linear(d, 1)
