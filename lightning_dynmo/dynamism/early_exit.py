@@ -31,6 +31,10 @@ Modeling"; the anchors are in ``shared/notes/dynamism_anchors.md``, A5):
    proportional to depth, with the final head's loss (the main loss) at weight 1. It is an auxiliary
    loss (``train_aux/exit_ce``) whose gradient is applied on the stage where the exit is.
 
+The blocks read the labels in every mode (the GPT passes them in training, validation and pipelined
+prediction). Outside those, e.g. generating with ``GPT.forward``, pass labels of ``-100``: they are
+ignored by the loss, and exits still follow the confidence.
+
 Work signal: ``active_tokens``, the tokens a layer runs queries and MLP for (:class:`TokenCounts` in
 ``block.token_counts``, per micro-batch and summed; :func:`~lightning_dynmo.dynamism.tokens.token_counts`
 collects them per layer). Deeper layers get fewer, so a uniform split leaves the last stages idle.

@@ -266,3 +266,13 @@ def test_the_ready_config_refuses_a_bad_first_exit_layer(first: Any) -> None:
         ValueError, match=rf"first_exit_layer={first!r}\) must be an integer in \[0, num_layers=4\)"
     ):
         early_exit_config(num_layers=4, first_exit_layer=first)
+
+
+def test_labels_of_minus_100_serve_a_forward_without_targets() -> None:
+    model = _model(EXITING).eval()
+    batch = _batch()
+    inputs, target = batch[:, :-1], batch[:, 1:]
+    with collect_aux_losses(attach=False) as aux:
+        blind = model(inputs, torch.full_like(target, -100))
+    assert torch.equal(blind, model(inputs, target)), "labels feed the exit loss only"
+    assert float(aux.totals()[EXIT_LOSS]) == 0.0
