@@ -9,6 +9,7 @@ import pytest
 from benchmarks.early_exit_mod import LayerTime, Projection, project_early_exit
 from lightning_dynmo.balancing import LayerCost, Placement
 
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_quick_mode_writes_every_part_of_both_cases(tmp_path: Path) -> None:
