@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
@@ -41,6 +41,8 @@ from lightning_dynmo.balancing.policy import (
     RebalanceTrigger,
     TriggerConfig,
     decide,
+    pipeline_layout,
+    resume_plan,
     smooth_costs,
     validate_policy,
 )
@@ -108,6 +110,11 @@ class DynMoCallback(Callback):
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
+    Resuming from a checkpoint restores the history and, when the run has the same pipeline (schedule,
+    ranks, stages), the saved placement. On another pipeline (other devices or schedule) the run keeps
+    its own initial placement and rebalances it after profiling its first steps, without re-packing then
+    (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at start-up.
+
     Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
     the running means cover every step, and decision metrics appear at the next written step):
     ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
@@ -116,8 +123,9 @@ class DynMoCallback(Callback):
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
     ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
     ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
-    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps. One log line per
-    rebalance gives the old and new placement text with predicted and then measured gain.
+    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps (against the steps
+    right before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance
+    gives the old and new placement text with predicted and then measured gain.
     """
 
     def __init__(
@@ -189,7 +197,10 @@ class DynMoCallback(Callback):
         self.placement: str | None = None
         self.overhead_s = 0.0
         self.last_costs: list[LayerCost] | None = None
+        self._layout: dict[str, Any] | None = None  # the pipeline ``placement`` is for
         self._restored_placement: str | None = None
+        self._restored_layout: dict[str, Any] | None = None
+        self._resume_window = False  # resumed on another pipeline: profile and rebalance at once
         # Per-run state.
         self._unsubscribe: Callable[[], None] | None = None
         self._new_events: list[DynamismEvent] = []
@@ -197,7 +208,6 @@ class DynMoCallback(Callback):
         self._window_reason = ""
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
-        self._window_step_s = 0.0
         self._comm_s_per_byte: float | None = None
         # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
         self._activations: dict[int, tuple[int, int, int]] = {}
@@ -205,8 +215,12 @@ class DynMoCallback(Callback):
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
         self._step_start = 0.0
-        self._recent_step_s: deque[float] = deque(maxlen=max(profile_steps, 3))
-        self._after: dict[str, Any] | None = None
+        self._gain = GainMeter(
+            warmup_steps=profile_warmup_steps, measure_steps=profile_steps, history=max(profile_steps, 3)
+        )
+        self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
+        self._step_phase: StepPhase = "quiet"
+        self._window_steps = 0
         self._queued_metrics: dict[str, float] = {}
         self._averages = {
             # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
@@ -236,13 +250,27 @@ class DynMoCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         self._resolve_memory_capacity(strategy.root_device)
-        self.balance.check_pipeline(strategy.num_stages)
+        layouts = _repack_layouts(strategy)
+        self.balance.check_pipeline(strategy.num_stages, None if layouts is None else list(layouts))
         self._busy = StageBusyTimer(StepClock(strategy.root_device))
-        if self._restored_placement and self._restored_placement != str(strategy.placement):
-            log.info("DynMo: restoring placement %s from the checkpoint", self._restored_placement)
-            strategy.apply_placement(self._restored_placement)
-        self._restored_placement = None
-        self.placement = str(strategy.placement)
+        layout = _layout_of(strategy)
+        saved = self._restored_placement
+        plan = resume_plan(saved, self._restored_layout, layout, self.balance.balancer)
+        if plan == "restore" and saved != str(strategy.placement):
+            log.info("DynMo: restoring placement %s from the checkpoint", saved)
+            strategy.apply_placement(saved)
+        elif plan == "repartition":
+            log.info(
+                "DynMo: the checkpoint's placement %s was for another pipeline (%s); this run (%s) starts "
+                "at %s and rebalances it after profiling its first steps",
+                saved,
+                self._restored_layout,
+                layout,
+                strategy.placement,
+            )
+            self._resume_window = True
+        self._restored_placement = self._restored_layout = None
+        self.placement, self._layout = str(strategy.placement), layout
 
     @override
     def on_train_batch_start(
@@ -261,14 +289,18 @@ class DynMoCallback(Callback):
         step = trainer.global_step
         if self._profiler is None and step != self._last_checked_step:
             self._last_checked_step = step
-            reason = self._trigger.check(step)
+            reason = "resume" if self._resume_window else self._trigger.check(step)
+            self._resume_window = False
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
             # agree on its cost, at this step's end): its auto cooldown would not hold yet.
             if reason is not None and not (just_applied and reason == "auto"):
                 self._open_window(trainer, reason)
         self._busy.begin_step()
+        self._step_phase = "quiet"
         if self._profiler is not None:
             self._profiler.begin_step()
+            self._window_steps += 1
+            self._step_phase = "warmup" if self._window_steps <= self.profile_warmup_steps else "profiled"
         self._step_start = self._clock()
 
     @override
@@ -300,6 +332,7 @@ class DynMoCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "placement": self.placement,
+            "layout": self._layout,
             "events": [e.to_dict() for e in self.events],
             "rebalances": [dict(r) for r in self.rebalances],
             "trigger": self._trigger.state_dict(),
@@ -310,6 +343,7 @@ class DynMoCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.placement = state_dict["placement"]
         self._restored_placement = state_dict["placement"]
+        self._restored_layout = state_dict.get("layout")
         self.events = [DynamismEvent.from_dict(e) for e in state_dict["events"]]
         self.rebalances = [dict(r) for r in state_dict["rebalances"]]
         self._trigger.load_state_dict(state_dict["trigger"])
@@ -331,6 +365,8 @@ class DynMoCallback(Callback):
             known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
         )
         self._profiler.start()
+        self._window_steps = 0
+        self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
     def _known_activations(
@@ -373,7 +409,6 @@ class DynMoCallback(Callback):
         costs = smooth_costs(previous, costs, self.cost_smoothing)
         comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
         self.last_costs = costs
-        self._window_step_s = result.step_time_s
         decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
         self._pending = decision
         self._pending_costs = {
@@ -400,12 +435,16 @@ class DynMoCallback(Callback):
                 outcome = decide(
                     costs,
                     placement,
-                    self.balance,
+                    # After a resume onto another pipeline: re-partition it, never release ranks at once.
+                    self.balance
+                    if self._window_reason != "resume"
+                    else dataclasses.replace(self.balance, repack=False, target_num_stages=None),
                     strategy.num_microbatches,
                     strategy.schedule_name,
                     comm,
                     stage_workers=_stage_workers(strategy, placement),
                     min_saving=self._min_saving(trainer_step),
+                    repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -479,7 +518,7 @@ class DynMoCallback(Callback):
         total = costs["profiling_s"] + costs["decision_s"] + migration_s
         self._cost_to_share = total
         self.overhead_s += total
-        self.placement = str(strategy.placement)
+        self.placement, self._layout = str(strategy.placement), _layout_of(strategy)
         record = {
             "step": trainer.global_step,
             "reason": self._window_reason,
@@ -494,11 +533,8 @@ class DynMoCallback(Callback):
         }
         self.rebalances.append(record)
         self._log_decision(trainer, decision, record)
-        # "Before" is the median hook-free step before the window, or (when windows follow each other,
-        # as with every_step) the window's own mean step.
-        before_s = statistics.median(self._recent_step_s) if self._recent_step_s else self._window_step_s
-        if decision.apply and before_s > 0:
-            self._after = {"record": record, "before_s": before_s, "steps": []}
+        if decision.apply and self._gain.rebalanced():
+            self._gain_record = record
 
     def _log_decision(self, trainer: pl.Trainer, decision: RebalanceDecision, record: dict[str, Any]) -> None:
         what = "rebalance" if decision.apply else "kept placement"
@@ -544,7 +580,7 @@ class DynMoCallback(Callback):
         if rows[:, _COST].max() > 0:
             self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
         step_max = float(rows[:, _STEP].max())
-        self._follow_measured_gain(trainer, step_max)
+        self._follow_measured_gain(trainer, step_max, cost_changed=bool(rows[:, _EVENTS].any()))
         if (rows[:, _BUSY] >= 0).all():
             stage_busy = _busy_per_pipeline_rank(rows[:, _BUSY].tolist(), strategy)
             if self.triggers.auto and self._profiler is None and self._pending is None:
@@ -559,21 +595,18 @@ class DynMoCallback(Callback):
             part = strategy.broadcast(mine if source == strategy.global_rank else None, src=source)
             self.events.extend(DynamismEvent.from_dict(e) for e in part or [])
 
-    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float) -> None:
-        if self._profiler is None and self._pending is None and self._after is None:
-            self._recent_step_s.append(step_s)
-        if self._after is None:
-            return
-        self._after["steps"].append(step_s)
-        if len(self._after["steps"]) <= self.profile_warmup_steps + self.profile_steps - 1:
-            return  # the first steps on a new pipeline include its rebuild and shape inference
-        after_s = statistics.median(self._after["steps"][self.profile_warmup_steps :])
-        before_s = self._after["before_s"]
-        gain = 1.0 - after_s / before_s if before_s > 0 else 0.0
-        record = self._after["record"]
-        record["measured_gain"] = gain
-        self._after = None
-        self._recent_step_s.clear()
+    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float, cost_changed: bool) -> None:
+        measured = self._gain.observe(step_s, self._step_phase)
+        if cost_changed:
+            self._gain.cost_changed()  # after observing: this step ran (mostly) before the change
+        if measured is not None and self._gain_record is not None:
+            self._report_measured_gain(trainer, self._gain_record, measured)
+            self._gain_record = None
+
+    def _report_measured_gain(
+        self, trainer: pl.Trainer, record: dict[str, Any], measured: MeasuredGain
+    ) -> None:
+        record["measured_gain"] = measured.gain
         if trainer.global_rank == trainer.strategy.active_ranks[0]:
             log.info(
                 "DynMo rebalance at step %d (%s -> %s): measured step time %.4g s -> %.4g s (%+.1f%%), "
@@ -581,12 +614,12 @@ class DynMoCallback(Callback):
                 record["step"],
                 record["old"],
                 record["new"],
-                before_s,
-                after_s,
-                100 * gain,
+                measured.before_s,
+                measured.after_s,
+                100 * measured.gain,
                 100 * record["predicted_gain"],
             )
-        self._queued_metrics["dynmo/measured_gain"] = gain
+        self._queued_metrics["dynmo/measured_gain"] = measured.gain
 
     def _log_step(self, trainer: pl.Trainer, stage_busy: list[float], step_s: float) -> None:
         measured_imbalance = imbalance(stage_busy)
@@ -624,6 +657,26 @@ def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
         stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
         for s in range(placement.num_stages)
     ]
+
+
+def _layout_of(strategy: Any) -> dict[str, Any]:
+    return pipeline_layout(strategy.schedule_name, strategy.pipeline_size, strategy.num_stages)
+
+
+def _repack_layouts(strategy: Any) -> dict[int, list[int]] | None:
+    """The pipelines a re-pack may propose when ranks run several stages (``None``: any stage count)."""
+    stages_per_rank = strategy.num_stages // strategy.pipeline_size
+    if stages_per_rank == 1:
+        return None
+    from lightning_dynmo.pipeline.release import repack_layouts
+
+    return repack_layouts(
+        strategy.schedule_name,
+        strategy.stage_style,
+        strategy.pipeline_size,
+        stages_per_rank,
+        strategy.num_microbatches,
+    )
 
 
 def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:

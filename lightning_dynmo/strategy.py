@@ -43,7 +43,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -73,7 +73,15 @@ from typing_extensions import override
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.aux import reduce_step_losses
-from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
+from lightning_dynmo.pipeline.checkpoint import (
+    CHECKPOINT_KEY,
+    full_state_from_checkpoint,
+    layout_of,
+    prepared_for_file,
+    read_checkpoint,
+    state_to_save,
+)
+from lightning_dynmo.pipeline.construction import keep_local_units
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
     TiedParameter,
@@ -95,6 +103,7 @@ from lightning_dynmo.pipeline.layout import (
     unit_moves,
     unit_owners,
 )
+from lightning_dynmo.pipeline.loss_scaling import PipelineLossScaling
 from lightning_dynmo.pipeline.release import (
     ReleaseEvent,
     active_ranks_of,
@@ -109,18 +118,19 @@ from lightning_dynmo.pipeline.schedule import (
     resolve_schedule,
     run_schedule_step,
 )
+from lightning_dynmo.pipeline.sharded import save_sharded
 from lightning_dynmo.pipeline.shutdown import SigtermAgreement
-from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.state import load_local_state
+from lightning_dynmo.pipeline.strategy_args import StartMethod, check_strategy_args
 from lightning_dynmo.pipeline.ties import TiedCopies
+from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
+from lightning_dynmo.pipeline.unit_state import check_no_user_hooks
+from lightning_dynmo.pipeline.units import attach_unit, detach_unit, pipeline_units
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_PLACEMENT_POLICIES = ("uniform", "parameters")
 
 
 class DynMoStrategy(ParallelStrategy):
@@ -161,6 +171,10 @@ class DynMoStrategy(ParallelStrategy):
             rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
             it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.evaluation`.
         test_loss_log_name: The same for ``Trainer.test``.
+        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
+            writes and later reads only its units (:mod:`lightning_dynmo.pipeline.sharded`, whose
+            ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
+            rank 0. Both carry checksums and resume at any placement or size.
     """
 
     strategy_name = "dynmo"
@@ -184,6 +198,7 @@ class DynMoStrategy(ParallelStrategy):
         on_release: Callable[[ReleaseEvent], Any] | None = None,
         val_loss_log_name: str | None = "val_loss",
         test_loss_log_name: str | None = "test_loss",
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -192,30 +207,26 @@ class DynMoStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check_positive_int("pipeline_size", pipeline_size, allow_none=True)
-        _check_positive_int("num_microbatches", num_microbatches)
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not one of {_START_METHODS}.")
+        self._placement_arg, self._eval_log_names = check_strategy_args(
+            pipeline_size=pipeline_size,
+            num_microbatches=num_microbatches,
+            start_method=start_method,
+            placement=placement,
+            on_release=on_release,
+            val_loss_log_name=val_loss_log_name,
+            test_loss_log_name=test_loss_log_name,
+        )
         self._schedule = resolve_schedule(schedule)
-        self._placement_arg = _check_placement_arg(placement)
         self._pipeline_size_arg = pipeline_size
         self._num_microbatches = num_microbatches
         self._timeout = timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._loss_log_name = loss_log_name
-        if on_release is not None and not callable(on_release):
-            raise TypeError(
-                f"on_release={on_release!r} is not callable; pass a function taking one ReleaseEvent, e.g. "
-                "on_release=lambda event: print(event.released_ranks), or None."
-            )
         self._on_release = on_release
         self._released = False
         self._saved_optimizer_states: list[Any] | None = None
-        self._eval_log_names = {
-            "validate": _check_log_name("val_loss_log_name", val_loss_log_name),
-            "test": _check_log_name("test_loss_log_name", test_loss_log_name),
-        }
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._evaluator: PipelineEvaluator | None = None
         self._cut_module: nn.Module | None = None
         self.num_nodes = 1
@@ -235,6 +246,8 @@ class DynMoStrategy(ParallelStrategy):
         self._sync_blocked = False
         self._board: FailureBoard | None = None
         self._sigterm = SigtermAgreement()
+        self._step_in_flight = False  # see training_step and apply_placement
+        self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
@@ -298,8 +311,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def local_layers(self) -> Mapping[int, nn.Module]:
         """The blocks this rank owns, by global index, in index order."""
-        layers = self._layers()
-        return {int(k): layers[k] for k in layers}
+        return {int(k): block for k, block in self._module().get_submodule("layers").named_children()}
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -452,24 +464,35 @@ class DynMoStrategy(ParallelStrategy):
         assert self.model is not None
         self.accelerator.setup(trainer)
         module = self._module()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        check_trainer_setup(module, self.precision_plugin, self._layer_sync, trainer.callbacks, fitting)
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
         if module is not self._cut_module:
             self._spec = check_model_contract(module)
             if self._num_stages_of_run() > 1:
                 self._ties = TiedCopies(find_tied_parameters(module, self._spec))
+                check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
-            self._keep_only_local_units()
+            spec, grid, style = self._spec, self._require_grid(), self._schedule.style
+            owners = unit_owners(self._placement, grid, style, spec.first_parts, spec.last_parts)
+            mine = (self.data_parallel_rank, self.global_rank)
+            owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
+            keep_local_units(module, spec, owned, device=self.root_device)
             self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
         self._install_sigterm_agreement(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._loss_scaling = PipelineLossScaling(
+            self.precision_plugin, lambda: self._active_group, self.root_device
+        )
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._loss_scaling.agree_on_overflow()
         self._rebuild_pipeline()
         log.info(
             "rank %d: placement %s, schedule %s, stages %s, layers %s",
@@ -495,48 +518,15 @@ class DynMoStrategy(ParallelStrategy):
     def _num_stages_of_run(self) -> int:
         return self.pipeline_size * self._schedule.stages_per_rank
 
-    def _owners(self, placement: Placement) -> dict[tuple[int, str], int]:
-        spec = self._require_spec()
-        return unit_owners(
-            placement, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
-        )
-
     def _local_units(self) -> dict[str, nn.Module]:
-        module, spec = self._module(), self._require_spec()
-        units = {f"layers.{k}": m for k, m in self._layers().items()}
-        for name in (*spec.first_parts, *spec.last_parts):
-            part = getattr(module, name, None)
-            if part is not None:
-                units[name] = part
-        return units
-
-    def _keep_only_local_units(self) -> None:
-        owners = self._owners(self.placement)
-        replica = self.data_parallel_rank
-        for unit in list(self._local_units()):
-            if owners[(replica, unit)] != self.global_rank:
-                self._detach_unit(unit)
-
-    def _detach_unit(self, unit: str) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            del self._layers()[index]
-        else:
-            setattr(self._module(), unit, None)
-
-    def _attach_unit(self, unit: str, module: nn.Module) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            layers = self._layers()
-            # Keep the ModuleDict in global index order: a stage runs its blocks in that order.
-            items = sorted([*layers.items(), (index, module)], key=lambda kv: int(kv[0]))
-            layers.clear()
-            layers.update(items)
-        else:
-            setattr(self._module(), unit, module)
+        return pipeline_units(self._module(), self._require_spec())
 
     def apply_placement(self, new: Placement | str) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
+
+        Step boundaries: a callback's ``on_train_batch_start`` / ``on_train_batch_end``, or
+        ``on_before_optimizer_step`` (gradients move with their layers). Inside a step (from
+        ``on_pipeline_step_end`` up to ``on_after_backward``) it raises: the gradients would be lost.
 
         Every moved unit travels with its parameters, gradients, buffers, ``requires_grad`` flags,
         plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
@@ -561,7 +551,8 @@ class DynMoStrategy(ParallelStrategy):
         Raises:
             ValueError: if ranks passed different placements, or ``new`` does not fit the model or has
                 more stages than now.
-            RuntimeError: if this rank was released, or a peer was lost during the transfer.
+            RuntimeError: if this rank was released, it is called inside a training step, or a peer was
+                lost during the transfer.
         """
         from lightning_dynmo.pipeline.migration import MigrationReport
 
@@ -570,6 +561,7 @@ class DynMoStrategy(ParallelStrategy):
                 f"apply_placement was called on rank {self.global_rank}, which a re-pack released; only the "
                 f"active ranks {list(self._active_ranks)} take part. Check strategy.is_released first."
             )
+        pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         with self._guard("apply_placement (the check that every rank applies the same placement)"):
@@ -616,13 +608,14 @@ class DynMoStrategy(ParallelStrategy):
                     self.optimizers,
                     device=self.root_device,
                     group=self._active_group,
+                    lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
                 )
             reports.append(report)
             for move in moves:
                 if move.src == self.global_rank:
-                    self._detach_unit(move.name)
+                    detach_unit(self._module(), move.name)
             for unit, module in received.items():
-                self._attach_unit(unit, module)
+                attach_unit(self._module(), unit, module)
         return MigrationReport(
             moves=tuple(move for r in reports for move in r.moves),
             bytes_sent=sum(r.bytes_sent for r in reports),
@@ -666,7 +659,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def _release(self) -> None:
         for unit in list(self._local_units()):
-            self._detach_unit(unit)
+            detach_unit(self._module(), unit)
         for optimizer in self.optimizers:
             optimizer.state.clear()
             for group in optimizer.param_groups:
@@ -728,6 +721,12 @@ class DynMoStrategy(ParallelStrategy):
             if trainer is not None:
                 trainer.should_stop = True
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
+        if batch_idx == 0 and len(self._active_ranks) > 1:
+            replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
+            with self._guard("the check that every stage reads the same batch"):
+                check_same_batch_in_pipeline(
+                    batch, self._active_group, self._active_ranks, replicas, self.root_device
+                )
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
@@ -760,22 +759,24 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state, keyed as in the single-process model, on global rank 0 (``{}`` elsewhere).
+        """The model's state under single-process keys: this rank's units (sharded saves), or the whole
+        model gathered over replica 0's pipeline on global rank 0 (``{}`` elsewhere and when released).
 
-        Collective over replica 0's pipeline; it also gathers the optimizer state returned by
-        :meth:`optimizer_state`. Other replicas and released ranks return ``{}`` without communicating.
+        It also takes the optimizer state returned by :meth:`optimizer_state`.
         """
         self._saved_optimizer_states = None
-        if self._released or self.data_parallel_rank != 0:
+        if self._released:
             return {}
-        dst = self._require_grid().pipeline_ranks(0)[0]
-        optimizers = list(self.optimizers)
+        dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
         with self._guard("checkpoint saving (gathering the model and optimizer state)"):
-            full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
-        if full is None:
-            return {}
-        self._saved_optimizer_states = list(full["optimizer"])
-        return full["model"]
+            model, self._saved_optimizer_states = state_to_save(
+                self._local_units(),
+                list(self.optimizers),
+                self._save_distributed_checkpoint,
+                dst,
+                self._pipeline_group,
+            )
+        return model
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -790,16 +791,29 @@ class DynMoStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self._released:
+            return
         if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = layout_record(
-                str(self.placement),
-                self.pipeline_size,
-                self.data_parallel_size,
-                self.schedule_name,
-                self._active_ranks,
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            checkpoint[CHECKPOINT_KEY] = layout_of(self)
+        if self._save_distributed_checkpoint:
+            with self._guard("checkpoint saving (each rank writing its units)"):
+                save_sharded(
+                    filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
+                )
+        elif self.is_global_zero:
+            with prepared_for_file(filepath):
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self._saved_optimizer_states = None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
+        with self._guard("checkpoint loading"):
+            units, aliases = self._local_units(), self._ties.aliases
+            loaded = read_checkpoint(
+                checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
+            )
+        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -836,6 +850,7 @@ class DynMoStrategy(ParallelStrategy):
             # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
             zero = torch.zeros((), device=self.root_device)
             return pipeline_grads.loss_carrying_grads(zero, [], [])
+        self._step_in_flight = True  # until backward has put this step's gradients into .grad
         module, spec = self._module(), self._require_spec()
         batch = args[0] if args else kwargs["batch"]
         inputs, target, side = split_batch(module, spec, batch)
@@ -844,13 +859,19 @@ class DynMoStrategy(ParallelStrategy):
         # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
         accumulated = pipeline_grads.take_grads(params)
         context = self._comm_context()
-        with self.precision_plugin.train_step_context(), communication_guard("a schedule step", context):
+        pipe = self._require_pipe()
+        with (
+            self.precision_plugin.train_step_context(),
+            communication_guard("a schedule step", context),
+            self._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
+        ):
             step = run_schedule_step(
-                self._require_pipe(),
+                pipe,
                 inputs,
                 target,
                 side,
                 aux_losses=spec.aux_losses,
+                aux_loss_scale=self._loss_scaling.scale,
                 model_name=type(module).__name__,
             )
         step_grads = pipeline_grads.take_grads(params)
@@ -902,6 +923,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._step_in_flight = False
         if not self._sync_blocked:
             self._sync_data_parallel_grads()
             self._sync_tied_grads()
@@ -910,8 +932,9 @@ class DynMoStrategy(ParallelStrategy):
     def _sync_data_parallel_grads(self) -> None:
         if self._data_parallel_group is None:
             return
-        grads = [p.grad for p in self._module().parameters() if p.grad is not None]
-        pipeline_grads.all_reduce_mean(grads, self._data_parallel_group, self.data_parallel_size)
+        # By name: every replica's stage lists the same parameters in the same order.
+        params = [p for _, p in sorted(self._module().named_parameters())]
+        pipeline_grads.average_grads(params, self._data_parallel_group, self.data_parallel_size)
 
     @contextmanager
     @override
@@ -1079,11 +1102,6 @@ class DynMoStrategy(ParallelStrategy):
             raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
         return self.lightning_module
 
-    def _layers(self) -> nn.ModuleDict:
-        layers = self._module().layers
-        assert isinstance(layers, nn.ModuleDict)
-        return layers
-
     def _require_grid(self) -> RankGrid:
         if self._grid is None:
             raise RuntimeError(
@@ -1100,33 +1118,6 @@ class DynMoStrategy(ParallelStrategy):
         if self._pipe is None:
             raise RuntimeError("DynMoStrategy has no pipeline yet; it is built in setup().")
         return self._pipe
-
-
-def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1{' or None' if allow_none else ''}.")
-
-
-def _check_log_name(name: str, value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and value):
-        return value
-    raise ValueError(
-        f"{name}={value!r} must be a non-empty metric name such as 'val_loss', or None to not log it."
-    )
-
-
-def _check_placement_arg(placement: Any) -> str | Placement:
-    if isinstance(placement, Placement) or placement in _PLACEMENT_POLICIES:
-        return placement  # type: ignore[no-any-return]
-    if not isinstance(placement, str):
-        raise ValueError(
-            f"placement={placement!r} must be 'uniform', 'parameters', a placement string like '0-3|4-7' or "
-            "a Placement."
-        )
-    Placement.from_string(placement)  # malformed strings fail here, before any process starts
-    return placement
 
 
 StrategyRegistry.register(

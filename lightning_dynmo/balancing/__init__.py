@@ -5,7 +5,7 @@ exhaustively and reused on its own. Reading order: ``costs`` and ``placement`` (
 ``baselines`` (static splits), ``partition`` (exact min-max, built on ``stage_model`` and
 ``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``workers``
 (several stages per worker: balance the workers), ``moves`` (what migration executes), ``metrics``
-(imbalance and the pipeline simulator).
+(imbalance and the pipeline simulator), ``gain`` (a rebalance's measured gain).
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform

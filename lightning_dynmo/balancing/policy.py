@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -301,18 +301,73 @@ class BalanceConfig:
         _check_int(self.diffusion_max_rounds, "diffusion_max_rounds", 1, "")
         _check_positive(self.diffusion_tolerance, "diffusion_tolerance", allow_zero=True)
 
-    def check_pipeline(self, num_stages: int) -> None:
-        """Raise if the options do not fit a pipeline of ``num_stages`` stages."""
+    def check_pipeline(self, num_stages: int, runnable_stage_counts: Sequence[int] | None = None) -> None:
+        """Raise if the options do not fit a pipeline of ``num_stages`` stages.
+
+        Args:
+            num_stages: Stages of the pipeline now.
+            runnable_stage_counts: The stage counts the schedule can run (several stages per worker:
+                ``repack_layouts``' keys), or ``None`` for any.
+        """
         if self.target_num_stages is not None and self.target_num_stages > num_stages:
             raise ValueError(
                 f"target_num_stages={self.target_num_stages} is larger than the current pipeline "
                 f"({num_stages} stages); re-packing only shrinks a pipeline, so use 1..{num_stages}."
+            )
+        runnable = sorted(runnable_stage_counts) if runnable_stage_counts is not None else None
+        if (
+            self.target_num_stages is not None
+            and runnable is not None
+            and self.target_num_stages not in runnable
+        ):
+            raise ValueError(
+                f"target_num_stages={self.target_num_stages} is a pipeline the schedule cannot run: with "
+                f"its stages per rank and micro-batch count it runs {runnable} stages. Use one of them, or "
+                "target_num_stages=None for an automatic choice."
             )
         if self.repack and self.memory_capacity_bytes is None:
             raise ValueError(
                 "repack=True needs memory_capacity_bytes (bytes per stage) to know how many layers fit on a "
                 "stage; pass it (on GPU the callback uses the device's capacity when it is not given)."
             )
+
+
+def resume_plan(
+    saved_placement: str | None,
+    saved_layout: Mapping[str, Any] | None,
+    layout: Mapping[str, Any],
+    balancer: str,
+) -> str:
+    """What a resumed run does with the placement its checkpoint saved.
+
+    A placement is a split for one pipeline (schedule, ranks, stages). The resumed run's pipeline is
+    set by its own devices and schedule; a placement saved for another pipeline would not fit it (or,
+    with fewer stages, would re-pack and release ranks at start-up).
+
+    Args:
+        saved_placement: The placement in the checkpoint (``None``: nothing saved).
+        saved_layout: The pipeline it was for, as :func:`pipeline_layout` gives it (``None`` in
+            checkpoints written before layouts were saved: then the stage count decides).
+        layout: The resumed run's pipeline.
+        balancer: The resumed run's balancer.
+
+    Returns:
+        ``"restore"`` (same pipeline: apply the saved placement), ``"repartition"`` (another pipeline:
+        keep the run's initial placement, profile and rebalance it at the first step, without re-packing)
+        or ``"keep"`` (nothing saved, or the static balancer, which never moves layers).
+    """
+    if not saved_placement or balancer == "static":
+        return "keep"
+    if saved_layout is None:
+        same = Placement.from_string(saved_placement).num_stages == layout["num_stages"]
+    else:
+        same = dict(saved_layout) == dict(layout)
+    return "restore" if same else "repartition"
+
+
+def pipeline_layout(schedule: str, pipeline_size: int, num_stages: int) -> dict[str, Any]:
+    """The pipeline a placement is for, as :func:`resume_plan` compares it (and checkpoints keep it)."""
+    return {"schedule": schedule, "pipeline_size": pipeline_size, "num_stages": num_stages}
 
 
 def validate_policy(balance: BalanceConfig, triggers: TriggerConfig) -> None:
@@ -459,6 +514,7 @@ def decide(
     comm_time_s: Sequence[float] | None = None,
     stage_workers: Sequence[int] | None = None,
     min_saving: float = 0.0,
+    repack_layouts: Mapping[int, Sequence[int]] | None = None,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
@@ -477,6 +533,9 @@ def decide(
         min_saving: A same-size proposal must also save at least this much predicted step time (in
             the cost view's units), e.g. the expected migration cost spread over the steps until the
             next decision, so a migration pays for itself and noise does not move layers back and forth.
+        repack_layouts: With ``repack`` under a schedule with several stages per worker: every stage count
+            it can run -> the worker of each stage (:func:`~lightning_dynmo.balancing.repack`'s
+            ``layouts``); re-packs are then proposed only onto those and judged by the heaviest worker.
 
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
@@ -501,12 +560,17 @@ def decide(
 
     _check_positive(min_saving, "min_saving", allow_zero=True)
     before = evaluate(current)
-    proposed, reason = _propose(costs, current, config, comm_time_s, stage_workers)
+    proposed, reason = _propose(costs, current, config, comm_time_s, stage_workers, repack_layouts)
     after = evaluate(proposed)
     step_before, step_after = before.step, after.step
-    if stage_workers is not None and proposed.num_stages == current.num_stages:
+    proposed_workers = (
+        stage_workers
+        if proposed.num_stages == current.num_stages
+        else (repack_layouts or {}).get(proposed.num_stages)
+    )
+    if stage_workers is not None and proposed_workers is not None:
         step_before = max(worker_loads(costs, current, stage_workers, config.cost).values())
-        step_after = max(worker_loads(costs, proposed, stage_workers, config.cost).values())
+        step_after = max(worker_loads(costs, proposed, proposed_workers, config.cost).values())
     apply, why = _worth_it(current, proposed, step_before, step_after, config)
     if apply and proposed.num_stages == current.num_stages and step_before - step_after < min_saving:
         apply, why = (
@@ -533,6 +597,7 @@ def _propose(
     config: BalanceConfig,
     comm_time_s: Sequence[float] | None,
     stage_workers: Sequence[int] | None,
+    repack_layouts: Mapping[int, Sequence[int]] | None,
 ) -> tuple[Placement, str]:
     if config.balancer == "static":
         return current, "static balancer"
@@ -544,6 +609,7 @@ def _propose(
             target_num_stages=config.target_num_stages,
             max_slowdown=config.max_slowdown,
             by=config.cost,
+            layouts=repack_layouts,
         )
         if packed.placement.num_stages < current.num_stages:
             return packed.placement, f"re-pack onto {packed.placement.num_stages} stages"

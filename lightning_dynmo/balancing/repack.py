@@ -13,11 +13,16 @@ Differences from the paper's first-fit (Algorithm 4), and why:
 * The predicted step time is the *bottleneck* (the heaviest stage's load): in the steady state of a
   pipeline every micro-batch waits for the slowest stage. Fewer stages also shrink the fill/drain
   bubble, so this prediction is conservative for re-packing.
+* Schedules with several stages per worker (interleaved, V) can only run some stage counts (a multiple
+  of the stages per worker, a micro-batch count the schedule accepts): given ``layouts`` (each runnable
+  count -> the worker of each stage), only those counts are proposed, each balanced per worker with
+  :func:`~lightning_dynmo.balancing.partition_workers`, and the bottleneck is the heaviest *worker*.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_dynmo.balancing._checks import MemoryCapacity, check_fraction, check_placement, memory_caps
@@ -25,6 +30,7 @@ from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
 from lightning_dynmo.balancing.partition import PartitionResult, solve_partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.stage_model import StageModel
+from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,8 @@ class RepackResult:
         placement: The re-packed placement over ``num_stages`` stages (or ``current`` unchanged when no
             smaller pipeline meets ``max_slowdown``).
         released_stages: Current stage indices no longer used: ``num_stages .. current.num_stages - 1``.
-        bottleneck: Heaviest stage load of ``placement``.
-        previous_bottleneck: Heaviest stage load of ``current``.
+        bottleneck: Heaviest stage load of ``placement`` (heaviest worker load, given ``layouts``).
+        previous_bottleneck: Heaviest stage (worker) load of ``current``.
     """
 
     placement: Placement
@@ -64,6 +70,7 @@ def repack(
     target_num_stages: int | None = None,
     max_slowdown: float = 0.05,
     by: str = "time",
+    layouts: Mapping[int, Sequence[int]] | None = None,
 ) -> RepackResult:
     """Move all layers onto the first ``k`` current stages and release the others.
 
@@ -76,6 +83,9 @@ def repack(
             Without it, choose the fewest stages whose bottleneck stays within ``max_slowdown``.
         max_slowdown: Allowed relative growth of the bottleneck when no target is given (>= 0).
         by: ``"time"`` or ``"params"`` (the view both the bottleneck and the balance use).
+        layouts: For schedules with several stages per worker: every stage count the schedule can run
+            (the current one included) -> the worker of each stage. Only these counts are proposed, and
+            loads are per worker. ``None``: one stage per worker, any count from 1 up.
 
     Returns:
         A :class:`RepackResult`; with no target and no smaller pipeline within ``max_slowdown`` it
@@ -91,6 +101,8 @@ def repack(
     slowdown = check_fraction(max_slowdown, "max_slowdown")
     stages = placement.num_stages
     caps = memory_caps(memory_capacity_bytes, stages)
+    if layouts is not None:
+        return _repack_workers(costs, placement, caps, target_num_stages, slowdown, by, layouts)
     previous = max(StageModel.build(costs, stages, by, caps).loads(placement))
     if target_num_stages is not None:
         if (
@@ -154,3 +166,42 @@ def _try(costs: Sequence[LayerCost], k: int, by: str, caps: tuple[float, ...]) -
 def _result(solved: PartitionResult, stages: int, previous: float) -> RepackResult:
     kept = solved.placement.num_stages
     return RepackResult(solved.placement, tuple(range(kept, stages)), solved.bottleneck, previous)
+
+
+def _repack_workers(
+    costs: Sequence[LayerCost],
+    current: Placement,
+    caps: tuple[float, ...],
+    target: int | None,
+    slowdown: float,
+    by: str,
+    layouts: Mapping[int, Sequence[int]],
+) -> RepackResult:
+    """:func:`repack` over the stage counts in ``layouts``, balancing and comparing workers."""
+    stages = current.num_stages
+    now = list(layouts.get(stages, range(stages)))
+    previous = max(worker_loads(costs, current, now, by).values())
+    counts = sorted(k for k in layouts if k < stages)
+    if target is not None:
+        if target not in (*counts, stages):
+            raise ValueError(
+                f"target_num_stages={target!r} is not a pipeline this schedule can run; the stage counts it "
+                f"can re-pack onto are {counts} (a multiple of its stages per rank, with a micro-batch count "
+                "it accepts). Pick one of them, or None for an automatic choice."
+            )
+        counts = [target]
+    # A kept worker keeps its memory: the smallest capacity among its current stages.
+    worker_caps: dict[int, float] = {}
+    for stage, worker in enumerate(now):
+        worker_caps[worker] = min(worker_caps.get(worker, math.inf), caps[stage])
+    for k in counts:
+        workers = list(layouts[k])
+        try:
+            solved = partition_workers(costs, workers, by, {w: worker_caps[w] for w in set(workers)})
+        except ValueError as err:
+            if target is None:
+                continue  # these workers cannot hold the layers' memory: try more of them
+            raise ValueError(f"target_num_stages={target} cannot be reached: {err}") from None
+        if target is not None or solved.bottleneck <= previous * (1.0 + slowdown):
+            return RepackResult(solved.placement, tuple(range(k, stages)), solved.bottleneck, previous)
+    return RepackResult(current, (), previous, previous)

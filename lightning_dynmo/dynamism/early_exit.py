@@ -39,9 +39,10 @@ Work signal: ``active_tokens``, the tokens a layer runs queries and MLP for (:cl
 ``block.token_counts``, per micro-batch and summed; :func:`~lightning_dynmo.dynamism.tokens.token_counts`
 collects them per layer). Deeper layers get fewer, so a uniform split leaves the last stages idle.
 
-Events: a layer tells the balancer (``notify_dynamism("routing", layers=(i,))``) when the smoothed share
-of its active tokens has moved by ``event_shift`` since it last did (or since the start, from 1.0). Exits
-grow slowly as the model learns, so the right trigger is the events (or a period), not every step.
+Events: after each optimizer step (the GPT calls :meth:`EarlyExitBlock.after_optimizer_step`) a layer
+tells the balancer (``notify_dynamism("routing", layers=(i,), step=...)``) when the smoothed share of its
+active tokens has moved by ``event_shift`` since it last did (or since the start, from 1.0). Exits grow
+slowly as the model learns, so the right trigger is the events (or a period), not every step.
 """
 
 from __future__ import annotations
@@ -102,14 +103,14 @@ class EarlyExitOptions:
         event_shift: Announce a dynamism event when the layer's smoothed share of active tokens has moved
             by at least this since its last event; ``None``: never.
         event_smoothing: Weight of the history in the exponential moving average of that share, updated
-            once per training micro-batch, in ``[0, 1)``.
+            once per optimizer step, in ``[0, 1)``.
     """
 
     threshold: float = 0.9
     position_temperature: float | None = None
     loss_weight: float = 1.0
     event_shift: float | None = 0.1
-    event_smoothing: float = 0.9
+    event_smoothing: float = 0.5
 
     def __post_init__(self) -> None:
         _require(
@@ -153,8 +154,8 @@ class EarlyExitBlock(DenseBlock):
     Attributes:
         layer_index: The block's global layer index (named in its events).
         token_counts: Tokens given and processed in training forwards (the ``active_tokens`` signal).
-        active_fraction: Smoothed share of active tokens over training micro-batches (``None`` before
-            the first).
+        active_fraction: Smoothed share of active tokens over optimizer steps (``None`` before the
+            first).
     """
 
     pipeline_inputs = ("labels", EXITED)
@@ -177,6 +178,7 @@ class EarlyExitBlock(DenseBlock):
         self.token_counts = TokenCounts()
         self.active_fraction: float | None = None
         self._announced_fraction = 1.0
+        self._step_tokens = (0, 0)  # (processed, seen) in the current optimizer step
 
     def forward(  # type: ignore[override]  # a stage-interface block: reads side inputs, updates side state
         self, hidden: Tensor, labels: Tensor, exited: Tensor
@@ -213,18 +215,35 @@ class EarlyExitBlock(DenseBlock):
         leaving = flat[confidence >= self.exit_thresholds(flat % exited.shape[1])]
         return exited.reshape(-1).index_fill(0, leaving, True).view_as(exited)
 
-    def _observe(self, processed: int, seen: int) -> None:
-        if not training_forward(self) or seen == 0:
+    def after_optimizer_step(self, *, group: Any = None, step: int | None = None) -> None:
+        """Close the optimizer step: smooth the step's share of active tokens, maybe publish an event.
+
+        Called by the GPT on the rank holding the block after each optimizer step (a method, not a hook:
+        hooks do not migrate). Data-parallel replicas decide on their own tokens; the callback acts on any
+        rank's event.
+
+        Args:
+            group: The data-parallel process group (unused: the decision needs no agreement).
+            step: The global step, named in the event.
+        """
+        processed, seen = self._step_tokens
+        self._step_tokens = (0, 0)
+        if seen == 0:
             return
-        self.token_counts.record(processed, seen)
         share, smoothing = processed / seen, self.options.event_smoothing
         previous = self.active_fraction
         self.active_fraction = share if previous is None else smoothing * previous + (1 - smoothing) * share
         shift = self.options.event_shift
         if shift is not None and abs(self.active_fraction - self._announced_fraction) >= shift:
             detail = f"early exit: active tokens {self._announced_fraction:.0%} -> {self.active_fraction:.0%}"
-            notify_dynamism("routing", layers=(self.layer_index,), detail=detail)
+            notify_dynamism("routing", layers=(self.layer_index,), step=step, detail=detail)
             self._announced_fraction = self.active_fraction
+
+    def _observe(self, processed: int, seen: int) -> None:
+        if training_forward(self):
+            self.token_counts.record(processed, seen)
+            step_processed, step_seen = self._step_tokens
+            self._step_tokens = (step_processed + processed, step_seen + seen)
 
 
 def early_exit_config(

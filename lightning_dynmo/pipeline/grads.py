@@ -8,7 +8,7 @@ is the loss and whose backward adds ``grad_output * g`` to each parameter. So ac
 normalisation by ``accumulate_grad_batches`` and precision-plugin loss scaling all act on the
 pipeline's gradients exactly as they would on an ordinary backward.
 
-:func:`all_reduce_mean` averages gradients over a data-parallel group and :func:`clip_grad_norm`
+:func:`average_grads` averages gradients over a data-parallel group and :func:`clip_grad_norm`
 clips by the norm over all stages (the per-rank norms are combined over the pipeline group).
 """
 
@@ -21,6 +21,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+
+def check_no_step_in_flight(in_flight: bool, call: str) -> None:
+    """Refuse ``call`` (a migration) while a step's gradients wait in the loss that carries them.
+
+    Between the schedule step and Lightning's ``backward`` the step's gradients are not in ``.grad`` but
+    in that loss: layers moved then would arrive without them, and the step's update would be lost.
+
+    Raises:
+        RuntimeError: saying where to call it instead.
+    """
+    if in_flight:
+        raise RuntimeError(
+            f"{call} was called inside a training step (between the pipeline schedule step and Lightning's "
+            "backward: on_pipeline_step_end, on_before_zero_grad, on_before_backward or on_after_backward), "
+            "where the step's gradients are held by the loss that carries them into backward; moved layers "
+            "would arrive without them and the step's update would be lost. Call it at a step boundary: in a "
+            "callback's on_train_batch_start or on_train_batch_end, or in on_before_optimizer_step (the "
+            "gradients are in .grad there and move with the layers)."
+        )
 
 
 def take_grads(params: Sequence[nn.Parameter]) -> list[Tensor | None]:
@@ -66,25 +86,32 @@ def loss_carrying_grads(
     return _CarryGrads.apply(loss, [g for _, g in pairs], *(p for p, _ in pairs))
 
 
-def _flat_groups(tensors: Sequence[Tensor]) -> dict[tuple[torch.dtype, torch.device], list[Tensor]]:
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return groups
+def average_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
+    """Average the gradients of ``params`` over ``group`` (``size`` members), one collective per dtype.
 
-
-def all_reduce_mean(tensors: Sequence[Tensor], group: dist.ProcessGroup | None, size: int) -> None:
-    """Average ``tensors`` in place over ``group`` (``size`` members), one collective per dtype."""
-    if size == 1 or not tensors:
+    Every member must pass the same parameters in the same order (the same stage of each replica). A
+    parameter that has no gradient on some members (an expert no token of that replica was routed to)
+    counts as zero there, so every member ends with the same mean, as one process would compute over the
+    union of the replicas' batches; it keeps no gradient only where no member had one. Each parameter's
+    "has a gradient" flag travels in the same flat buffer as the gradients, so buffers always agree in size.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    if size == 1 or not trainable:
         return
-    for same in _flat_groups(tensors).values():
-        flat = torch.cat([t.reshape(-1) for t in same])
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for p in trainable:
+        by_dtype.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), same in by_dtype.items():
+        flags = torch.tensor([p.grad is not None for p in same], dtype=dtype, device=device)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in same]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), flags])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(size)
         offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for p, g, anywhere in zip(same, grads, flat[-len(same) :].tolist(), strict=True):
+            if anywhere > 0:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g)).div_(size)
+                p.grad = g
+            offset += g.numel()
 
 
 def clip_grad_norm(

@@ -10,16 +10,19 @@ pickled with every tensor replaced by a placeholder; that small *structure* goes
 tensor. The tensors (parameters, buffers, ``.grad``, optimizer state) then go as separate point-to-point
 messages on ``device`` so that NCCL moves device memory directly; on CPU/gloo the same code runs. Tensors
 that share storage inside a unit (tied weights, views) are sent once as their common storage span and
-rebuilt as views of it, so the sharing survives. Forward/backward hooks are not sent (profilers register
-them; the receiver registers its own); ``state_dict`` hooks are part of a module's semantics and travel.
+rebuilt as views of it, so the sharing survives. Forward/backward and tensor hooks do not travel: a unit
+with hooks a user registered is refused, the profiler's own are left behind, and parametrized modules are
+rebuilt on arrival (:mod:`lightning_dynmo.pipeline.unit_state`); ``state_dict`` hooks travel.
 
 Optimizer state. A sent parameter is removed from every optimizer's ``param_groups`` and its state is
-dropped; a received parameter is inserted into the same param_group index it had on the sender with its
-full state (tensor and non-tensor values alike). Optimizers are edited in place because Lightning and LR
-schedulers hold the optimizer objects. Inside a param_group, parameters end in a deterministic order:
-parameters that belong to no known unit first (in their previous relative order), then unit parameters
-sorted by the natural order of the unit name (``layers.2`` before ``layers.10``) and then by their
-position in the unit's ``named_parameters()``. Known units are those in ``local_units`` plus those received.
+dropped; a received parameter joins the param_group with the hyper-parameters of its sender-side group
+(the same index when that one matches; ranks may build different groups, see
+:mod:`lightning_dynmo.pipeline.param_groups`) with its full state (tensor and non-tensor values alike).
+Optimizers are edited in place because Lightning and LR schedulers hold the optimizer objects. Inside a
+param_group, parameters end in a deterministic order: parameters that belong to no known unit first (in
+their previous relative order), then unit parameters sorted by the natural order of the unit name
+(``layers.2`` before ``layers.10``) and then by their position in the unit's ``named_parameters()``.
+Known units are those in ``local_units`` plus those received.
 
 Communication. ``migrate_units`` is collective over ``group``: every rank of the group calls it with the
 identical move list. A first tiny all-gather checks that the lists agree and that every sender could
@@ -27,7 +30,8 @@ pack its units, so bad input fails on all ranks at once instead of leaving a pee
 never comes. Then three rounds of one ``dist.batch_isend_irecv`` each: structure sizes, structures,
 payloads. Within a round every rank posts all its sends and receives at once, in move order, so a rank
 that both sends and receives cannot deadlock and moves between non-neighbouring ranks need nothing
-special. An empty move list returns at once without any communication.
+special. A last tiny all-gather tells every rank whether every receiver could take its units in. An empty
+move list returns at once without any communication.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dynmo.pipeline.param_groups import group_for
+from lightning_dynmo.pipeline.unit_state import check_no_user_hooks, reduce_parametrized
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -60,8 +67,8 @@ __all__ = [
     "unpack_unit",
 ]
 
-# Forward/backward hooks are runtime instrumentation (profilers, debuggers): they may hold unpicklable
-# closures and belong to the rank that registered them, so they never travel. The receiver gets empty
+# Forward/backward hooks never travel; user hooks are refused before packing (unit_state), so what is
+# left are the profiler's (runtime instrumentation of the sending rank). The receiver gets empty
 # tables of the type torch uses (OrderedDict: hook handles keep weak references to the tables, which a
 # plain dict does not support), so hooks can be registered on a migrated unit as on any other.
 _RUNTIME_HOOK_ATTRS: dict[str, Callable[[], Any]] = {
@@ -121,6 +128,7 @@ def migrate_units(
     *,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    lr_schedulers: Sequence[Any] = (),
 ) -> tuple[dict[str, nn.Module], MigrationReport]:
     """Run this rank's part of ``moves``; return the units received (on ``device``, ready to attach).
 
@@ -128,17 +136,20 @@ def migrate_units(
     For every unit this rank sends, its parameters are removed from ``optimizers``' param_groups and their
     state is dropped; the caller detaches the module from its model afterwards. Every unit received arrives
     bit-identical: parameters, buffers, ``requires_grad`` flags, ``.grad`` if set, plain Python attributes,
-    and its parameters are inserted into the same param_group index as on the sender together with their
-    full optimizer state.
+    and its parameters join the param_group with their sender-side hyper-parameters (the same index when
+    it matches, see :mod:`lightning_dynmo.pipeline.param_groups`) together with their full optimizer state.
 
     Args:
         moves: the moves, identical on every rank of ``group``. Ranks are GLOBAL ranks.
         local_units: the units this rank owns now (at least those it sends). Passing all of them gives a
             fully sorted param_group order (see the module docstring).
-        optimizers: this rank's optimizers (the same number and param_group layout on every rank).
+        optimizers: this rank's optimizers (the same number on every rank; param_groups may differ, e.g.
+            one per block with layer-wise learning rates).
         device: where received tensors are placed and payloads travel (``cuda:i`` for NCCL, cpu for gloo).
             Tensors that were on CPU on the sender (e.g. Adam's ``step``) come back on CPU.
         group: a process group containing every ``src`` and ``dst``; ``None`` means the default group.
+        lr_schedulers: this rank's LR schedulers; a param_group created for a received parameter is added
+            to those of its optimizer.
 
     Returns:
         ``(received, report)``: the modules this rank received keyed by unit name, and a report.
@@ -148,7 +159,8 @@ def migrate_units(
             rank must send but does not own, or move lists that differ between ranks.
         TypeError: a unit holds something that cannot travel (an unpicklable attribute, a tensor attached
             to an autograd graph, a tensor subclass); the message names the unit and attribute.
-        RuntimeError: another rank rejected the migration (its own error says why).
+        RuntimeError: another rank rejected the migration, or could not take in what it received (its own
+            error says why).
     """
     start = time.perf_counter()
     moves = tuple(moves)
@@ -179,9 +191,15 @@ def migrate_units(
     sent_units = {m.name: local_units[m.name] for m in moves if m.src == rank}
     _drop_from_optimizers(sent_units, optimizers)
     modules: dict[str, nn.Module] = {}
-    for name, (module, optim_entries) in received.items():
-        modules[name] = module
-        _insert_into_optimizers(name, module, optim_entries, optimizers)
+    insert_error: Exception | None = None
+    try:
+        for name, (module, optim_entries) in received.items():
+            modules[name] = module
+            _insert_into_optimizers(name, module, optim_entries, optimizers, lr_schedulers)
+    except (ValueError, TypeError) as err:
+        insert_error = err
+    # Every rank learns whether every receiver took its units in, so none trains on alone.
+    _agree(moves, insert_error, device=device, group=group, members=members, after_transfer=True)
     if modules:  # removal keeps the order; only insertion needs sorting
         known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
         _sort_param_groups(known, optimizers)
@@ -256,6 +274,7 @@ def pack_unit(
             f"local_units[{name!r}] must be an nn.Module, got {type(module).__name__}. "
             "Pass the unit modules themselves (e.g. model.layers['7'])."
         )
+    check_no_user_hooks({name: module})  # hooks do not travel: state kept in one would be lost
     registry = _TensorRegistry(name, device)
     record = {
         "format": _FORMAT,
@@ -429,15 +448,22 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, nn.Module):
             return NotImplemented
+        parametrized = reduce_parametrized(obj, _without_runtime_hooks(obj.__dict__))
+        if parametrized is not None:
+            return parametrized
         reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         if not (isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict)):
             return NotImplemented
-        # A copy of the state: the sender's module keeps its hooks while it is still in use.
-        state = dict(reduced[2])
-        for attr, empty in _RUNTIME_HOOK_ATTRS.items():
-            if attr in state:
-                state[attr] = empty()
-        return (reduced[0], reduced[1], state, *reduced[3:])
+        return (reduced[0], reduced[1], _without_runtime_hooks(reduced[2]), *reduced[3:])
+
+
+def _without_runtime_hooks(state: dict[str, Any]) -> dict[str, Any]:
+    # A copy of the state: the sender's module keeps its hooks while it is still in use.
+    state = dict(state)
+    for attr, empty in _RUNTIME_HOOK_ATTRS.items():
+        if attr in state:
+            state[attr] = empty()
+    return state
 
 
 class _Unpickler(pickle.Unpickler):
@@ -601,6 +627,7 @@ def _agree(
     device: torch.device,
     group: dist.ProcessGroup | None,
     members: list[int],
+    after_transfer: bool = False,
 ) -> None:
     """All ranks learn whether every rank accepted the same moves; raise everywhere if not."""
     mine = torch.tensor([0 if local_error is None else 1, _digest(moves)], dtype=torch.int64, device=device)
@@ -610,6 +637,11 @@ def _agree(
         raise local_error
     failed = [members[i] for i, t in enumerate(gathered) if int(t[0]) != 0]
     if failed:
+        if after_transfer:
+            raise RuntimeError(
+                f"Migration failed: rank(s) {failed} could not take in the units they received (see their "
+                "errors); the model is now split inconsistently, so training cannot go on."
+            )
         raise RuntimeError(
             f"Migration aborted: rank(s) {failed} rejected the moves (see their errors); no unit was moved."
         )
@@ -729,37 +761,21 @@ def _insert_into_optimizers(
     module: nn.Module,
     entries: list[tuple[int, int, str, dict[str, Any] | None, dict[str, Any]]],
     optimizers: Sequence[torch.optim.Optimizer],
+    lr_schedulers: Sequence[Any],
 ) -> None:
     params = dict(module.named_parameters())
     for opt_index, group_index, param_name, state, hyper in entries:
-        if opt_index >= len(optimizers) or group_index >= len(optimizers[opt_index].param_groups):
+        if opt_index >= len(optimizers):
             raise ValueError(
-                f"Unit {name!r} parameter {param_name!r} was in optimizers[{opt_index}].param_groups"
-                f"[{group_index}] on the sender, but this rank has {len(optimizers)} optimizer(s) with "
-                f"{[len(o.param_groups) for o in optimizers]} param_groups. Every rank must build the same "
-                "optimizers with the same param_groups (empty groups are fine)."
+                f"Unit {name!r} parameter {param_name!r} was in optimizers[{opt_index}] on the sender, but "
+                f"this rank has {len(optimizers)} optimizer(s). Every rank must build the same optimizers."
             )
-        group = optimizers[opt_index].param_groups[group_index]
-        mismatched = [k for k, v in hyper.items() if k in group and not _same_value(group[k], v)]
-        if mismatched:
-            raise ValueError(
-                f"Unit {name!r}: optimizers[{opt_index}].param_groups[{group_index}] differs between sender "
-                f"and receiver in {mismatched} (sender {[hyper[k] for k in mismatched]}, receiver "
-                f"{[group[k] for k in mismatched]}). Every rank must use the same group hyper-parameters."
-            )
+        what = f"unit {name!r} parameter {param_name!r}"
+        group = group_for(optimizers[opt_index], group_index, hyper, lr_schedulers, what)
         param = params[param_name]
         group["params"].append(param)
         if state is not None:
             optimizers[opt_index].state[param] = state
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a.cpu(), b.cpu())
-    try:
-        return bool(a == b)
-    except Exception:  # exotic values that cannot be compared: do not block the migration on them
-        return True
 
 
 def _sort_param_groups(known: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -1,6 +1,7 @@
 """Re-packing a pipeline onto fewer ranks: which ranks stay, what moves, the new groups, the event.
 
-Read in this order: :func:`plan_repack` (check a smaller placement and work out the new rank grid),
+Read in this order: :func:`repack_layouts` (the smaller pipelines a schedule can run, for the planner),
+:func:`plan_repack` (check a smaller placement and work out the new rank grid),
 :class:`PackedGrid` (a grid whose pipelines use only the lowest ranks of each replica),
 :func:`repack_moves` (the units that change owner), :func:`build_repacked_groups` (the process groups
 of the smaller pipeline, created by their members only) and :class:`ReleaseEvent` (what is announced).
@@ -24,7 +25,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.pipeline.layout import PlannedMove, RankGrid, StageStyle, unit_names, unit_owners
+from lightning_dynmo.pipeline.layout import (
+    PlannedMove,
+    RankGrid,
+    StageStyle,
+    stage_to_pipeline_rank,
+    unit_names,
+    unit_owners,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +42,49 @@ __all__ = [
     "active_ranks_of",
     "build_repacked_groups",
     "plan_repack",
+    "repack_layouts",
     "repack_moves",
+    "schedule_runs",
 ]
+
+# Schedules that split micro-batches into rounds of pipeline_size (torch checks the count divides evenly).
+_ROUNDS_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+# Schedules that need at least one micro-batch per stage.
+_ONE_PER_STAGE_SCHEDULES = ("1F1B", "DualPipeV")
+
+
+def schedule_runs(schedule: str, pipeline_size: int, stages_per_rank: int, num_microbatches: int) -> bool:
+    """Whether torch's ``schedule`` accepts ``num_microbatches`` on a pipeline of ``pipeline_size`` ranks.
+
+    The rules torch 2.13 checks when a schedule is built: the interleaved schedules need the micro-batch
+    count to be a multiple of its number of rounds (``max(1, num_microbatches // pipeline_size)``);
+    1F1B and DualPipeV need at least one micro-batch per stage.
+    """
+    if schedule in _ROUNDS_SCHEDULES:
+        rounds = max(1, num_microbatches // pipeline_size)
+        return num_microbatches % rounds == 0
+    if schedule in _ONE_PER_STAGE_SCHEDULES:
+        return num_microbatches >= pipeline_size * stages_per_rank
+    return True
+
+
+def repack_layouts(
+    schedule: str, style: StageStyle, pipeline_size: int, stages_per_rank: int, num_microbatches: int
+) -> dict[int, list[int]]:
+    """The pipelines of up to ``pipeline_size`` ranks the schedule can run: stage count -> each stage's rank.
+
+    What the re-pack planner may propose (:func:`lightning_dynmo.balancing.repack`): a multiple of
+    ``stages_per_rank`` stages (exactly two per rank for the V schedules), on a number of ranks the
+    schedule accepts with ``num_microbatches``, each stage mapped to its rank as the strategy will run it.
+    The current pipeline (``pipeline_size`` ranks) is included.
+    """
+    layouts = {}
+    for ranks in range(1, pipeline_size + 1):
+        if ranks < pipeline_size and not schedule_runs(schedule, ranks, stages_per_rank, num_microbatches):
+            continue
+        num_stages = ranks * stages_per_rank
+        layouts[num_stages] = [stage_to_pipeline_rank(s, num_stages, ranks, style) for s in range(num_stages)]
+    return layouts
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Read in this order: :class:`StageModule` (first parts, the stage's blocks in global order, last parts),
 its :meth:`StageModule.forward` (what crosses a stage boundary and how blocks are called), then
-:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs).
+:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs) and
+:func:`in_shape_inference` (blocks that keep statistics of their forwards skip that pass).
 
 What crosses a stage boundary: the hidden state alone (the plain contract), or the tuple ``(hidden,
 *side_state)`` in the model's ``pipeline_side_state`` order. torch's ``PipelineStage`` sends every tensor
@@ -33,13 +34,13 @@ _inference = threading.local()
 
 
 def in_shape_inference() -> bool:
-    """Whether torch's shape-inference pass is running a stage in this thread now.
+    """Whether torch's forward metadata pass is running a stage in this thread now.
 
-    Blocks that keep statistics of what they processed (token counts, router loads) skip that pass: it
-    runs a stage once more on stage 0's first micro-batch, and on zeros elsewhere (see
-    :func:`guard_shape_inference`), every time the pipeline is built.
+    That pass runs a stage's blocks once more on zeroed inputs (with gradients enabled in training): a
+    block that counts what its forwards do (MoE expert loads, exited tokens) skips it, so its counts are
+    those of the real micro-batches, as in a single process.
     """
-    return bool(getattr(_inference, "active", False))
+    return getattr(_inference, "depth", 0) > 0
 
 
 class StageModule(nn.Module):
@@ -93,18 +94,15 @@ class StageModule(nn.Module):
 
     @contextlib.contextmanager
     def shape_inference(self) -> Iterator[None]:
-        """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass).
-
-        :func:`in_shape_inference` is true inside, so blocks can leave their statistics alone.
-        """
+        """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass)."""
         self._inferring = True
-        _inference.active = True
+        _inference.depth = getattr(_inference, "depth", 0) + 1
         try:
             with collect_aux_losses(allowed=self._spec.aux_losses, model_name=self.model_name):
                 yield
         finally:
+            _inference.depth -= 1
             self._inferring = False
-            _inference.active = False
 
     # -- boundaries ------------------------------------------------------------------------------
 

@@ -26,8 +26,9 @@ follows on top.
 
 Hooks are attached by :meth:`LayerTimer.attach` and removed by :meth:`LayerTimer.detach`, including
 tensor hooks on pipeline receive buffers (they are leaves that outlive a step, so they are removed at
-every step end). The migration engine refuses to move modules that still carry hooks. Method wrappers
-on stages are undone last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
+every step end). They are marked as runtime hooks (``lightning_dynmo.runtime_hooks``): migration leaves
+them behind, whereas a user's hooks make it refuse the unit. Method wrappers on stages are undone
+last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dynmo.profiling.clock import Mark, StepClock
+from lightning_dynmo.runtime_hooks import runtime_hook
 
 _WEIGHT_PASS_METHOD = "backward_weight_one_chunk"
 _MISSING = object()
@@ -168,7 +170,7 @@ class LayerTimer:
             self._states[index].calls.append(_Call(fwd_start=self._clock.mark()))
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _post_hook(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -181,7 +183,7 @@ class LayerTimer:
                     self._watch_backward(index, call, args, output)
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _watch_backward(self, index: int, call: _Call, args: tuple[Any, ...], output: Any) -> None:
         out = _first_grad_tensor(output)
@@ -202,7 +204,7 @@ class LayerTimer:
             self._states[index].open_call = call
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _bwd_end_hook(self, index: int, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -215,7 +217,7 @@ class LayerTimer:
                 state.open_call = None
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _param_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -230,7 +232,7 @@ class LayerTimer:
                 state.open_call.bwd_end = self._clock.mark()
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _wrap_weight_pass(self, stage: Any) -> None:
         original = getattr(stage, _WEIGHT_PASS_METHOD)

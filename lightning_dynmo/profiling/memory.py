@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_dynmo.runtime_hooks import runtime_hook
+
 _ONE_F_ONE_B = {"1f1b"}
 _ALL_IN_FLIGHT = {"gpipe", "loopedbfs"}
 
@@ -173,7 +175,7 @@ class ActivationMeter:
             self._active.append((context, total))
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
     def _exit(self, index: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -186,7 +188,7 @@ class ActivationMeter:
                     self._output_bytes[index].append(_tensor_bytes(output))
             self.hook_time_s += time.perf_counter() - t0
 
-        return hook
+        return runtime_hook(hook)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int, int]:

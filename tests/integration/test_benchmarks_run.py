@@ -52,3 +52,21 @@ def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
 
     with pytest.raises(ValueError, match=r"allocator must be one of \('default', 'steady'\), got 'tc'"):
         set_allocator("tc")
+
+
+def test_moe_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import moe
+
+    out = tmp_path / "moe.md"
+    argv = ["--quick", "--spread", "0", "--steps", "5", "--skip", "2", "--projection-steps", "3"]
+    moe.main([*argv, "--out", str(out)])
+    text = out.read_text()
+    for label in (
+        "| static (uniform) (ideal) |",
+        "| DynMo every_step |",
+        "| static uniform split |",
+        "Linear fit",
+    ):
+        assert label in text
+    assert text.count("| per-step min-max partition") == 1
+    assert "python -m benchmarks.moe --quick --spread 0" in text

@@ -139,3 +139,18 @@ def test_every_step_windows_reuse_recent_activation_sizes_only():
     # Any other window meters every layer.
     for reason in ("event", "every_n_steps", "auto"):
         assert callback._known_activations(local, 60, reason) == {}
+
+
+def test_resume_restores_a_placement_only_on_the_pipeline_it_was_for():
+    from lightning_dynmo.balancing.policy import pipeline_layout, resume_plan
+
+    two = pipeline_layout("1F1B", 2, 2)
+    assert resume_plan("0-3|4-7", two, two, "partition") == "restore"
+    assert resume_plan("0-3|4-7", two, pipeline_layout("1F1B", 1, 1), "partition") == "repartition"
+    assert resume_plan("0-3|4-7", two, pipeline_layout("ZBVZeroBubble", 2, 4), "diffusion") == "repartition"
+    assert resume_plan("0-7", pipeline_layout("1F1B", 1, 1), two, "partition") == "repartition"
+    assert resume_plan("0-3|4-7", two, pipeline_layout("1F1B", 1, 1), "static") == "keep"
+    assert resume_plan(None, None, two, "partition") == "keep"
+    # Checkpoints from before layouts were saved: the stage count decides.
+    assert resume_plan("0-3|4-7", None, two, "partition") == "restore"
+    assert resume_plan("0-7", None, two, "partition") == "repartition"

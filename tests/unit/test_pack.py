@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo.pipeline.migration import pack_unit, unit_sort_key, unpack_unit
+from lightning_dynmo.runtime_hooks import runtime_hook
 
 
 class Tied(nn.Module):
@@ -89,9 +90,11 @@ def test_tied_weights_and_views_stay_shared():
 def test_runtime_hooks_are_stripped_without_touching_the_sender():
     module = nn.Linear(2, 2)
     calls = []
-    module.register_forward_hook(lambda *_: calls.append("fwd"))  # lambdas cannot be pickled
-    module.register_forward_pre_hook(lambda *_: calls.append("pre"))
-    module.register_full_backward_hook(lambda *_: calls.append("bwd"))
+    # The profiler's hooks (marked; lambdas could not be pickled anyway); a user's are refused:
+    # tests/unit/test_unit_state.py.
+    module.register_forward_hook(runtime_hook(lambda *_: calls.append("fwd")))
+    module.register_forward_pre_hook(runtime_hook(lambda *_: calls.append("pre")))
+    module.register_full_backward_hook(runtime_hook(lambda *_: calls.append("bwd")))
     copy, _ = _round_trip(module)
 
     x = torch.ones(1, 2, requires_grad=True)
@@ -106,7 +109,7 @@ def test_runtime_hooks_are_stripped_without_touching_the_sender():
 def test_hooks_can_be_registered_on_a_received_unit():
     # torch's hook handles hold weak references to the hook tables: the receiver must get OrderedDicts.
     module = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    module.register_forward_hook(lambda *_: None)
+    module.register_forward_hook(runtime_hook(lambda *_: None))
     copy, _ = _round_trip(module)
     calls = []
     handles = [m.register_forward_pre_hook(lambda *_: calls.append("pre")) for m in copy.modules()]

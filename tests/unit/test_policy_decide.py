@@ -255,3 +255,23 @@ def test_virtual_stages_are_balanced_by_their_workers():
     config = BalanceConfig(memory_capacity_bytes=[3, 9, 9, 9])
     tight = decide(capped, current, config, 4, "Interleaved1F1B", stage_workers=[0, 1, 0, 1])
     assert sum(len(tight.proposed.layers_of(s)) for s in (0, 2)) <= 3
+
+
+def test_a_repack_under_a_v_schedule_proposes_only_what_it_can_run():
+    # 4 V stages on 2 workers, nearly idle: folding onto 1 stage would be cheapest, but V needs 2 per rank.
+    current = Placement.from_string("0-1|2-3|4-5|6-7")
+    config = BalanceConfig(repack=True, memory_capacity_bytes=1e9, max_slowdown=10.0)
+    layouts = {4: [0, 1, 1, 0], 2: [0, 0]}
+    decision = decide(
+        NEARLY_IDLE, current, config, 4, "ZBVZeroBubble", stage_workers=[0, 1, 1, 0], repack_layouts=layouts
+    )
+    assert decision.apply and decision.proposed.num_stages == 2
+    assert decision.predicted_step_after == pytest.approx(
+        sum(c.fwd_time_s + c.bwd_time_s for c in NEARLY_IDLE)
+    )
+    unconstrained = decide(NEARLY_IDLE, current, config, 4, "ZBVZeroBubble", stage_workers=[0, 1, 1, 0])
+    assert unconstrained.proposed.num_stages == 1  # what the planner proposed before it knew the layouts
+    with pytest.raises(
+        ValueError, match=r"target_num_stages=3 is a pipeline the schedule cannot run: .* \[2, 4\]"
+    ):
+        BalanceConfig(repack=True, target_num_stages=3, memory_capacity_bytes=1e9).check_pipeline(4, [2, 4])

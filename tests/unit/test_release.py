@@ -84,3 +84,19 @@ def test_release_event_describes_who_left_and_who_stays() -> None:
     event = ReleaseEvent((2, 3), (0, 1), "0-1|2-3|4-5|6-7", "0-3|4-7", global_step=5)
     text = event.describe()
     assert "released ranks [2, 3]" in text and "continues on ranks [0, 1]" in text and "step 5" in text
+
+
+def test_repack_layouts_are_the_pipelines_the_schedule_can_run() -> None:
+    from lightning_dynmo.pipeline.release import repack_layouts, schedule_runs
+
+    assert repack_layouts("ZBVZeroBubble", "v", 2, 2, 4) == {2: [0, 0], 4: [0, 1, 1, 0]}
+    assert repack_layouts("Interleaved1F1B", "loop", 3, 2, 6) == {
+        2: [0, 0],
+        4: [0, 1, 0, 1],
+        6: [0, 1, 2, 0, 1, 2],
+    }
+    # 9 micro-batches: 4 rounds on 2 ranks (9 % 4 != 0: torch refuses), 3 on 3 ranks, 9 on 1 rank.
+    assert list(repack_layouts("InterleavedZeroBubble", "loop", 3, 2, 9)) == [2, 6]
+    assert not schedule_runs("Interleaved1F1B", 2, 2, 9) and schedule_runs("Interleaved1F1B", 3, 2, 9)
+    assert not schedule_runs("DualPipeV", 2, 2, 3) and schedule_runs("DualPipeV", 1, 2, 3)
+    assert schedule_runs("GPipe", 8, 1, 1)

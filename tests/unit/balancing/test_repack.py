@@ -105,3 +105,47 @@ def test_repack_rejects_bad_input(kwargs, match):
     args = {"current": "0-1|2-3", "memory_capacity_bytes": 100, **kwargs}
     with pytest.raises(ValueError, match=match):
         repack(costs, **args)
+
+
+# -- several stages per worker: only the stage counts the schedule can run -----------------------------
+
+# V layouts of a 4-worker pipeline and the smaller ones (what pipeline.release.repack_layouts gives).
+V_LAYOUTS = {
+    8: [0, 1, 2, 3, 3, 2, 1, 0],
+    6: [0, 1, 2, 2, 1, 0],
+    4: [0, 1, 1, 0],
+    2: [0, 0],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 5.0), min_size=8, max_size=12), st.floats(0.0, 3.0))
+def test_repack_with_layouts_proposes_only_runnable_counts(times, slowdown):
+    costs = [LayerCost(fwd_time_s=t, memory_bytes=1) for t in times]
+    current = Placement.from_sizes([1] * 7 + [len(times) - 7])
+    result = repack(costs, current, None, max_slowdown=slowdown, layouts=V_LAYOUTS)
+    assert result.num_stages in V_LAYOUTS
+    assert_valid(result.placement, len(costs))
+    if result.num_stages < 8:  # within the slowdown, judged by the heaviest worker
+        assert result.bottleneck <= result.previous_bottleneck * (1 + slowdown) + 1e-9
+
+
+def test_repack_with_layouts_balances_and_compares_workers():
+    costs = [LayerCost(fwd_time_s=t) for t in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0)]
+    current = Placement.from_string("0-1|2-3|4-5|6-7")  # V: worker 0 runs stages 0 and 3 (load 2)
+    layouts = {4: [0, 1, 1, 0], 2: [0, 0]}
+    result = repack(costs, current, None, max_slowdown=1.0, layouts=layouts)
+    assert (result.num_stages, result.previous_bottleneck, result.bottleneck) == (2, 2.0, 4.0)
+    # Per stage the bottleneck would be 2 -> 4 as well, but an odd count is never proposed.
+    assert repack(costs, current, None, max_slowdown=0.9, layouts=layouts).placement == current
+
+
+def test_repack_target_must_be_a_runnable_count():
+    costs = [LayerCost(fwd_time_s=1.0) for _ in range(8)]
+    current = Placement.from_string("0-1|2-3|4-5|6-7")
+    with pytest.raises(
+        ValueError, match=r"target_num_stages=3 is not a pipeline this schedule can run; .* are \[2\]"
+    ):
+        repack(costs, current, None, target_num_stages=3, layouts={4: [0, 1, 1, 0], 2: [0, 0]})
+    packed = repack(costs, current, None, target_num_stages=2, layouts={4: [0, 1, 1, 0], 2: [0, 0]})
+    assert packed.num_stages == 2 and packed.released_stages == (2, 3)

@@ -218,21 +218,32 @@ def events() -> Iterator[list[DynamismEvent]]:
     unsubscribe()
 
 
+def _steps(model: GPT, seeds: range) -> None:
+    """Training forwards of one batch per optimizer step, each step closed as the GPT closes it."""
+    for seed in seeds:
+        _states(model, _batch(seed=seed))
+        for block in model.layers.values():
+            if isinstance(block, EarlyExitBlock):
+                block.after_optimizer_step(step=seed)
+
+
 def test_a_layer_announces_when_its_share_of_active_tokens_moves(events: list[DynamismEvent]) -> None:
     model = _model(EXITING, event_shift=0.1)
-    for seed in range(3):
-        _states(model, _batch(seed=seed))
+    _states(model, _batch())
+    assert events == [], "events come when an optimizer step closes, not per micro-batch"
+    _steps(model, range(3))
     layers = sorted({e.layers for e in events})
     assert layers == [(2,), (3,)], "layer 1 sees every token (nothing exits before it)"
     assert all(
         e.kind == "routing" and e.detail.startswith("early exit: active tokens 100% ->") for e in events
     )
+    assert all(e.step == 0 for e in events), "the share drops at once: the first step announces it"
     first_count = len(events)
-    _states(model, _batch(seed=0))
+    _steps(model, range(3, 5))
     assert len(events) == first_count, "a stable share announces nothing more"
     quiet = _model(EXITING, event_shift=None)
     events.clear()
-    _states(quiet, _batch())
+    _steps(quiet, range(2))
     assert events == []
 
 
