@@ -54,11 +54,19 @@ def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[s
 def fit_demo_gpt(
     strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, sleep_ms: Sequence[float]
 ) -> pl.Trainer:
-    """Fit a :class:`DemoGPT` with emulated block costs on 2 CPU ranks for ``steps`` steps (batches of 8).
+    """Fit a :class:`DemoGPT` with emulated block costs on 2 CPU ranks for ``steps`` steps (batches of 8)."""
+    trainer = benchmark_trainer(strategy, callbacks, steps)
+    model = DemoGPT(num_layers=len(sleep_ms), sleep_ms=list(sleep_ms))
+    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * steps))
+    return trainer
 
-    The Trainer the end-to-end benchmarks share: no logger, checkpoints, progress bar or sampler.
+
+def benchmark_trainer(strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
+    """The Trainer the end-to-end benchmarks share: 2 CPU ranks, ``steps`` steps, nothing but training.
+
+    No logger, checkpoints, progress bar or distributed sampler (every rank reads the same batches).
     """
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
@@ -70,9 +78,6 @@ def fit_demo_gpt(
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
-    model = DemoGPT(num_layers=len(sleep_ms), sleep_ms=list(sleep_ms))
-    trainer.fit(model, RandomTokenDataModule(batch_size=8, num_samples=8 * steps))
-    return trainer
 
 
 class StepTimer(pl.Callback):

@@ -248,6 +248,7 @@ class DynMoCallback(Callback):
         self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
         self._step_phase: StepPhase = "quiet"
         self._window_busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
+        self._window_batch: Any = None  # the batch of the step that closes a window, while it closes
         self._window_steps = 0
         self._queued_metrics: dict[str, float] = {}
         self._averages = {
@@ -344,7 +345,9 @@ class DynMoCallback(Callback):
         if self._step_phase == "profiled" and busy_s is not None:
             self._window_busy_s.append(busy_s)
         if self._profiler is not None and self._profiler.end_step():
-            self._close_window(trainer, batch)
+            self._window_batch = batch  # its size bounds the micro-batch counts a re-tune may pick
+            self._close_window(trainer)
+            self._window_batch = None
         self._share_step(trainer, pl_module, busy_s, step_s)
 
     @override
@@ -420,7 +423,7 @@ class DynMoCallback(Callback):
             if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
         }
 
-    def _close_window(self, trainer: pl.Trainer, batch: Any) -> None:
+    def _close_window(self, trainer: pl.Trainer) -> None:
         assert self._profiler is not None
         result = self._profiler.result()
         known = self._profiler.known_activations
@@ -433,7 +436,7 @@ class DynMoCallback(Callback):
         placement = strategy.placement
         costs, hardware = self._measure(trainer, result)
         self.last_costs, self.last_hardware = costs, hardware
-        retune = self._retune_options(trainer, result, batch) if self._retunes else None
+        retune = self._retune_options(trainer, result) if self._retunes else None
         decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step, retune)
         self._pending = decision
         self._pending_costs = {
@@ -483,14 +486,14 @@ class DynMoCallback(Callback):
     def _retunes(self) -> bool:
         return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
 
-    def _retune_options(self, trainer: pl.Trainer, result: Any, batch: Any) -> RetuneOptions:
+    def _retune_options(self, trainer: pl.Trainer, result: Any) -> RetuneOptions:
         """The micro-batch counts each re-pack may run, and the measured fixed cost of an op; a collective.
 
         An op's fixed cost is a rank's busy time in the window's measured steps beyond its own units'
         work and the profiler's hooks, per forward or backward op; the slowest rank's (clamped at 0).
         """
         strategy = trainer.strategy
-        batch_size = int(trainer.lightning_module.pipeline_batch(batch)[0].shape[0])
+        batch_size = int(trainer.lightning_module.pipeline_batch(self._window_batch)[0].shape[0])
         units = [*result.layers.values(), *result.parts.values()]
         work_s = sum(p.fwd_time_s + p.bwd_time_s for p in units) + result.hook_time_s
         busy_s = statistics.median(self._window_busy_s) if self._window_busy_s else work_s
@@ -624,7 +627,9 @@ class DynMoCallback(Callback):
         migration_s = 0.0
         if decision.apply:
             start = self._clock()
-            strategy.apply_placement(decision.proposed, num_microbatches=decision.num_microbatches)
+            count = decision.num_microbatches
+            retuned = {} if count is None else {"num_microbatches": count}  # only a re-tune passes a count
+            strategy.apply_placement(decision.proposed, **retuned)
             migration_s = self._clock() - start
         total = costs["profiling_s"] + costs["decision_s"] + migration_s
         self._cost_to_share = total

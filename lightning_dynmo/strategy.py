@@ -73,7 +73,15 @@ from typing_extensions import override
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.aux import reduce_step_losses
-from lightning_dynmo.pipeline.checkpoint import CHECKPOINT_KEY, full_state_from_checkpoint, layout_record
+from lightning_dynmo.pipeline.checkpoint import (
+    CHECKPOINT_KEY,
+    full_state_from_checkpoint,
+    layout_of,
+    prepared_for_file,
+    read_checkpoint,
+    state_to_save,
+)
+from lightning_dynmo.pipeline.construction import keep_local_units
 from lightning_dynmo.pipeline.contract import (
     ModelSpec,
     TiedParameter,
@@ -111,12 +119,14 @@ from lightning_dynmo.pipeline.schedule import (
     resolve_schedule,
     run_schedule_step,
 )
+from lightning_dynmo.pipeline.sharded import save_sharded
 from lightning_dynmo.pipeline.shutdown import SigtermAgreement
-from lightning_dynmo.pipeline.state import gather_full_state, load_local_state
+from lightning_dynmo.pipeline.state import load_local_state
 from lightning_dynmo.pipeline.strategy_args import StartMethod, check_strategy_args
 from lightning_dynmo.pipeline.ties import TiedCopies
 from lightning_dynmo.pipeline.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
 from lightning_dynmo.pipeline.unit_state import check_no_user_hooks
+from lightning_dynmo.pipeline.units import attach_unit, detach_unit, pipeline_units
 
 if TYPE_CHECKING:
     from lightning_dynmo.pipeline.migration import MigrationReport
@@ -162,6 +172,10 @@ class DynMoStrategy(ParallelStrategy):
             rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
             it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.evaluation`.
         test_loss_log_name: The same for ``Trainer.test``.
+        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
+            writes and later reads only its units (:mod:`lightning_dynmo.pipeline.sharded`, whose
+            ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
+            rank 0. Both carry checksums and resume at any placement or size.
     """
 
     strategy_name = "dynmo"
@@ -185,6 +199,7 @@ class DynMoStrategy(ParallelStrategy):
         on_release: Callable[[ReleaseEvent], Any] | None = None,
         val_loss_log_name: str | None = "val_loss",
         test_loss_log_name: str | None = "test_loss",
+        save_distributed_checkpoint: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -212,6 +227,7 @@ class DynMoStrategy(ParallelStrategy):
         self._on_release = on_release
         self._released = False
         self._saved_optimizer_states: list[Any] | None = None
+        self._save_distributed_checkpoint = save_distributed_checkpoint
         self._evaluator: PipelineEvaluator | None = None
         self._cut_module: nn.Module | None = None
         self.num_nodes = 1
@@ -295,8 +311,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def local_layers(self) -> Mapping[int, nn.Module]:
         """The blocks this rank owns, by global index, in index order."""
-        layers = self._layers()
-        return {int(k): layers[k] for k in layers}
+        return {int(k): block for k, block in self._module().get_submodule("layers").named_children()}
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -459,7 +474,11 @@ class DynMoStrategy(ParallelStrategy):
                 check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
             self._placement = self._resolve_placement(self._spec, module)
             self._pair_tied_copies()
-            self._keep_only_local_units()
+            spec, grid, style = self._spec, self._require_grid(), self._schedule.style
+            owners = unit_owners(self._placement, grid, style, spec.first_parts, spec.last_parts)
+            mine = (self.data_parallel_rank, self.global_rank)
+            owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
+            keep_local_units(module, spec, owned, device=self.root_device)
             self._cut_module = module
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -499,45 +518,8 @@ class DynMoStrategy(ParallelStrategy):
     def _num_stages_of_run(self) -> int:
         return self.pipeline_size * self._schedule.stages_per_rank
 
-    def _owners(self, placement: Placement) -> dict[tuple[int, str], int]:
-        spec = self._require_spec()
-        return unit_owners(
-            placement, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
-        )
-
     def _local_units(self) -> dict[str, nn.Module]:
-        module, spec = self._module(), self._require_spec()
-        units = {f"layers.{k}": m for k, m in self._layers().items()}
-        for name in (*spec.first_parts, *spec.last_parts):
-            part = getattr(module, name, None)
-            if part is not None:
-                units[name] = part
-        return units
-
-    def _keep_only_local_units(self) -> None:
-        owners = self._owners(self.placement)
-        replica = self.data_parallel_rank
-        for unit in list(self._local_units()):
-            if owners[(replica, unit)] != self.global_rank:
-                self._detach_unit(unit)
-
-    def _detach_unit(self, unit: str) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            del self._layers()[index]
-        else:
-            setattr(self._module(), unit, None)
-
-    def _attach_unit(self, unit: str, module: nn.Module) -> None:
-        prefix, _, index = unit.partition(".")
-        if prefix == "layers" and index.isdigit():
-            layers = self._layers()
-            # Keep the ModuleDict in global index order: a stage runs its blocks in that order.
-            items = sorted([*layers.items(), (index, module)], key=lambda kv: int(kv[0]))
-            layers.clear()
-            layers.update(items)
-        else:
-            setattr(self._module(), unit, module)
+        return pipeline_units(self._module(), self._require_spec())
 
     def apply_placement(self, new: Placement | str, num_microbatches: int | None = None) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
@@ -637,9 +619,9 @@ class DynMoStrategy(ParallelStrategy):
             reports.append(report)
             for move in moves:
                 if move.src == self.global_rank:
-                    self._detach_unit(move.name)
+                    detach_unit(self._module(), move.name)
             for unit, module in received.items():
-                self._attach_unit(unit, module)
+                attach_unit(self._module(), unit, module)
         return MigrationReport(
             moves=tuple(move for r in reports for move in r.moves),
             bytes_sent=sum(r.bytes_sent for r in reports),
@@ -684,7 +666,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def _release(self) -> None:
         for unit in list(self._local_units()):
-            self._detach_unit(unit)
+            detach_unit(self._module(), unit)
         for optimizer in self.optimizers:
             optimizer.state.clear()
             for group in optimizer.param_groups:
@@ -784,22 +766,24 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state, keyed as in the single-process model, on global rank 0 (``{}`` elsewhere).
+        """The model's state under single-process keys: this rank's units (sharded saves), or the whole
+        model gathered over replica 0's pipeline on global rank 0 (``{}`` elsewhere and when released).
 
-        Collective over replica 0's pipeline; it also gathers the optimizer state returned by
-        :meth:`optimizer_state`. Other replicas and released ranks return ``{}`` without communicating.
+        It also takes the optimizer state returned by :meth:`optimizer_state`.
         """
         self._saved_optimizer_states = None
-        if self._released or self.data_parallel_rank != 0:
+        if self._released:
             return {}
-        dst = self._require_grid().pipeline_ranks(0)[0]
-        optimizers = list(self.optimizers)
+        dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
         with self._guard("checkpoint saving (gathering the model and optimizer state)"):
-            full = gather_full_state(self._local_units(), optimizers, dst=dst, group=self._pipeline_group)
-        if full is None:
-            return {}
-        self._saved_optimizer_states = list(full["optimizer"])
-        return full["model"]
+            model, self._saved_optimizer_states = state_to_save(
+                self._local_units(),
+                list(self.optimizers),
+                self._save_distributed_checkpoint,
+                dst,
+                self._pipeline_group,
+            )
+        return model
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -814,16 +798,29 @@ class DynMoStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        if self._released:
+            return
         if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = layout_record(
-                str(self.placement),
-                self.pipeline_size,
-                self.data_parallel_size,
-                self.schedule_name,
-                self._active_ranks,
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            checkpoint[CHECKPOINT_KEY] = layout_of(self)
+        if self._save_distributed_checkpoint:
+            with self._guard("checkpoint saving (each rank writing its units)"):
+                save_sharded(
+                    filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
+                )
+        elif self.is_global_zero:
+            with prepared_for_file(filepath):
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self._saved_optimizer_states = None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
+        with self._guard("checkpoint loading"):
+            units, aliases = self._local_units(), self._ties.aliases
+            loaded = read_checkpoint(
+                checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
+            )
+        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -1092,11 +1089,6 @@ class DynMoStrategy(ParallelStrategy):
         if self.lightning_module is None:
             raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
         return self.lightning_module
-
-    def _layers(self) -> nn.ModuleDict:
-        layers = self._module().layers
-        assert isinstance(layers, nn.ModuleDict)
-        return layers
 
     def _require_grid(self) -> RankGrid:
         if self._grid is None:

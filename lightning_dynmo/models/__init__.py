@@ -3,6 +3,9 @@
 :class:`GPT` (a LightningModule) is configured by :class:`GPTConfig` (shape, per-layer block kinds, seed)
 and :class:`OptimizerConfig` (AdamW, LR schedule). Block kinds live in a registry that other modules
 extend with :func:`register_block`; ``"dense"`` (:class:`DenseBlock`) is built in.
+
+:mod:`lightning_dynmo.models.huggingface` (``HuggingFaceCausalLM``, the ``hf`` extra) pipelines a
+``transformers`` causal LM with its own modules; it is not imported here, so ``transformers`` stays optional.
 """
 
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -268,6 +269,24 @@ class GPT(pl.LightningModule):
     # -- optimizer ----------------------------------------------------------------------------
 
     @override
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        """The optimizer step, then each local block's ``after_optimizer_step`` (e.g. MoE expert bias).
+
+        A block with state that follows optimizer steps (not forwards) defines
+        ``after_optimizer_step(*, group, step)``; it is called in layer order on the rank holding the
+        block, with the strategy's data-parallel group (``None`` without data parallelism) and the
+        global step. A method called from here rather than a hook on the block, since hooks do not migrate.
+        """
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        group = _data_parallel_group(self.trainer.strategy)
+        for block in self.layers.values():
+            after_step = getattr(block, "after_optimizer_step", None)
+            if callable(after_step):
+                after_step(group=group, step=self.trainer.global_step)
+
+    @override
     def configure_optimizers(self) -> Any:
         """AdamW with a decay and a no-decay group (both always, in that order) over the local units."""
         tied_head = ("head.weight",) if self.config.tie_embeddings else ()
@@ -276,6 +295,16 @@ class GPT(pl.LightningModule):
             return optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(self.optimizer_config))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _data_parallel_group(strategy: Any) -> dist.ProcessGroup | None:
+    """The group of replicas of this rank's blocks: DynMoStrategy's, every rank under DDP, else ``None``."""
+    if hasattr(strategy, "data_parallel_group"):
+        group: dist.ProcessGroup | None = strategy.data_parallel_group
+        return group
+    if dist.is_available() and dist.is_initialized() and getattr(strategy, "world_size", 1) > 1:
+        return dist.group.WORLD
+    return None
 
 
 def unit_names(config: GPTConfig) -> tuple[str, ...]:

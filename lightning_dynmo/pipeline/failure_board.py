@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["REPORT_GRACE_S", "FailureBoard", "FailureRecord"]
 
-#: After a failed exchange, how long a rank waits for its peers' records (capped at the timeout).
-REPORT_GRACE_S = 5.0
+#: After a timed-out exchange, how long a rank waits at most for its peers' records. Peers that timed out
+#: too post within one timeout of when they started waiting, which on a loaded machine can be several
+#: seconds after this rank; a dead peer never posts, so this is also the extra delay its error costs.
+REPORT_GRACE_S = 15.0
 # Store operations on the error path must not wait for the process-group timeout (30 min by default).
 _STORE_TIMEOUT = timedelta(seconds=5)
 _POLL_S = 0.1

@@ -206,13 +206,14 @@ def run_schedule_step(
     """
     losses: list[Tensor] = []
     args = (inputs,) if pipe.has_first else ()
+    side: dict[str, Any] = dict(side_inputs or {})
     with collect_aux_losses(scale=aux_loss_scale, allowed=aux_losses, model_name=model_name) as aux:
         pipe.schedule.step(
             *args,
             target=target if pipe.has_last else None,
             losses=losses if pipe.has_last else None,
             return_outputs=False,
-            **dict(side_inputs or {}),
+            **side,
         )
     seen: set[int] = set()
     for module in pipe.modules:

@@ -2,7 +2,8 @@
 
 Read in this order: :class:`StageModule` (first parts, the stage's blocks in global order, last parts),
 its :meth:`StageModule.forward` (what crosses a stage boundary and how blocks are called), then
-:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs), and
+:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs),
+:func:`in_shape_inference` (blocks that keep statistics of their forwards skip that pass), and
 :class:`StageParts` / :class:`PipelineLoss`, the modules through which a stage calls ``pipeline_first``,
 ``pipeline_last`` and ``pipeline_loss`` (so the profiler can time them like blocks: :func:`part_modules`).
 
@@ -17,6 +18,7 @@ them without any point-to-point transfer.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,9 +28,29 @@ from torch import Tensor, nn
 from lightning_dynmo.pipeline.aux import collect_aux_losses
 from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs, check_loss
 
-__all__ = ["PipelineLoss", "StageModule", "StageParts", "guard_shape_inference", "part_modules", "run_block"]
+__all__ = [
+    "PipelineLoss",
+    "StageModule",
+    "StageParts",
+    "guard_shape_inference",
+    "in_shape_inference",
+    "part_modules",
+    "run_block",
+]
 
 State = dict[str, Tensor]
+
+_inference = threading.local()
+
+
+def in_shape_inference() -> bool:
+    """Whether torch's forward metadata pass is running a stage in this thread now.
+
+    That pass runs a stage's blocks once more on zeroed inputs (with gradients enabled in training): a
+    block that counts what its forwards do (MoE expert loads, exited tokens) skips it, so its counts are
+    those of the real micro-batches, as in a single process.
+    """
+    return getattr(_inference, "depth", 0) > 0
 
 
 class StageModule(nn.Module):
@@ -94,10 +116,12 @@ class StageModule(nn.Module):
     def shape_inference(self) -> Iterator[None]:
         """Inside: received inputs are zeroed and auxiliary losses go nowhere (torch's metadata pass)."""
         self._inferring = True
+        _inference.depth = getattr(_inference, "depth", 0) + 1
         try:
             with collect_aux_losses(allowed=self._spec.aux_losses, model_name=self.model_name):
                 yield
         finally:
+            _inference.depth -= 1
             self._inferring = False
 
     # -- boundaries ------------------------------------------------------------------------------

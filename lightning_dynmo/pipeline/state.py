@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import torch
@@ -117,19 +117,26 @@ def gather_full_state(
 
 
 def local_full_state(
-    local_units: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+    local_units: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer], *, copy: bool = True
 ) -> FullState:
-    """This rank's part of the full state (a complete one on a single process), on CPU, detached.
+    """This rank's part of the full state (a complete one on a single process), detached.
+
+    Args:
+        local_units: the units this rank owns, keyed by global unit name.
+        optimizers: this rank's optimizers.
+        copy: tensors are CPU copies (a state to keep); ``False`` gives the live tensors, detached, where
+            they are (a state to write out at once, e.g. by a sharded save, without a second copy).
 
     Raises:
         ValueError: if an optimizer holds a parameter that belongs to none of ``local_units``.
     """
+    convert = _to_cpu if copy else _detached
     model: dict[str, Any] = {}
     for unit_name, unit in local_units.items():
         for key, value in unit.state_dict().items():
-            model[f"{unit_name}.{key}"] = _to_cpu(value)
+            model[f"{unit_name}.{key}"] = convert(value)
     names = _param_names(local_units)
-    opt_states = [_optimizer_full_state(k, opt, names) for k, opt in enumerate(optimizers)]
+    opt_states = [_optimizer_full_state(k, opt, names, convert) for k, opt in enumerate(optimizers)]
     return FullState(format=FULL_STATE_FORMAT, units=list(local_units), model=model, optimizer=opt_states)
 
 
@@ -224,6 +231,17 @@ def _to_cpu(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _detached(value: Any) -> Any:
+    """The live tensors of a (nested) value, detached; other values deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_detached(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def _param_names(units: Mapping[str, nn.Module]) -> dict[int, str]:
     """id(parameter) -> global FQN (a tied parameter keeps its first name, as ``state_dict`` order does)."""
     names: dict[int, str] = {}
@@ -234,7 +252,7 @@ def _param_names(units: Mapping[str, nn.Module]) -> dict[int, str]:
 
 
 def _optimizer_full_state(
-    k: int, optimizer: torch.optim.Optimizer, names: Mapping[int, str]
+    k: int, optimizer: torch.optim.Optimizer, names: Mapping[int, str], convert: Callable[[Any], Any]
 ) -> OptimizerFullState:
     groups, group_of, state = [], {}, {}
     for i, group in enumerate(optimizer.param_groups):
@@ -249,7 +267,7 @@ def _optimizer_full_state(
                 )
             group_of[fqn] = i
             if optimizer.state.get(param):
-                state[fqn] = _to_cpu(dict(optimizer.state[param]))
+                state[fqn] = convert(dict(optimizer.state[param]))
     return OptimizerFullState(param_groups=groups, param_group_of=group_of, state=state)
 
 

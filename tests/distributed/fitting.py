@@ -63,6 +63,10 @@ class Run:
     def model(self) -> DemoGPT:
         return DemoGPT(num_layers=self.num_layers, lr_gamma=self.lr_gamma, tie_embeddings=self.tie_embeddings)
 
+    def reference_model(self) -> DemoGPT:
+        """The model the single-process reference trains (the same as :meth:`model` unless overridden)."""
+        return self.model()
+
     def trainer_kwargs(self) -> dict[str, Any]:
         return {
             "accelerator": "cpu",
@@ -192,7 +196,7 @@ def reference(run: Run) -> dict[str, Any]:
     run = replace(run, migrations=())
     recorder = LossRecorder()
     trainer = pl.Trainer(devices=1, callbacks=[recorder], **run.trainer_kwargs())
-    model = run.model()
+    model = run.reference_model()
     trainer.fit(model, _reference_batches(run))
     return {"losses": recorder.losses, "state": model.state_dict(), "grad_norms": recorder.grad_norms}
 

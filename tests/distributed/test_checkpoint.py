@@ -2,14 +2,21 @@
 
 The uninterrupted run is the single-process reference trained for two epochs (the pipelined run equals
 it within 1e-9, see ``test_strategy_equivalence.py``). A pipelined run trains epoch 1 and saves at the
-epoch's end (``ModelCheckpoint`` or ``trainer.save_checkpoint``); a second run resumes from that file with
-another placement, another pipeline size, or after a re-pack, and trains epoch 2. Its losses and final
-parameters must equal the reference's epoch 2 in float64 (1e-9).
+epoch's end (``ModelCheckpoint`` or ``trainer.save_checkpoint``); a second run resumes from that
+checkpoint with another placement, another pipeline or data-parallel size, or after a re-pack, and trains
+epoch 2. Its losses and final parameters must equal the reference's epoch 2 in float64 (1e-9).
+
+Checkpoints are sharded directories by default; each resuming rank must read only its share of one
+(the kernel's count of bytes read, ``/proc/self/io``), while from a gathered file every rank reads it
+all. A few runs save the gathered file instead (``save_distributed_checkpoint=False``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +28,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.pipeline.checkpoint import full_state_from_checkpoint
+from lightning_dynmo.pipeline.checksums import MANIFEST_FILENAME
+from lightning_dynmo.pipeline.sharded import export_full_checkpoint
 from lightning_dynmo.pipeline.state import load_local_state
+from lightning_dynmo.pipeline.units import unit_of_key
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,
@@ -33,6 +43,7 @@ from tests.distributed.fitting import (
     reference,
 )
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_sharded import bytes_read_by_this_process
 
 pytestmark = pytest.mark.distributed
 
@@ -47,6 +58,8 @@ class EpochRun(Run):
     skip_optimizer_restore: bool = False
     # Negative control: a tied parameter's second copy does not look up its first name's state.
     no_tie_alias: bool = False
+    # Save one gathered file instead of a sharded directory.
+    gathered: bool = False
 
     def trainer_kwargs(self) -> dict[str, Any]:
         return {
@@ -86,7 +99,17 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
         if run.no_tie_alias
         else DynMoStrategy
     )
-    strategy = make_strategy(run, strategy_cls=cls)
+    strategy = make_strategy(run, strategy_cls=cls, save_distributed_checkpoint=not run.gathered)
+    reads: list[int] = []
+    load = strategy.load_checkpoint
+
+    def counted_load(path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        before = bytes_read_by_this_process()
+        loaded = load(path, weights_only=weights_only)
+        reads.append(bytes_read_by_this_process() - before)
+        return loaded
+
+    strategy.load_checkpoint = counted_load  # type: ignore[method-assign]
     trainer = pl.Trainer(
         devices=world_size,
         strategy=strategy,
@@ -103,11 +126,46 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "released": strategy.is_released,
         "placement": str(strategy.placement),
+        "units": [] if strategy.is_released else sorted(strategy._local_units()),
+        "bytes_read": reads[0] if reads else None,
     }
 
 
 def train(run: EpochRun, tmp_path: Path, ckpt: Path, resume: bool) -> list[dict[str, Any]]:
     return run_distributed(ckpt_worker, run.world_size, tmp_path, timeout_s=120, args=(run, ckpt, resume))
+
+
+def whole_checkpoint(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
+    """The checkpoint as one dict, whatever its form (a sharded directory is exported first)."""
+    if ckpt.is_dir():
+        ckpt = export_full_checkpoint(ckpt, tmp_path / f"{ckpt.stem}-export.ckpt")
+    return torch.load(ckpt, weights_only=False)  # type: ignore[no-any-return]
+
+
+def share_of(ckpt: Path, units: Sequence[str]) -> int:
+    """Bytes of a sharded checkpoint's items that a rank owning ``units`` needs, plus the three small
+    files every rank reads whole."""
+    mine, total = set(units), 0
+    for _file, _offset, length, _crc, key in json.loads((ckpt / MANIFEST_FILENAME).read_text())["items"]:
+        section, _, rest = key.partition(".")
+        if section == "state_dict":
+            total += length if unit_of_key(rest) in mine else 0
+        elif ".param_group_of." in key:
+            total += length if key.rpartition(".param_group_of.")[2] in mine else 0
+        elif ".state." in key:
+            total += length if unit_of_key(key.partition(".state.")[2]) in mine else 0
+        else:
+            total += length  # param_groups
+    return total + sum((ckpt / f).stat().st_size for f in (".metadata", "meta.pt", MANIFEST_FILENAME))
+
+
+def assert_reads_only_its_share(resumed: list[dict[str, Any]], ckpt: Path) -> None:
+    for rank, res in enumerate(resumed):
+        share = share_of(ckpt, res["units"])
+        # The few bytes over the share are collective messages.
+        assert share <= res["bytes_read"] <= share + 16 * 1024, (
+            f"rank {rank} read {res['bytes_read']} bytes for a share of {share}"
+        )
 
 
 def assert_continues_exactly(resumed: list[dict[str, Any]], run: EpochRun) -> None:
@@ -136,8 +194,9 @@ def saved_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpt
 
 
-def test_checkpoint_is_the_whole_single_process_model(saved_checkpoint: Path) -> None:
-    ckpt = torch.load(saved_checkpoint, weights_only=False)
+def test_checkpoint_exports_to_the_whole_single_process_model(saved_checkpoint: Path, tmp_path: Path) -> None:
+    assert saved_checkpoint.is_dir()  # the default: a sharded directory, written by ModelCheckpoint
+    ckpt = whole_checkpoint(saved_checkpoint, tmp_path)
     assert ckpt["dynmo"]["placement"] == "0-2|3-5" and ckpt["dynmo"]["pipeline_size"] == 2
     # Plain single-device Lightning/torch loads the weights: keys equal the single-process model's.
     model = DemoGPT(num_layers=6, lr_gamma=0.9).double()  # the run trained in 64-true precision
@@ -151,14 +210,59 @@ def test_checkpoint_is_the_whole_single_process_model(saved_checkpoint: Path) ->
     assert all(s["step"].item() == SAVE_RUN.steps for s in opt["state"].values())
 
 
-@pytest.mark.parametrize(("world_size", "placement"), [(2, "0-4|5-5"), (2, "0-2|3-5"), (1, "0-5")])
-def test_resume_with_another_placement_or_pipeline_size_continues_exactly(
-    world_size: int, placement: str, saved_checkpoint: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("world_size", "pipeline_size", "placement"),
+    [(2, None, "0-4|5-5"), (2, None, "0-2|3-5"), (1, None, "0-5"), (4, 2, "0-1|2-5")],
+)
+def test_resume_at_another_placement_or_size_continues_exactly_reading_only_each_ranks_share(
+    world_size: int, pipeline_size: int | None, placement: str, saved_checkpoint: Path, tmp_path: Path
 ) -> None:
-    run = replace(SAVE_RUN, world_size=world_size, placement=placement, epochs=2, checkpoint_callback=False)
+    # (4, 2): two data-parallel replicas, each rank reading its stage's share (the replicas see the same
+    # batches here, so the reference is unchanged).
+    run = replace(
+        SAVE_RUN,
+        world_size=world_size,
+        pipeline_size=pipeline_size,
+        placement=placement,
+        epochs=2,
+        checkpoint_callback=False,
+    )
     resumed = train(run, tmp_path, saved_checkpoint, resume=True)
     assert all(res["placement"] == placement for res in resumed)
     assert_continues_exactly(resumed, run)
+    assert_reads_only_its_share(resumed, saved_checkpoint)
+
+
+def test_a_gathered_file_resumes_exactly_but_every_rank_reads_all_of_it(
+    saved_checkpoint: Path, tmp_path: Path
+) -> None:
+    # The exported file is what save_distributed_checkpoint=False writes; it is also the negative control
+    # of the share measurement above.
+    ckpt = export_full_checkpoint(saved_checkpoint, tmp_path / "gathered.ckpt")
+    run = replace(SAVE_RUN, placement="0-4|5-5", epochs=2, checkpoint_callback=False)
+    resumed = train(run, tmp_path, ckpt, resume=True)
+    assert_continues_exactly(resumed, run)
+    assert all(res["bytes_read"] >= ckpt.stat().st_size for res in resumed)
+    with pytest.raises(AssertionError, match=r"rank \d read"):
+        assert_reads_only_its_share(resumed, saved_checkpoint)
+
+
+def test_a_damaged_checkpoint_stops_every_rank_naming_the_file_and_entry(
+    saved_checkpoint: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "damaged.ckpt"
+    shutil.copytree(saved_checkpoint, ckpt)
+    items = json.loads((ckpt / MANIFEST_FILENAME).read_text())["items"]
+    file, offset, length, _, key = next(i for i in items if i[4].endswith("layers.5.fc1.weight.exp_avg"))
+    with open(ckpt / file, "r+b") as f:
+        f.seek(offset + length // 2)
+        f.write(b"\xff" * 64)
+    run = replace(SAVE_RUN, placement="0-4|5-5", epochs=2, checkpoint_callback=False)
+    with pytest.raises(
+        AssertionError,
+        match=rf"(?s)2 of 2 rank\(s\) failed.*{file}' is damaged: entry '{key}'.*{file}' is damaged",
+    ):
+        train(run, tmp_path, ckpt, resume=True)
 
 
 def test_resume_after_a_repack_continues_exactly(tmp_path: Path) -> None:
@@ -175,7 +279,9 @@ def test_resume_after_a_repack_continues_exactly(tmp_path: Path) -> None:
     )
     saved = train(first, tmp_path, ckpt, resume=False)
     assert [res["released"] for res in saved] == [False, False, True, True]
-    assert torch.load(ckpt, weights_only=False)["dynmo"]["placement"] == "0-2|3-7"
+    # Written by the two active ranks only (over their group); the released ones did nothing.
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert whole_checkpoint(ckpt, tmp_path)["dynmo"]["placement"] == "0-2|3-7"
     run = replace(first, world_size=2, placement="0-3|4-7", migrations=(), epochs=2)
     assert_continues_exactly(train(run, tmp_path, ckpt, resume=True), run)
 
@@ -193,7 +299,8 @@ def test_resume_without_optimizer_state_is_detected(saved_checkpoint: Path, tmp_
 def test_a_tied_embedding_resumes_exactly_across_pipeline_sizes(
     saved_on: int, resumed_on: int, tmp_path: Path
 ) -> None:
-    # One process saves the tie's Adam state once, as tok_emb.weight; two ranks save both copies.
+    # One process saves the tie's Adam state once, as tok_emb.weight; two ranks save both copies (here in
+    # one gathered file).
     ckpt = tmp_path / "tied.ckpt"
     placements = {1: "0-5", 2: "0-2|3-5"}
     first = EpochRun(
@@ -203,9 +310,11 @@ def test_a_tied_embedding_resumes_exactly_across_pipeline_sizes(
         steps=4,
         epochs=1,
         tie_embeddings=True,
+        gathered=saved_on == 2,
     )
     train(first, tmp_path, ckpt, resume=False)
-    saved = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["state"]
+    assert ckpt.is_file() == (saved_on == 2)
+    saved = whole_checkpoint(ckpt, tmp_path)["optimizer_states"][0]["state"]
     assert ("head.weight" in saved) == (saved_on == 2)
     run = replace(first, world_size=resumed_on, placement=placements[resumed_on], epochs=2)
     assert_continues_exactly(train(run, tmp_path, ckpt, resume=True), run)

@@ -68,11 +68,16 @@ class MaskedRun(Run):
 class DropParametrizations(DynMoStrategy):
     """Negative control: a received block loses its mask's state (all ones: the weight is unmasked)."""
 
-    def _attach_unit(self, unit: str, module: nn.Module) -> None:
-        for sub in module.modules():
-            if parametrize.is_parametrized(sub, "weight"):
-                sub.parametrizations.weight[0].mask.fill_(1.0)
-        super()._attach_unit(unit, module)
+    def _migrate(self, planned: Any, what: str) -> Any:
+        before = set(self._local_units())
+        report = super()._migrate(planned, what)
+        for unit, module in self._local_units().items():
+            if unit in before:
+                continue
+            for sub in module.modules():
+                if parametrize.is_parametrized(sub, "weight"):
+                    sub.parametrizations.weight[0].mask.fill_(1.0)
+        return report
 
 
 RUN = MaskedRun(num_layers=6, placement="0-2|3-5", migrations=((2, "0-3|4-5"), (4, "0-0|1-5")), steps=6)

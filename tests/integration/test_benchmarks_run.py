@@ -52,3 +52,62 @@ def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
 
     with pytest.raises(ValueError, match=r"allocator must be one of \('default', 'steady'\), got 'tc'"):
         set_allocator("tc")
+
+
+def test_moe_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import moe
+
+    out = tmp_path / "moe.md"
+    argv = ["--quick", "--spread", "0", "--steps", "5", "--skip", "2", "--projection-steps", "3"]
+    moe.main([*argv, "--out", str(out)])
+    text = out.read_text()
+    for label in (
+        "| static (uniform) (ideal) |",
+        "| DynMo every_step |",
+        "| static uniform split |",
+        "Linear fit",
+    ):
+        assert label in text
+    assert text.count("| per-step min-max partition") == 1
+    assert "python -m benchmarks.moe --quick --spread 0" in text
+
+
+def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import sparse_attention
+
+    out = tmp_path / "sparse_attention.md"
+    argv = ["--quick", "--spread", "0", "--steps", "5", "--measure-steps", "5", "--repeats", "1"]
+    sparse_attention.main([*argv, "--out", str(out)])
+    text = out.read_text()
+    for label in (
+        "| dense (SDPA) | 1.000 |",
+        "Linear fit over the hashed rows",
+        "| lag-1 autocorrelation |",
+        "| 2 | parameters |",
+        "| DynMo every 2 steps (",
+        "| static (uniform) (ideal) |",
+        "| DynMo every_n_steps=2 |",
+        "| DynMo every_step |",
+    ):
+        assert label in text
+    assert text.count("| per-step min-max partition") == 1
+    assert "python -m benchmarks.sparse_attention --quick --spread 0" in text
+
+
+def test_pruning_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import pruning
+
+    out = tmp_path / "pruning.md"
+    pruning.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    for heading in (
+        "### 1. Per-layer",
+        "### 2. Stage-load imbalance",
+        "### 3. Static vs DynMo",
+        "### 4. Projection",
+    ):
+        assert heading in text
+    for label in ("| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"):
+        assert label in text
+    assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
+    assert "python -m benchmarks.pruning --quick" in text

@@ -79,8 +79,8 @@ def test_a_registered_kind_by_name_or_by_options_per_layer(scaled_kind: str) -> 
 
 
 def test_registry_errors(scaled_kind: str) -> None:
-    with pytest.raises(ValueError, match=r"'moe' is not a registered block kind .*import the module"):
-        GPTConfig(**TINY, blocks="moe")
+    with pytest.raises(ValueError, match=r"'nope' is not a registered block kind .*import the module"):
+        GPTConfig(**TINY, blocks="nope")
     with pytest.raises(ValueError, match=r"GPTConfig.blocks\[1\]=3 is neither a block kind name"):
         GPTConfig(**TINY, blocks=["dense", 3, "dense"])
     with pytest.raises(ValueError, match=r"blocks has 2 entries but num_layers=3; give one entry per layer"):

@@ -1,0 +1,565 @@
+"""What hash-based sparse attention does to layer times, and what DynMo makes of it: measured on CPU.
+
+Four parts, all with the ``"sparse_attention"`` block of :mod:`lightning_dynmo.dynamism.sparse_attention`
+(real compute, no sleep):
+
+1. **Layer time follows the active tiles.** One block, one process, the same weights and input hashed
+   into 1 (dense causal), 2, 4, ... buckets; forward + backward timed per bucket count, counts
+   interleaved, medians over repeats. Reported with the active fraction of the tiles and a linear fit
+   ``time = a + b * active tiles``, next to the dense block (torch's fused causal attention).
+2. **Per-layer work and the static splits.** A deeper sparse GPT trains in one process on the
+   standard-library corpus while the repo's layer timer
+   (:class:`~lightning_dynmo.profiling.layer_timer.LayerTimer`) records every layer's forward and
+   backward time at every step, and each block its active fraction. Per layer: the mean active
+   fraction and time, the step-to-step spread and the lag-1 autocorrelation of the fraction (how much
+   of a step's deviation persists into the next: this decides the trigger). Then the stage-load
+   imbalance ``(max - min) / mean`` of each measured step under the static uniform split and the
+   parameter split, on 2 and 8 stages.
+3. **Projection to 8 stages.** The measured steps of part 2 replayed with the pipeline simulator
+   (:func:`~lightning_dynmo.balancing.simulate_pipeline`, through ``policy.predict``): the static
+   uniform and parameter splits; DynMo every step (the callback's smoothing and ``decide``, the placement
+   chosen after step t used from step t + 1); DynMo periodic (every ``--period`` steps, on the median of
+   the last 3 steps, as a profiling window measures); the best fixed placement (the partition of the
+   run's mean costs) and the min-max partition of each step's own costs (an oracle of the balancer's
+   objective, not of the simulated time). Migration time is not counted.
+4. **Static vs DynMo on a real 2-stage pipeline.** The ready sparse GPT
+   (:func:`sparse_attention_gpt_config`) trains on 2 gloo ranks (1F1B), each run one job started by
+   torch's elastic launcher: the static uniform split, DynMo periodic (``every_n_steps=--period``), DynMo
+   every step, and every fixed contiguous split within ``--spread`` layers of uniform (the candidates).
+   Runs are interleaved over ``--rounds`` rounds; a run's step time is the median of its steps after
+   ``--skip``; each configuration's figure is the median over rounds. ``ideal`` is the fastest measured
+   candidate.
+
+    python -m benchmarks.sparse_attention            # ~30 minutes on 2 quiet cores
+    python -m benchmarks.sparse_attention --quick    # a smoke run (tiny sizes, one round): not figures
+
+Each part prints a table; the report goes to ``benchmarks/results/sparse_attention-<date>.md`` with the
+command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import StepTimer, launch, write_report
+from benchmarks.moe import candidates, linear_fit
+from lightning_dynmo.balancing import LayerCost, by_parameters, imbalance, partition, uniform
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
+from lightning_dynmo.dynamism.sparse_attention import (
+    SparseAttentionBlock,
+    SparseAttentionOptions,
+    sparse_attention_gpt_config,
+)
+from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
+from lightning_dynmo.profiling.clock import StepClock
+from lightning_dynmo.profiling.layer_timer import LayerTimer
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model and batch sizes of one benchmark mode."""
+
+    d_model: int
+    num_heads: int
+    seq_len: int
+    batch_size: int
+    num_buckets: int
+    block_size: int
+    layers_pipeline: int
+    layers_projection: int
+    microbatches: int
+
+    def gpt(self, num_layers: int) -> GPTConfig:
+        return sparse_attention_gpt_config(
+            num_layers=num_layers,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            seq_len=self.seq_len,
+            num_buckets=self.num_buckets,
+            block_size=self.block_size,
+        )
+
+
+FULL = Sizes(
+    d_model=64,
+    num_heads=2,
+    seq_len=512,
+    batch_size=8,
+    num_buckets=8,
+    block_size=16,
+    layers_pipeline=8,
+    layers_projection=16,
+    microbatches=4,
+)
+QUICK = Sizes(
+    d_model=32,
+    num_heads=2,
+    seq_len=64,
+    batch_size=4,
+    num_buckets=4,
+    block_size=8,
+    layers_pipeline=4,
+    layers_projection=4,
+    microbatches=2,
+)
+PROJECTED_STAGES = 8
+PERIODIC_WINDOW = 3  # steps a periodic profiling window measures (DynMoCallback's default)
+
+
+# -- 1. layer time vs active tiles ----------------------------------------------------------------------
+
+
+def layer_time_vs_tiles(sizes: Sizes, repeats: int) -> list[dict[str, Any]]:
+    """Forward + backward ms of one block per bucket count, and of the dense block (see the module doc)."""
+    config = GPTConfig(
+        seq_len=sizes.seq_len, num_layers=1, d_model=sizes.d_model, num_heads=sizes.num_heads, seed=0
+    )
+    torch.manual_seed(0)
+    dense = DenseBlock(config)
+    counts = [b for b in (1, 2, 4, 8, 16, 32) if b * sizes.block_size <= 4 * sizes.seq_len]
+    blocks: dict[Any, Any] = {"dense": dense}
+    for count in counts:
+        block = SparseAttentionBlock(
+            config, SparseAttentionOptions(num_buckets=count, block_size=sizes.block_size)
+        )
+        block.load_state_dict(dense.state_dict(), strict=False)  # same weights; the count stays 0
+        blocks[count] = block.train()
+    x = torch.randn(sizes.batch_size // sizes.microbatches, sizes.seq_len, sizes.d_model)
+    times: dict[Any, list[float]] = {key: [] for key in blocks}
+    active: dict[Any, list[float]] = {key: [] for key in counts}
+    for rep in range(repeats + 1):  # the first round warms up
+        for key, block in blocks.items():
+            start = time.perf_counter()
+            block(x.requires_grad_(True)).sum().backward()
+            elapsed = time.perf_counter() - start
+            block.zero_grad(set_to_none=True)
+            if rep:
+                times[key].append(elapsed)
+                if key != "dense":
+                    active[key].append(block.active_blocks / block.causal_blocks)
+    causal = blocks[counts[0]].causal_blocks
+    rows = [
+        {
+            "buckets": "dense (SDPA)",
+            "fraction": 1.0,
+            "tiles": None,
+            "ms": 1e3 * statistics.median(times["dense"]),
+        }
+    ]
+    for count in counts:
+        fraction = statistics.fmean(active[count])
+        rows.append(
+            {
+                "buckets": count,
+                "fraction": fraction,
+                "tiles": fraction * causal,
+                "ms": 1e3 * statistics.median(times[count]),
+            }
+        )
+    return rows
+
+
+def tiles_table(rows: list[dict[str, Any]]) -> str:
+    sparse = [r for r in rows if r["tiles"] is not None]
+    a, b, r2 = linear_fit([r["tiles"] for r in sparse], [r["ms"] for r in sparse])
+    lines = ["| buckets | active tiles / causal tiles | fwd+bwd (ms) |", "|---|---:|---:|"]
+    lines += [f"| {r['buckets']} | {r['fraction']:.3f} | {r['ms']:.2f} |" for r in rows]
+    lines.append("")
+    lines.append(
+        f"Linear fit over the hashed rows: time = {a:.2f} ms + {1e3 * b:.2f} us x active tiles, "
+        f"r^2 = {r2:.3f}."
+    )
+    return "\n".join(lines)
+
+
+# -- 2. measured per-layer work, the static splits ------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """Per step, every layer's cost and active fraction (single process)."""
+
+    costs: list[list[LayerCost]]
+    fractions: list[list[float]]
+
+
+def measure_layers(sizes: Sizes, steps: int, cache_dir: str) -> Measured:
+    """Train ``steps`` steps in one process, recording layer costs and active fractions per step."""
+    torch.manual_seed(0)
+    model = GPT(sizes.gpt(sizes.layers_projection))
+    optimizer = model.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.Optimizer)
+    blocks = {int(k): b for k, b in model.layers.items()}
+    params = {i: sum(p.numel() for p in b.parameters()) for i, b in blocks.items()}
+    timer = LayerTimer(blocks, StepClock("cpu"))
+    data = _data(sizes, cache_dir)
+    data.prepare_data()
+    data.setup("fit")
+    batches = iter(data.train_dataloader())
+    measured = Measured([], [])
+    n = sizes.microbatches
+    timer.attach()
+    try:
+        for _ in range(steps):
+            batch = next(batches)
+            timer.begin_step()
+            for piece in batch.chunk(n):
+                loss = model.pipeline_loss(model(piece[:, :-1]), piece[:, 1:])
+                (loss / n).backward()
+            times = timer.end_step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for block in blocks.values():
+                block.after_optimizer_step()
+            measured.fractions.append([blocks[i].active_fraction for i in sorted(blocks)])
+            measured.costs.append(
+                [
+                    LayerCost(fwd_time_s=t.fwd_time_s, bwd_time_s=t.bwd_time_s, num_params=params[i])
+                    for i, t in sorted(times.items())
+                ]
+            )
+    finally:
+        timer.detach()
+    return measured
+
+
+def _lag1(values: list[float]) -> float:
+    mean = statistics.fmean(values)
+    dev = [v - mean for v in values]
+    denominator = sum(d * d for d in dev)
+    return sum(a * b for a, b in itertools.pairwise(dev)) / denominator if denominator else 0.0
+
+
+def layers_table(measured: Measured, skip: int) -> str:
+    fractions, costs = measured.fractions[skip:], measured.costs[skip:]
+    lines = [
+        "| layer | mean active fraction | step-to-step sd | lag-1 autocorrelation | mean fwd+bwd (ms) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for i in range(len(fractions[0])):
+        series = [f[i] for f in fractions]
+        ms = 1e3 * statistics.fmean(c[i].time_s for c in costs)
+        lines.append(
+            f"| {i} | {statistics.fmean(series):.3f} | {statistics.pstdev(series):.3f} "
+            f"| {_lag1(series):+.2f} | {ms:.1f} |"
+        )
+    flat_f = [f for step in fractions for f in step]
+    flat_t = [c.time_s for step in costs for c in step]
+    _, _, r2 = linear_fit(flat_f, flat_t)
+    lines.append("")
+    lines.append(f"Per-layer time vs active fraction, over every layer and step: r^2 = {r2:.3f}.")
+    return "\n".join(lines)
+
+
+def static_imbalance_table(measured: Measured, skip: int) -> str:
+    costs = measured.costs[skip:]
+    num_layers = len(costs[0])
+    lines = [
+        "| stages | split | placement | mean stage-load imbalance (max - min) / mean |",
+        "|---:|---|---|---:|",
+    ]
+    for stages in sorted({2, min(PROJECTED_STAGES, num_layers)}):
+        for label, placement in (
+            ("static uniform", uniform(num_layers, stages)),
+            ("parameters", by_parameters(costs[0], stages)),
+            ("best fixed (partition of the mean costs)", partition(_mean_costs(costs), stages)),
+        ):
+            loads = [
+                imbalance([sum(step[i].time_s for i in placement.layers_of(s)) for s in range(stages)])
+                for step in costs
+            ]
+            lines.append(f"| {stages} | {label} | `{placement}` | {statistics.fmean(loads):.1%} |")
+    return "\n".join(lines)
+
+
+def _mean_costs(costs: list[list[LayerCost]]) -> list[LayerCost]:
+    return [
+        LayerCost(
+            fwd_time_s=statistics.fmean(c[i].fwd_time_s for c in costs),
+            bwd_time_s=statistics.fmean(c[i].bwd_time_s for c in costs),
+            num_params=costs[0][i].num_params,
+        )
+        for i in range(len(costs[0]))
+    ]
+
+
+# -- 3. projection to 8 stages --------------------------------------------------------------------------
+
+
+def project(
+    costs: list[list[LayerCost]], num_stages: int, microbatches: int, skip: int, period: int
+) -> dict[str, Any]:
+    """Mean simulated step time (1F1B) of each placement policy over the measured steps after ``skip``."""
+    num_layers = len(costs[0])
+    static = uniform(num_layers, num_stages)
+    params = by_parameters(costs[0], num_stages)
+    fixed = partition(_mean_costs(costs[skip:]), num_stages)
+    config = BalanceConfig(balancer="partition", cost="time")
+    every, periodic, smoothed = static, static, None
+    totals = dict.fromkeys(("static", "params", "every_step", "periodic", "best_fixed", "oracle"), 0.0)
+    moves = {"every_step": 0, "periodic": 0}
+    for t, step in enumerate(costs):
+        if t >= skip:
+            for key, placement in (
+                ("static", static),
+                ("params", params),
+                ("every_step", every),
+                ("periodic", periodic),
+                ("best_fixed", fixed),
+                ("oracle", partition(step, num_stages)),
+            ):
+                totals[key] += predict(step, placement, microbatches, "1F1B")[0]
+        smoothed = smooth_costs(smoothed, step, 0.8)  # DynMoCallback's every-step default
+        decision = decide(smoothed, every, config, microbatches, "1F1B")
+        if decision.apply:
+            every, moves["every_step"] = decision.proposed, moves["every_step"] + 1
+        if (t + 1) % period == 0 and t + 1 >= PERIODIC_WINDOW:
+            window = costs[t + 1 - PERIODIC_WINDOW : t + 1]
+            median = [
+                LayerCost(
+                    fwd_time_s=statistics.median(c[i].fwd_time_s for c in window),
+                    bwd_time_s=statistics.median(c[i].bwd_time_s for c in window),
+                )
+                for i in range(num_layers)
+            ]
+            decision = decide(median, periodic, config, microbatches, "1F1B")
+            if decision.apply:
+                periodic, moves["periodic"] = decision.proposed, moves["periodic"] + 1
+    count = len(costs) - skip
+    return {
+        **{k: v / count for k, v in totals.items()},
+        "moves": moves,
+        "fixed": str(fixed),
+        "params_split": str(params),
+    }
+
+
+def projection_table(sim: dict[str, Any], period: int) -> str:
+    lines = [
+        "| policy (simulated 1F1B, measured layer times) | mean step (ms) | static / this "
+        "| best fixed / this |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in (
+        ("static", "static uniform split"),
+        ("params", f"parameter split `{sim['params_split']}`"),
+        ("every_step", f"DynMo every_step ({sim['moves']['every_step']} moves)"),
+        ("periodic", f"DynMo every {period} steps ({sim['moves']['periodic']} moves)"),
+        ("best_fixed", f"best fixed placement `{sim['fixed']}`"),
+        ("oracle", "per-step min-max partition (knows each step's costs)"),
+    ):
+        ms = 1e3 * sim[key]
+        lines.append(
+            f"| {label} | {ms:.2f} | {sim['static'] / sim[key]:.3f}x | {sim['best_fixed'] / sim[key]:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+# -- 4. static vs DynMo on a real 2-stage pipeline ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """One 2-rank training job."""
+
+    label: str
+    sizes: Sizes
+    steps: int
+    cache_dir: str
+    placement: str = "uniform"
+    dynmo: str | None = None  # None, "periodic" or "every_step"
+    period: int = 10
+
+
+def train_pipeline(run: PipelineRun) -> dict[str, Any]:
+    """Body of one rank (started by the elastic launcher): fit, report rank 0's step times."""
+    import lightning.pytorch as pl
+
+    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.strategy import DynMoStrategy
+
+    torch.set_num_threads(1)
+    sizes = run.sizes
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = [timer]
+    dynmo = None
+    if run.dynmo == "periodic":
+        dynmo = DynMoCallback(every_n_steps=run.period)
+    elif run.dynmo == "every_step":
+        dynmo = DynMoCallback(every_step=True)
+    callbacks += [dynmo] if dynmo is not None else []
+    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=run.placement)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=run.steps,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), _data(sizes, run.cache_dir))
+    return {
+        "step_s": timer.step_s,
+        "placement": str(strategy.placement),
+        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
+        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
+    }
+
+
+def _data(sizes: Sizes, cache_dir: str) -> Any:
+    from lightning_dynmo.data import StdlibCorpus, TextDataModule
+
+    corpus = StdlibCorpus(max_bytes=2**20)
+    return TextDataModule(
+        corpus=corpus, seq_len=sizes.seq_len, batch_size=sizes.batch_size, cache_dir=cache_dir
+    )
+
+
+def compare_pipeline(
+    sizes: Sizes, steps: int, skip: int, rounds: int, spread: int, period: int, cache: str
+) -> list[dict[str, Any]]:
+    """Interleaved rounds of every configuration; per configuration the median over rounds."""
+    half = sizes.layers_pipeline // 2
+    static = str(Placement.from_sizes([half, sizes.layers_pipeline - half]))
+    base = PipelineRun("static (uniform)", sizes, steps, cache, placement=static, period=period)
+    runs = [
+        base,
+        replace(base, label=f"DynMo every_n_steps={period}", dynmo="periodic"),
+        replace(base, label="DynMo every_step", dynmo="every_step"),
+    ]
+    runs += [
+        replace(base, label=f"fixed {p}", placement=p)
+        for p in candidates(sizes.layers_pipeline, spread)
+        if p != static
+    ]
+    medians: dict[str, list[float]] = {r.label: [] for r in runs}
+    last: dict[str, dict[str, Any]] = {}
+    for k in range(rounds):
+        for run in runs:
+            print(f"[sparse_attention] round {k + 1}/{rounds}: {run.label} ...", file=sys.stderr, flush=True)
+            report = launch(train_pipeline, run)
+            medians[run.label].append(statistics.median(report["step_s"][skip:]))
+            last[run.label] = report
+    rows = [
+        {
+            "label": r.label,
+            "ms": 1e3 * statistics.median(medians[r.label]),
+            "placement": last[r.label]["placement"],
+            "rebalances": last[r.label]["rebalances"],
+            "overhead_s": last[r.label]["overhead_s"],
+            "candidate": r.dynmo is None,
+        }
+        for r in runs
+    ]
+    ideal = min((row for row in rows if row["candidate"]), key=lambda row: row["ms"])
+    for row in rows:
+        row["speedup"] = rows[0]["ms"] / row["ms"]
+        row["vs_ideal"] = ideal["ms"] / row["ms"]
+        row["ideal"] = row is ideal
+    return rows
+
+
+def pipeline_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | step (ms) | static / this | ideal / this | final placement | rebalances | DynMo cost (s) |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        mark = " (ideal)" if r["ideal"] else ""
+        lines.append(
+            f"| {r['label']}{mark} | {r['ms']:.1f} | {r['speedup']:.3f}x | {r['vs_ideal']:.3f} "
+            f"| `{r['placement']}` | {r['rebalances']} | {r['overhead_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+# -- the report -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
+    parser.add_argument("--repeats", type=int, default=None, help="part 1: timed repeats per bucket count")
+    parser.add_argument("--measure-steps", type=int, default=None, help="parts 2-3: measured training steps")
+    parser.add_argument("--period", type=int, default=None, help="parts 3-4: DynMo's every_n_steps")
+    parser.add_argument("--steps", type=int, default=None, help="part 4: steps per pipeline run")
+    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
+    parser.add_argument("--rounds", type=int, default=None, help="part 4: interleaved rounds")
+    parser.add_argument(
+        "--spread", type=int, default=None, help="part 4: candidate splits within this of uniform"
+    )
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    torch.set_num_threads(1)  # as each pipeline rank: parts 1-2 time what one rank's core does
+    sizes = QUICK if quick else FULL
+    repeats = args.repeats or (2 if quick else 10)
+    measure_steps = args.measure_steps or (6 if quick else 80)
+    period = args.period or (2 if quick else 10)
+    steps = args.steps or (8 if quick else 60)
+    skip = args.skip if args.skip is not None else (2 if quick else 20)
+    rounds = args.rounds or (1 if quick else 3)
+    spread = args.spread if args.spread is not None else (1 if quick else 2)
+    if skip + 3 > min(steps, measure_steps):
+        parser.error("--steps and --measure-steps must leave at least 3 measured steps after --skip")
+    started = time.perf_counter()
+    cache = tempfile.mkdtemp(prefix="dynmo-sparse-bench-")
+    tiles = tiles_table(layer_time_vs_tiles(sizes, repeats))
+    measured = measure_layers(sizes, measure_steps, cache)
+    layers = layers_table(measured, skip)
+    static = static_imbalance_table(measured, skip)
+    stages = min(PROJECTED_STAGES, sizes.layers_projection)
+    projection = projection_table(project(measured.costs, stages, sizes.microbatches, skip, period), period)
+    pipeline = pipeline_table(compare_pipeline(sizes, steps, skip, rounds, spread, period, cache))
+    command = "python -m benchmarks.sparse_attention " + shlex.join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    setup = (
+        f"Sparse-attention GPT: d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len {sizes.seq_len}, "
+        f"batch {sizes.batch_size}, {sizes.num_buckets} buckets, tiles of {sizes.block_size}, every block "
+        f"sparse; {sizes.microbatches} micro-batches, 1F1B; byte tokens of the standard library's sources."
+    )
+    report = "\n\n".join(
+        [
+            f"## Sparse attention: layer time, imbalance, projection, static vs DynMo ({dt.date.today()})",
+            f"Command: `{command.strip()}`  ",
+            setup,
+            f"### 1. One block: time follows the active tiles ({repeats} repeats, medians)",
+            tiles,
+            f"### 2. {sizes.layers_projection} blocks measured per layer in one process over {measure_steps} "
+            f"steps (statistics of steps {skip}+)",
+            layers,
+            static,
+            f"### 3. The measured steps replayed on {stages} stages",
+            projection,
+            f"### 4. {sizes.layers_pipeline} blocks on a real 2-stage CPU pipeline ({rounds} interleaved "
+            f"rounds, {steps} steps per run, medians of steps {skip}+)",
+            pipeline,
+            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
+        ]
+    )
+    write_report(report, "sparse_attention", args.out)
+
+
+if __name__ == "__main__":
+    main()
