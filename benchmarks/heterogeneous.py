@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
     args = parser.parse_args(argv)
     quick = args.quick
-    steps = args.steps or (16 if quick else 40)
+    steps = args.steps or (18 if quick else 40)
     # One profiling window in a DynMo run (every_n_steps fires once), then its decision and the gain
     # window: the measured steps all run at the placement it chose.
     window_at = steps // 2 + 1
