@@ -225,13 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
     args = parser.parse_args(argv)
     quick = args.quick
-    steps = args.steps or (18 if quick else 40)
+    steps = args.steps or (15 if quick else 40)
     # One profiling window in a DynMo run (every_n_steps fires once), then its decision and the gain
     # window: the measured steps all run at the placement it chose.
     window_at = steps // 2 + 1
-    skip = args.skip if args.skip is not None else window_at + 6
+    skip = args.skip if args.skip is not None else window_at + 5
     rounds = args.rounds or (1 if quick else 3)
-    num_layers = 4 if quick else 8
+    num_layers = 3 if quick else 8  # quick: 2 candidates, so 8 jobs in all
     if skip + 2 > steps or window_at < 2:
         parser.error("--steps must leave at least 2 measured steps after --skip, and be >= 2")
     out = results_path("heterogeneous", args.out, args.force)
@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         d_model=32 if quick else 64,
         seq_len=16 if quick else 64,
         num_layers=num_layers,
+        window_at=window_at,
         retune=False,
     )
     retune = retune_table(compare_retune(retune_base, skip, rounds))

@@ -126,6 +126,7 @@ def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
     assert "python -m benchmarks.head_cost --quick" in text
 
 
+@pytest.mark.timeout(600)  # 8 two-rank jobs
 def test_heterogeneous_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import heterogeneous
 
