@@ -334,13 +334,18 @@ def _replicas_in_one_plan(rank: int, world_size: int) -> dict[str, Any]:
     before = tm.snapshot(units, [optimizer])
     moves = [UnitMove("layers.1", 0, 1), UnitMove("layers.1", 2, 3)]
     counted: list[str] = []
-    real_all_gather, real_all_reduce = dist.all_gather, dist.all_reduce
-    dist.all_gather = lambda *a, **k: (counted.append("all_gather"), real_all_gather(*a, **k))[1]  # type: ignore[assignment]
-    dist.all_reduce = lambda *a, **k: (counted.append("all_reduce"), real_all_reduce(*a, **k))[1]  # type: ignore[assignment]
+    real = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counting(name: str) -> Any:
+        return lambda *args, **kwargs: (counted.append(name), real[name](*args, **kwargs))[1]
+
+    for name in real:
+        setattr(dist, name, counting(name))
     try:
-        received, report = migrate_units(moves, units, [optimizer], device=CPU)
+        received, _ = migrate_units(moves, units, [optimizer], device=CPU)
     finally:
-        dist.all_gather, dist.all_reduce = real_all_gather, real_all_reduce  # type: ignore[assignment]
+        for name, fn in real.items():
+            setattr(dist, name, fn)
     units = {n: m for n, m in {**units, **received}.items() if n != "layers.1" or position == 1}
     return {"before": before, "after": tm.snapshot(units, [optimizer]), "collectives": counted}
 
