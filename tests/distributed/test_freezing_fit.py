@@ -42,6 +42,7 @@ class FreezeRun:
     config: FreezingConfig
     placement: str = "0-1|2-3"
     schedule: str = "1F1B"
+    pipeline_size: int | None = None  # 1: two data-parallel replicas of the whole model
     migrations: tuple[tuple[int, str], ...] = ()
     dynmo: bool = False
     steps: int = 10
@@ -133,7 +134,9 @@ def fit_worker(
     dynmo = DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
     if run.dynmo:
         callbacks.append(dynmo)
-    strategy = strategy_cls(schedule=run.schedule, num_microbatches=4, placement=run.placement)
+    strategy = strategy_cls(
+        schedule=run.schedule, num_microbatches=4, placement=run.placement, pipeline_size=run.pipeline_size
+    )
     trainer = pl.Trainer(
         devices=world_size,
         strategy=strategy,
@@ -211,6 +214,7 @@ def test_autofreeze_events_drive_dynmo_and_training_equals_single_process(tmp_pa
     run = FreezeRun(config=FreezingConfig(check_every=2), dynmo=True, steps=10)
     ref = reference(run)
     assert ref["history"] and ref["history"][0][0] == 4  # the first decision: after two intervals
+    assert ref["history"][0][1] >= 1
     results = fit_distributed(run, tmp_path)
     assert_equal_to_reference(results, ref, ref["losses"])
     for res in results:
@@ -219,6 +223,23 @@ def test_autofreeze_events_drive_dynmo_and_training_equals_single_process(tmp_pa
         # Each event: profile the next step, decide at its end, apply at the start of the one after.
         decided = [(r["step"], r["reason"]) for r in res["rebalances"]]
         assert decided == [(s + 2, "event") for s in frozen_at if s + 2 < run.steps]
+    # Negative control: the same comparison against a reference that froze one block fewer fails.
+    fewer = reference(replace(run, config=FreezingConfig(check_every=2, max_frozen=ref["history"][0][1] - 1)))
+    assert fewer["history"] != ref["history"]
+    assert state_diff(results, fewer) > 1e-4
+
+
+def test_data_parallel_replicas_take_the_same_decisions(tmp_path: Path) -> None:
+    # Two replicas of the whole model reading the same batches: their averaged gradients, norm sums and
+    # decisions are the single process's, and frozen blocks join no gradient average.
+    run = FreezeRun(config=FreezingConfig(check_every=2), placement="0-3", pipeline_size=1, steps=8)
+    ref = reference(run)
+    assert ref["history"]
+    results = fit_distributed(run, tmp_path)
+    for res in results:
+        assert state_diff([res], ref) < TOL
+    assert_equal_to_reference(results[:1], ref, ref["losses"])
+    assert results[1]["history"] == ref["history"]
 
 
 def test_fully_frozen_first_stage_trains_and_frozen_layers_migrate(tmp_path: Path) -> None:
