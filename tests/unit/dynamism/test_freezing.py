@@ -225,3 +225,43 @@ def test_a_tied_embedding_is_not_frozen_with_layer_zero() -> None:
     trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     scope = freezing_scope(trainer, model)
     assert scope is not None and [type(m) for m in scope.first_parts] == [type(model.pos_emb)]
+
+
+class UnfreezeAt(pl.Callback):
+    """Asks the freezing callback to unfreeze from ``layer`` at the end of batch ``at``."""
+
+    def __init__(self, freezing: FreezingCallback, at: int, layer: int) -> None:
+        self.freezing, self.at, self.layer = freezing, at, layer
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if i == self.at:
+            self.freezing.unfreeze_from(self.layer)
+
+
+def test_callback_unfreezes_only_when_asked_at_the_next_step() -> None:
+    model = GPT(GPTConfig(num_layers=4, d_model=16, num_heads=2, seq_len=16, vocab_size=64))
+    freezing = FreezingCallback(FreezingConfig(criterion="schedule", schedule=((1, 3),)))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[freezing, UnfreezeAt(freezing, at=2, layer=1)],
+    )
+    trainer.fit(model, RandomTokenDataModule(batch_size=4, num_samples=16, seq_len=16, vocab_size=64))
+    assert [(r.step, r.num_frozen, r.reason) for r in freezing.history] == [
+        (1, 3, "schedule"),
+        (3, 1, "unfreeze"),
+    ]
+    assert freezing.num_frozen == 1 and freezing.state_dict()["num_frozen"] == 1
+    assert not model.tok_emb.weight.requires_grad and model.layers["1"].attn.qkv.weight.requires_grad
+
+
+def test_callback_needs_a_model_with_blocks() -> None:
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    with pytest.raises(TypeError, match=r"FreezingCallback freezes the blocks .* Linear has no `layers`"):
+        FreezingCallback().on_train_batch_start(trainer, nn.Linear(2, 2), None, 0)  # type: ignore[arg-type]
