@@ -170,6 +170,14 @@ class Snapshots(pl.Callback):
     def __init__(self) -> None:
         self.params: list[dict[str, torch.Tensor]] = []
         self.with_grad: list[set[str]] = []
+        self.outputs_need_grad: list[tuple[bool, bool]] = []  # of layers 1 and 2, per step
+        self._seen: dict[str, bool] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        for name in ("1", "2"):
+            pl_module.layers[name].register_forward_hook(
+                lambda m, i, out, name=name: self._seen.__setitem__(name, out.requires_grad)
+            )
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         self.with_grad.append({n for n, p in pl_module.named_parameters() if p.grad is not None})
@@ -178,6 +186,7 @@ class Snapshots(pl.Callback):
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
     ) -> None:
         self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+        self.outputs_need_grad.append((self._seen["1"], self._seen["2"]))
 
 
 def train(config: FreezingConfig | None, steps: int = 6) -> Snapshots:
@@ -211,6 +220,8 @@ def test_frozen_layers_get_no_gradient_and_do_not_change() -> None:
         assert not torch.equal(
             run.params[1]["layers.2.mlp.fc_in.weight"], run.params[step]["layers.2.mlp.fc_in.weight"]
         )
+    # A frozen prefix runs no backward: autograd never enters it (its output needs no gradient).
+    assert run.outputs_need_grad == [(True, True)] * 2 + [(False, True)] * 4
     # Negative control: without freezing the same parameters change.
     free = train(None)
     assert not any(torch.equal(free.params[1][n], free.params[5][n]) for n in frozen)
