@@ -74,3 +74,18 @@ def test_keep_recent_drops_the_oldest() -> None:
 def test_keep_recent_refuses_a_bad_limit(limit: object) -> None:
     with pytest.raises(ValueError, match=r"limit=.* must be an integer >= 1"):
         keep_recent([1, 2], limit)  # type: ignore[arg-type]
+
+
+def test_callback_history_is_capped_when_a_checkpoint_is_loaded() -> None:
+    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.events import DynamismEvent
+
+    state = DynMoCallback().state_dict()
+    del state["dropped_history"]  # a checkpoint written before the cap
+    state["events"] = [DynamismEvent("custom", step=i).to_dict() for i in range(MAX_HISTORY + 5)]
+    state["rebalances"] = [{"step": i, "applied": False} for i in range(MAX_HISTORY + 2)]
+    callback = DynMoCallback()
+    callback.load_state_dict(state)
+    assert len(callback.events) == MAX_HISTORY and callback.events[0].step == 5
+    assert len(callback.rebalances) == MAX_HISTORY and callback.rebalances[0]["step"] == 2
+    assert callback.state_dict()["dropped_history"] == {"events": 5, "rebalances": 2}
