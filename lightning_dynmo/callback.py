@@ -116,10 +116,13 @@ class DynMoCallback(Callback):
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
-    Resuming from a checkpoint restores the history and, when the run has the same pipeline (schedule,
-    ranks, stages), the saved placement. On another pipeline (other devices or schedule) the run keeps
-    its own initial placement and rebalances it after profiling its first steps, without re-packing then
-    (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at start-up.
+    The history (``events``, ``rebalances``) keeps the most recent
+    :data:`~lightning_dynmo.pipeline.control_plane.MAX_HISTORY` records each; ``dropped_history`` counts
+    the others. Resuming from a checkpoint restores the history and, when the run has the same pipeline
+    (schedule, ranks, stages), the saved placement. On another pipeline (other devices or schedule) the
+    run keeps its own initial placement and rebalances it after profiling its first steps, without
+    re-packing then (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at
+    start-up.
 
     Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
     the running means cover every step, and decision metrics appear at the next written step):
