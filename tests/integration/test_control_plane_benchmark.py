@@ -28,7 +28,10 @@ def test_quick_run_writes_the_tables_with_collective_counts_flat_in_ranks(tmp_pa
     assert "2 broadcast_object_list | 1 all_gather, 1 all_reduce, 4 broadcast_object_list |" in text
     plan = "2 all_reduce, 3 batch_isend_irecv"
     assert f"| migration, 1 layer per replica, one plan | {plan} | {plan} |" in text
-    assert f"pre-#13 loop over replicas | {plan} | 4 all_reduce, 3 batch_isend_irecv |" in text
+    assert (
+        f"pre-#13 loop over replicas (today's agreements) | {plan} | 4 all_reduce, 3 batch_isend_irecv |"
+        in text
+    )
 
 
 def test_fit_recovers_a_linear_growth_and_projects_it() -> None:
