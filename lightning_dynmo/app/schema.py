@@ -68,6 +68,34 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         "lightning_dynmo.dynamism.moe.moe_gpt_config",
         kwargs_from="lightning_dynmo.dynamism.moe.MoEOptions",
     ),
+    SchemaSpec(
+        "early_exit_gpt_config",
+        "lightning_dynmo.dynamism.early_exit.early_exit_config",
+        kwargs_from="lightning_dynmo.models.GPTConfig",
+        kwargs_exclude=("blocks",),
+    ),
+    SchemaSpec(
+        "mod_gpt_config",
+        "lightning_dynmo.dynamism.mod.mod_config",
+        kwargs_from="lightning_dynmo.models.GPTConfig",
+        kwargs_exclude=("blocks",),
+    ),
+    SchemaSpec(
+        "sparse_attention_gpt_config",
+        "lightning_dynmo.dynamism.sparse_attention.sparse_attention_gpt_config",
+        kwargs_from="lightning_dynmo.dynamism.sparse_attention.SparseAttentionOptions",
+    ),
+    SchemaSpec("pruning_gpt_config", "lightning_dynmo.dynamism.pruning.pruning_gpt_config"),
+    SchemaSpec(
+        "pruning_callback",
+        "lightning_dynmo.dynamism_callbacks.PruningCallback",
+        exclude=("event_bus",),
+        nested={"config": "pruning_config"},
+    ),
+    SchemaSpec(
+        "pruning_config", "lightning_dynmo.dynamism.pruning.PruningConfig", nested={"schedule": "pruning_schedule"}
+    ),
+    SchemaSpec("pruning_schedule", "lightning_dynmo.dynamism.pruning_schedule.PruningSchedule"),
     SchemaSpec("text_datamodule", "lightning_dynmo.data.TextDataModule", nested={"corpus": "any"}),
     SchemaSpec("stdlib_corpus", "lightning_dynmo.data.StdlibCorpus"),
     SchemaSpec("text_file_corpus", "lightning_dynmo.data.TextFileCorpus"),

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_dynmo.app.report import RunReport
 from lightning_dynmo.app.schema import SCHEMAS, SchemaSpec, _resolve, schema_of, schemas
 from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.dynamism_callbacks import PruningCallback
 from lightning_dynmo.models import GPT
 from lightning_dynmo.strategy import DynMoStrategy
 from lightning_dynmo.train import CONF_DIR
@@ -103,10 +104,15 @@ def test_a_balancer_option_sets_the_callback_and_the_initial_split(
 
 @pytest.mark.parametrize("option", group_options("dynamism"))
 def test_a_dynamism_option_builds_its_blocks(compose_train: Compose, option: str) -> None:
-    model = instantiate_all(compose_train([f"dynamism={option}", "model=gpt_tiny"]))["model"]
-    kinds = {kind.name for kind, _ in model.config.resolved_blocks()}
-    expected = {"none": {"dense"}}.get(option, {option})
+    built = instantiate_all(compose_train([f"dynamism={option}", "model=gpt_tiny"]))
+    kinds = {kind.name for kind, _ in built["model"].config.resolved_blocks()}
+    # pruning keeps dense blocks and prunes them from a callback
+    expected = {"none": {"dense"}, "pruning": {"dense"}}.get(option, {option})
     assert expected <= kinds, kinds
+    pruners = [c for c in built["callbacks"] if isinstance(c, PruningCallback)]
+    assert len(pruners) == (option == "pruning")
+    if pruners:
+        assert pruners[0].pruner.config.schedule.start_step == 10
 
 
 def test_a_misspelt_key_fails_naming_it(compose_train: Compose) -> None:
@@ -161,7 +167,8 @@ def _constructor_defaults(spec: SchemaSpec) -> dict[str, Any]:
         if p.kind is inspect.Parameter.VAR_KEYWORD:
             if spec.kwargs_from is not None:
                 extra = inspect.signature(_resolve(spec.kwargs_from)).parameters
-                out.update({n: q.default for n, q in extra.items() if n not in params})
+                skip = set(params) | set(spec.kwargs_exclude)
+                out.update({n: q.default for n, q in extra.items() if n not in skip})
             continue
         if name not in spec.exclude and p.kind is not inspect.Parameter.VAR_POSITIONAL:
             out[name] = p.default
