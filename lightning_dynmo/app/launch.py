@@ -140,7 +140,7 @@ def start_local_ranks(nproc: int, argv: Sequence[str], *, run_dir: str) -> None:
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as err:
-        failures = ", ".join(f"rank {f.global_rank} (exit code {f.exitcode})" for f in err.failures.values())
+        failures = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in err.failures.items())
         raise LaunchFailed(
             f"{failures} of the {nproc} ranks failed; the error is printed above this line. The run "
             f"directory is {run_dir}."

@@ -290,7 +290,7 @@ def _static_vs_dynmo(
 def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:
     from lightning_dynmo.callback import DynMoCallback
 
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, DynMoCallback):
             return [dict(r) for r in callback.rebalances]
     return []
@@ -299,7 +299,7 @@ def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:
 def _paths(trainer: pl.Trainer, summary_path: str | None) -> dict[str, Any]:
     logs = [str(logger.log_dir) for logger in trainer.loggers if getattr(logger, "log_dir", None)]
     checkpoints = None
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
             checkpoints = callback.last_model_path or callback.best_model_path or str(callback.dirpath)
     return {"logs": logs, "checkpoints": checkpoints, "summary": summary_path}

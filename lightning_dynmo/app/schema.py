@@ -93,7 +93,9 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         nested={"config": "pruning_config"},
     ),
     SchemaSpec(
-        "pruning_config", "lightning_dynmo.dynamism.pruning.PruningConfig", nested={"schedule": "pruning_schedule"}
+        "pruning_config",
+        "lightning_dynmo.dynamism.pruning.PruningConfig",
+        nested={"schedule": "pruning_schedule"},
     ),
     SchemaSpec("pruning_schedule", "lightning_dynmo.dynamism.pruning_schedule.PruningSchedule"),
     SchemaSpec("text_datamodule", "lightning_dynmo.data.TextDataModule", nested={"corpus": "any"}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -98,4 +99,24 @@ def test_run_outputs_are_ignored_by_git() -> None:
     )
     if ignored.returncode == 128:
         pytest.skip("not a git checkout")
-    assert ignored.stdout.split() == ["outputs/2026-01-01/00-00-00/summary.json", "multirun/x/0_a/summary.json"]
+    assert ignored.stdout.split() == [
+        "outputs/2026-01-01/00-00-00/summary.json",
+        "multirun/x/0_a/summary.json",
+    ]
+
+
+def test_a_rank_that_fails_fails_the_run_naming_it(tmp_path: Path) -> None:
+    # composes (a string is a valid balancer name for the schema), fails in the ranks' constructor
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_dynmo.train", *TINY, "callbacks.dynmo.balancer=best"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "balancer" in out and "best" in out  # the rank's own error
+    assert re.search(r"LaunchFailed: .*rank \d \(exit code 1\).* of the 2 ranks failed", out), out[-3000:]
