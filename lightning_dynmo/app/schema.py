@@ -114,6 +114,7 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         exclude=("train_time_interval",),  # a timedelta: use every_n_train_steps from YAML
     ),
     SchemaSpec("run_report", "lightning_dynmo.app.report.RunReport"),
+    SchemaSpec("tqdm_progress_bar", "lightning.pytorch.callbacks.TQDMProgressBar"),
     SchemaSpec("csv_logger", "lightning.pytorch.loggers.CSVLogger"),
     SchemaSpec("tensorboard_logger", "lightning.pytorch.loggers.TensorBoardLogger"),
     SchemaSpec(
