@@ -1,4 +1,4 @@
-"""The README's configuration reference matches ``conf/``: every option and key exists, every default holds."""
+"""The README's configuration reference matches ``conf/``: options, keys and defaults."""
 
 from __future__ import annotations
 
