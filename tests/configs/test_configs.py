@@ -207,3 +207,21 @@ def test_every_schema_is_used_by_some_option() -> None:
     nested = {ref for s in SCHEMAS for ref in s.nested.values()}
     unused = [s.name for s in SCHEMAS if f"/schema/{s.name}@" not in text and s.name not in nested]
     assert not unused, f"schemas no conf/ option uses: {unused}"
+
+
+@pytest.mark.parametrize("experiment", group_options("experiment"))
+@pytest.mark.parametrize("data", group_options("data"))
+def test_every_experiment_composes_with_every_data_option(
+    compose_train: Compose, experiment: str, data: str, tmp_path: Path
+) -> None:
+    # an experiment that set a key of one corpus only (stdlib's max_bytes) would break the other
+    compose_train([f"experiment={experiment}", *_overrides("data", data, tmp_path)])
+
+
+def test_the_readme_override_example_builds(compose_train: Compose) -> None:
+    cfg = compose_train(["dynamism=pruning", "balancer=diffusion_time", "trainer.max_steps=200"])
+    built = instantiate_all(cfg)
+    assert built["trainer"].max_steps == 200
+    callback = next(c for c in built["callbacks"] if isinstance(c, DynMoCallback))
+    assert (callback.balance.balancer, callback.balance.cost) == ("diffusion", "time")
+    assert any(isinstance(c, PruningCallback) for c in built["callbacks"])
