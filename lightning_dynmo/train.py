@@ -9,13 +9,13 @@ public constructor by ``_target_`` and is validated against a schema generated f
 (:mod:`lightning_dynmo.app.schema`). Examples::
 
     python -m lightning_dynmo.train                                      # the quick start
-    python -m lightning_dynmo.train dynamism=moe balancer=diffusion_time trainer.max_steps=200
-    python -m lightning_dynmo.train -m dynamism=none,moe balancer=partition_time,diffusion_time
+    python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
+    python -m lightning_dynmo.train -m dynamism=early_exit,pruning balancer=partition_time,diffusion_time
     torchrun --standalone --nproc-per-node 2 -m lightning_dynmo.train   # ranks started by torchrun
 
 Every run writes to its own directory (``outputs/<date>/<time>``, multirun jobs under
 ``multirun/<date>/<time>/<job>``; both ignored by git): Hydra's ``.hydra/`` (the composed config),
-``train.log``, ``csv/`` and ``tensorboard/`` logs, ``checkpoints/`` and ``summary.json``.
+``train_rank<r>.log``, ``csv/`` and ``tensorboard/`` logs, ``checkpoints/`` and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_dynmo.app import quiet
 from lightning_dynmo.app.launch import (
     CHILD_ENV,
+    check_multi_node,
     external_launcher,
     local_processes,
     rank_of_this_process,
@@ -67,6 +68,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     print the summary rank 0 wrote. Otherwise this process is a rank (or the only one): train.
     """
     quiet.configure(rank_of_this_process())
+    check_multi_node(cfg.trainer.get("num_nodes", 1))
     nproc = local_processes(cfg.trainer)
     if nproc > 1 and external_launcher() is None:
         from hydra.core.hydra_config import HydraConfig

@@ -28,6 +28,7 @@ from typing import Any
 __all__ = [
     "CHILD_ENV",
     "LaunchFailed",
+    "check_multi_node",
     "external_launcher",
     "local_processes",
     "rank_of_this_process",
@@ -102,6 +103,21 @@ def local_processes(trainer: Mapping[str, Any], cuda_devices: int | None = None)
         f"trainer.devices={devices!r} must be a number of devices (e.g. 2), a list of device indices, "
         "'auto' or -1."
     )
+
+
+def check_multi_node(num_nodes: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a multi-node job that no launcher started (it would wait forever for the other nodes).
+
+    Raises:
+        ValueError: ``num_nodes > 1`` and this process was not started by torchrun or ``srun``.
+    """
+    if isinstance(num_nodes, int) and num_nodes > 1 and external_launcher(environ) is None:
+        raise ValueError(
+            f"trainer.num_nodes={num_nodes} needs its ranks started on every node by a launcher: run "
+            "`torchrun --nnodes N --nproc-per-node G --rdzv-id ID --rdzv-backend c10d --rdzv-endpoint "
+            "HOST:PORT -m lightning_dynmo.train ...` on each node, or `srun python -m lightning_dynmo.train "
+            "...` under SLURM (README: Configuration and launch); on one node, set trainer.num_nodes=1."
+        )
 
 
 def start_local_ranks(nproc: int, argv: Sequence[str], *, run_dir: str) -> None:

@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from lightning_dynmo.app.launch import external_launcher, local_processes, rank_of_this_process, run_id
+from lightning_dynmo.app.launch import (
+    check_multi_node,
+    external_launcher,
+    local_processes,
+    rank_of_this_process,
+    run_id,
+)
 from lightning_dynmo.app.report import RunReport, build_summary, format_summary
 
 
@@ -114,3 +120,10 @@ def test_without_a_rebalance_there_is_no_comparison() -> None:
     )
     assert summary["static_vs_dynmo"] is None and summary["rebalances"] == []
     assert "no rebalance: DynMo kept 0-1|2-3 (1 decisions)" in format_summary(summary)
+
+
+def test_a_multi_node_job_needs_a_launcher() -> None:
+    with pytest.raises(ValueError, match=r"trainer\.num_nodes=2 needs its ranks started on every node"):
+        check_multi_node(2, {})
+    check_multi_node(2, {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0"})  # torchrun started it
+    check_multi_node(1, {})
