@@ -98,6 +98,13 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         nested={"schedule": "pruning_schedule"},
     ),
     SchemaSpec("pruning_schedule", "lightning_dynmo.dynamism.pruning_schedule.PruningSchedule"),
+    SchemaSpec(
+        "freezing_callback",
+        "lightning_dynmo.dynamism_callbacks.FreezingCallback",
+        exclude=("event_bus",),
+        nested={"config": "freezing_config"},
+    ),
+    SchemaSpec("freezing_config", "lightning_dynmo.dynamism.freezing.FreezingConfig"),
     SchemaSpec("text_datamodule", "lightning_dynmo.data.TextDataModule", nested={"corpus": "any"}),
     SchemaSpec("stdlib_corpus", "lightning_dynmo.data.StdlibCorpus"),
     SchemaSpec("text_file_corpus", "lightning_dynmo.data.TextFileCorpus"),

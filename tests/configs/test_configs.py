@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_dynmo.app.report import RunReport
 from lightning_dynmo.app.schema import SCHEMAS, SchemaSpec, _resolve, schema_of, schemas
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.dynamism_callbacks import PruningCallback
+from lightning_dynmo.dynamism_callbacks import FreezingCallback, PruningCallback
 from lightning_dynmo.models import GPT
 from lightning_dynmo.strategy import DynMoStrategy
 from lightning_dynmo.train import CONF_DIR
@@ -106,9 +106,13 @@ def test_a_balancer_option_sets_the_callback_and_the_initial_split(
 def test_a_dynamism_option_builds_its_blocks(compose_train: Compose, option: str) -> None:
     built = instantiate_all(compose_train([f"dynamism={option}", "model=gpt_tiny"]))
     kinds = {kind.name for kind, _ in built["model"].config.resolved_blocks()}
-    # pruning keeps dense blocks and prunes them from a callback
-    expected = {"none": {"dense"}, "pruning": {"dense"}}.get(option, {option})
+    # pruning and freezing keep dense blocks and change them from a callback
+    expected = {"none": {"dense"}, "pruning": {"dense"}, "freezing": {"dense"}}.get(option, {option})
     assert expected <= kinds, kinds
+    freezers = [c for c in built["callbacks"] if isinstance(c, FreezingCallback)]
+    assert len(freezers) == (option == "freezing")
+    if freezers:
+        assert freezers[0].freezer.config.check_every == 10
     pruners = [c for c in built["callbacks"] if isinstance(c, PruningCallback)]
     assert len(pruners) == (option == "pruning")
     if pruners:
@@ -225,3 +229,15 @@ def test_the_readme_override_example_builds(compose_train: Compose) -> None:
     callback = next(c for c in built["callbacks"] if isinstance(c, DynMoCallback))
     assert (callback.balance.balancer, callback.balance.cost) == ("diffusion", "time")
     assert any(isinstance(c, PruningCallback) for c in built["callbacks"])
+
+
+def test_a_freezing_schedule_from_the_command_line(compose_train: Compose) -> None:
+    cfg = compose_train(
+        [
+            "dynamism=freezing",
+            "callbacks.freezing.config.criterion=schedule",
+            "callbacks.freezing.config.schedule=[[20,2],[40,4]]",
+        ]
+    )
+    freezer = next(c for c in instantiate_all(cfg)["callbacks"] if isinstance(c, FreezingCallback)).freezer
+    assert freezer.config.schedule == ((20, 2), (40, 4))
