@@ -493,7 +493,7 @@ class DynMoStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._loss_scaling.agree_on_overflow()
-        self._rebuild_pipeline()
+        self.rebuild_pipeline()
         log.info(
             "rank %d: placement %s, schedule %s, stages %s, layers %s",
             self.global_rank,
@@ -592,42 +592,31 @@ class DynMoStrategy(ParallelStrategy):
         )
         report = self._migrate(planned, f"migration {old} -> {target}")
         self._placement = target
-        self._rebuild_pipeline()
+        self.rebuild_pipeline()
         log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
         return report
 
     def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
-        from lightning_dynmo.pipeline.migration import MigrationReport, UnitMove, migrate_units
+        from lightning_dynmo.pipeline.migration import UnitMove, migrate_units
 
-        # Replicas move the same unit names, and one migrate_units call moves each unit at most once:
-        # one call per replica, each collective over all active ranks (moves stay inside a replica).
-        grid, context = self._require_grid(), self._comm_context()
-        reports = []
-        for replica in range(grid.data_parallel_size):
-            moves = [
-                UnitMove(m.unit, m.src, m.dst) for m in planned if grid.data_parallel_rank(m.src) == replica
-            ]
-            with communication_guard(what, context):
-                received, report = migrate_units(
-                    moves,
-                    self._local_units(),
-                    self.optimizers,
-                    device=self.root_device,
-                    group=self._active_group,
-                    lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
-                )
-            reports.append(report)
-            for move in moves:
-                if move.src == self.global_rank:
-                    detach_unit(self._module(), move.name)
-            for unit, module in received.items():
-                attach_unit(self._module(), unit, module)
-        return MigrationReport(
-            moves=tuple(move for r in reports for move in r.moves),
-            bytes_sent=sum(r.bytes_sent for r in reports),
-            bytes_received=sum(r.bytes_received for r in reports),
-            seconds=sum(r.seconds for r in reports),
-        )
+        # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
+        # one agreement over the active ranks, and all replicas' transfers at the same time.
+        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
+        with communication_guard(what, self._comm_context()):
+            received, report = migrate_units(
+                moves,
+                self._local_units(),
+                self.optimizers,
+                device=self.root_device,
+                group=self._active_group,
+                lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
+            )
+        for move in moves:
+            if move.src == self.global_rank:
+                detach_unit(self._module(), move.name)
+        for unit, module in received.items():
+            attach_unit(self._module(), unit, module)
+        return report
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 
@@ -657,7 +646,7 @@ class DynMoStrategy(ParallelStrategy):
             )
             self._pair_tied_copies()
             self._microbatches.retune(num_microbatches)
-            self._rebuild_pipeline()
+            self.rebuild_pipeline()
         else:
             self._ties.clear()
             self._release()
@@ -835,7 +824,8 @@ class DynMoStrategy(ParallelStrategy):
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
         load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
 
-    def _rebuild_pipeline(self) -> None:
+    def rebuild_pipeline(self) -> None:
+        """New stages and schedule on this rank (all active ranks together, at a step boundary)."""
         self._pipe = build_pipeline(
             self._module(),
             self._require_spec(),
@@ -906,7 +896,7 @@ class DynMoStrategy(ParallelStrategy):
     def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
         # The schedule caches activation shapes from its first step; a new shape needs new stages.
         if self._microbatches.new_pipeline_needed(inputs, target, side):
-            self._rebuild_pipeline()
+            self.rebuild_pipeline()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

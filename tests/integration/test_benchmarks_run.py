@@ -151,3 +151,29 @@ def test_a_dated_results_file_is_kept_unless_forced(tmp_path: Path, monkeypatch:
         common.results_path("x", None, force=False)
     assert common.results_path("x", None, force=True) == path
     assert common.results_path("x", tmp_path / "y.md", force=False) == tmp_path / "y.md"
+
+
+def test_freezing_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import freezing
+
+    out = tmp_path / "freezing.md"
+    freezing.main(["--quick", "--spread", "0", "--out", str(out)])
+    text = out.read_text()
+    for heading in (
+        "### 1. Per-layer",
+        "### 2. Stage-load imbalance",
+        "### 3. Static vs DynMo",
+        "### 4. Projection",
+    ):
+        assert heading in text
+    for label in (
+        "| static uniform |",
+        "| DynMo partition/time |",
+        "| fixed 0-0|1-3 |",
+        "| DynMo (re-partition per level) |",
+        "| best fixed for the run |",
+        "| first parts |",
+    ):
+        assert label in text
+    assert text.count("| 2 | uniform |") == 1 and "75% frozen" in text
+    assert "python -m benchmarks.freezing --quick --spread 0" in text
