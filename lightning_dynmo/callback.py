@@ -726,7 +726,7 @@ class DynMoCallback(Callback):
         # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
         mine = [e.to_dict() for e in self._new_events]
         self._new_events.clear()
-        with strategy._guard("the dynamism event exchange"):
+        with strategy.guard("the dynamism event exchange"):
             shared = exchange_events(mine, strategy.active_group, len(strategy.active_ranks))
         self.events.extend(DynamismEvent.from_dict(e) for e in shared)
         self.dropped_history["events"] += keep_recent(self.events)

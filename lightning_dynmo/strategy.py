@@ -455,7 +455,7 @@ class DynMoStrategy(ParallelStrategy):
         return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        guard = partial(self._guard, "the tied-parameter gradient exchange")
+        guard = partial(self.guard, "the tied-parameter gradient exchange")
         self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
@@ -567,7 +567,7 @@ class DynMoStrategy(ParallelStrategy):
         pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        with self._guard("apply_placement (the check that every rank applies the same placement)"):
+        with self.guard("apply_placement (the check that every rank applies the same placement)"):
             what = "apply_placement was called with different placements or micro-batch counts"
             agreed = f"{target} num_microbatches={num_microbatches}"
             check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
@@ -684,7 +684,7 @@ class DynMoStrategy(ParallelStrategy):
         """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
         if self._released or not _distributed_is_initialized():
             return
-        with self._guard("the SIGTERM check at a batch start"):
+        with self.guard("the SIGTERM check at a batch start"):
             stop = self._sigterm.agree(self._active_group, self.root_device)
         if stop and (trainer := self._trainer()) is not None:
             trainer._signal_connector.received_sigterm = True
@@ -719,7 +719,7 @@ class DynMoStrategy(ParallelStrategy):
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
         if batch_idx == 0 and len(self._active_ranks) > 1:
             replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
-            with self._guard("the check that every stage reads the same batch"):
+            with self.guard("the check that every stage reads the same batch"):
                 check_same_batch_in_pipeline(
                     batch, self._active_group, self._active_ranks, replicas, self.root_device
                 )
@@ -734,7 +734,8 @@ class DynMoStrategy(ParallelStrategy):
         peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
         return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
 
-    def _guard(self, what: str) -> AbstractContextManager[None]:
+    def guard(self, what: str) -> AbstractContextManager[None]:
+        """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers."""
         return communication_guard(what, self._comm_context())
 
     @override
@@ -764,7 +765,7 @@ class DynMoStrategy(ParallelStrategy):
         if self._released:
             return {}
         dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
-        with self._guard("checkpoint saving (gathering the model and optimizer state)"):
+        with self.guard("checkpoint saving (gathering the model and optimizer state)"):
             model, self._saved_optimizer_states = state_to_save(
                 self._local_units(),
                 list(self.optimizers),
@@ -792,7 +793,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = layout_of(self)
         if self._save_distributed_checkpoint:
-            with self._guard("checkpoint saving (each rank writing its units)"):
+            with self.guard("checkpoint saving (each rank writing its units)"):
                 save_sharded(
                     filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
                 )
@@ -804,7 +805,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
-        with self._guard("checkpoint loading"):
+        with self.guard("checkpoint loading"):
             units, aliases = self._local_units(), self._ties.aliases
             loaded = read_checkpoint(
                 checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
@@ -976,7 +977,7 @@ class DynMoStrategy(ParallelStrategy):
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
-            self._guard("a predict step"),
+            self.guard("a predict step"),
         ):
             output = self._evaluator.predict(
                 self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
@@ -1012,7 +1013,7 @@ class DynMoStrategy(ParallelStrategy):
         inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
-        with self._guard(f"a {phase} step"):
+        with self.guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
                 inputs,
@@ -1038,7 +1039,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized() and not self._released:
-            with self._guard(f"strategy.barrier({name!r})"):
+            with self.guard(f"strategy.barrier({name!r})"):
                 dist.barrier(group=self._active_group)
 
     @override
@@ -1046,7 +1047,7 @@ class DynMoStrategy(ParallelStrategy):
         if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
-        with self._guard(f"strategy.broadcast(src={src})"):
+        with self.guard(f"strategy.broadcast(src={src})"):
             dist.broadcast_object_list(box, src=src, group=self._active_group)
         return box[0]
 
@@ -1055,7 +1056,7 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and not self._released:
-            with self._guard("strategy.reduce"):
+            with self.guard("strategy.reduce"):
                 return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
@@ -1063,7 +1064,7 @@ class DynMoStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._released:
             return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        with self._guard("strategy.all_gather"):
+        with self.guard("strategy.all_gather"):
             return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override
