@@ -7,8 +7,11 @@ blocks sleep 5 ms forward / 10 ms backward per micro-batch (4 micro-batches, 2 r
   head on the last stage the optimum is ``0-4|5-7`` (5 | 3 + 2.5 blocks).
 - slow worker: rank 1 is an emulated worker 3 times slower (its blocks sleep 3x, and so does the
   reference workload the callback times there). Optimum ``0-5|6-7`` (6 | 2 x 3 blocks).
-- slow link: rank 0's sends to rank 1 wait 30 ms each (one per micro-batch: 120 ms a step, 2 blocks of
-  work on the sender). Optimum ``0-2|3-7`` (3 + 2 | 5 blocks).
+- slow link: rank 0's sends to rank 1 wait 60 ms each (one per micro-batch: 240 ms a step, 4 blocks of
+  work on the sender). Optimum ``0-1|2-7`` (2 + 4 | 6 blocks), and stays so for a link of 3 to 5 blocks.
+
+Each scenario's expected placement stays optimal when the measured costs drift by a block (under load a
+block's real compute grows next to its sleep), and the bounds on measured times are as loose.
 
 Training through the resulting migrations equals the single-process reference (float64).
 """
@@ -63,7 +66,7 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
     if scenario == "slow_worker" and rank == 1:
         set_emulated_slowdown(3.0)
     if scenario == "slow_link" and rank == 0:
-        emulate_slow_link(to_rank=1, s_per_byte=0.0, latency_s=0.030)
+        emulate_slow_link(to_rank=1, s_per_byte=0.0, latency_s=0.060)
     recorder, dynmo = LossRecorder(), DynMoCallback(**callback_kwargs)
     trainer = pl.Trainer(
         devices=world_size,
@@ -117,7 +120,8 @@ def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: A
     block = sum(c.time_s for c in costs) / len(costs)
     head = hardware.last_stage_extra
     assert head is not None and hardware.first_stage_extra is not None
-    assert 2.2 * block < head.time_s < 3.5 * block  # 2.5 blocks of sleep, plus the real projection and loss
+    # 2.5 blocks of sleep plus the real projection and loss; 0-4|5-7 stays optimal for 1 to 3 blocks.
+    assert 1.8 * block < head.time_s < 3.5 * block
     assert head.memory_bytes > 0 and hardware.first_stage_extra.memory_bytes > 0
     assert str(partition(costs, 2)) == "0-3|4-7"  # what a block-only balancer keeps
     for r in results:
@@ -144,9 +148,9 @@ def test_a_slow_link_is_measured_and_its_sender_relieved(tmp_path: Any) -> None:
     results = _run(tmp_path, "slow_link")
     hardware = results[0]["hardware"]
     send_s = hardware.comm_time_s[0][3]  # link 0, the boundary block's output
-    assert 0.028 < send_s < 0.045
+    assert 0.055 < send_s < 0.090
     for r in results:
-        assert r["placement"] == "0-2|3-7"
+        assert r["placement"] == "0-1|2-7"
 
 
 def test_speed_probe_is_a_positive_time_on_this_rank() -> None:
