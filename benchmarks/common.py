@@ -61,14 +61,16 @@ def fit_demo_gpt(
     return trainer
 
 
-def benchmark_trainer(strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
-    """The Trainer the end-to-end benchmarks share: 2 CPU ranks, ``steps`` steps, nothing but training.
+def benchmark_trainer(
+    strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, devices: int = 2
+) -> pl.Trainer:
+    """The Trainer the end-to-end benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
 
     No logger, checkpoints, progress bar or distributed sampler (every rank reads the same batches).
     """
     return pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         callbacks=callbacks,

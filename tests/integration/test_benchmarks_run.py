@@ -111,3 +111,17 @@ def test_pruning_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
     assert "python -m benchmarks.pruning --quick" in text
+
+
+def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
+    from benchmarks import e2e
+
+    out = tmp_path / "e2e.md"
+    e2e.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    assert "python -m benchmarks.e2e --quick" in text and "load average at start" in text
+    assert "**Real compute**, 2 stages:" in text and "**Emulated cost**, 8 blocks on 2 stages" in text
+    assert text.count("| 24 x 8 |") == text.count("| 48 x 16 |") == text.count("| 48 x 24 |") == 1
+    for label in ("| static uniform |", "| static params |", "| DynMo partition/time |", "| ideal |"):
+        assert text.count(label) == 2  # real and emulated
+    assert "| early_exit |" in text and "4.52x |" in text
