@@ -31,11 +31,15 @@ def write_report(report: str, name: str, out: Path | None = None) -> Path:
     return path
 
 
-def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[str, Any]:
+def launch(
+    fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2, start_method: str = "spawn"
+) -> dict[str, Any]:
     """Run ``fn(spec)`` on ``nproc`` local ranks with torch's elastic launcher; return rank 0's result.
 
     This is what ``torchrun --standalone`` does, driven from Python so one script can run many jobs.
-    ``fn`` must be importable (a module-level function) because ranks are spawned.
+    With ``"spawn"`` ``fn`` must be importable (a module-level function); ``"fork"`` starts the ranks
+    without importing torch and Lightning again (seconds per job on a small machine), which needs a parent
+    that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first).
     """
     config = LaunchConfig(
         min_nodes=1,
@@ -46,7 +50,7 @@ def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[s
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
     )
     return elastic_launch(config, fn)(spec)[0]
 

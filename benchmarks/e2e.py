@@ -10,21 +10,23 @@ For each case it compares, as ratios measured in the same run:
 - **DynMo** ``partition`` and ``diffusion``, each by measured ``time`` and by ``params``, starting
   from the uniform split and rebalancing on the case's trigger (step times include DynMo's profiling
   and migrations);
-- **ideal**: at 2 stages the best fixed placement found by *measuring* every 2-stage split (never
-  computed by the balancer under test); beyond 2 stages the exact min-max partition of the measured
-  per-layer costs, itself run (emulated) or simulated (projection) like the others.
+- **ideal**: at 2 stages the best fixed placement found by *measuring* the 2-stage splits whose first
+  stage is within ``SPREAD`` blocks of half (never computed by the balancer under test); beyond 2
+  stages the exact min-max partition of the measured per-layer costs, itself run (emulated) or
+  simulated (projection) like the others.
 
 Three modes (``--mode``, any of them; default all):
 
-- ``real``: the case's real GPT blocks on a 2-rank gloo CPU pipeline (1F1B). Per round: one sweep job
-  visiting every fixed 2-stage split in turn (the static splits are two of them), then one job per
-  DynMo variant; ``--rounds`` rounds interleave them; each figure is the median over rounds of a job's
-  median step after the dynamism settled. **Real compute.**
+- ``real``: the case's real GPT blocks on a 2-rank gloo CPU pipeline (1F1B). Per round: one job per
+  fixed 2-stage candidate (the static splits among them) and one per DynMo variant, all with the same
+  steps and the same untimed start; ``--rounds`` rounds, the job order reversed every other round; each
+  figure is the median over rounds of a job's median step after the dynamism settled. **Real compute.**
 - ``emulated``: ``--stages`` (4 by default) CPU ranks; each block of a :class:`~lightning_dynmo.demos.DemoGPT`
   sleeps what a block of the case measured inside the real pipeline (forward and backward apart; the
   profile stretched to ``4 * stages`` layers and scaled so the mean block costs ``--emulated-ms`` per
-  micro-batch), so balance is measurable with more ranks than cores. DynMo by params is left out: the
-  emulated blocks all have the same parameters (static params uses the real model's counts).
+  micro-batch), so balance is measurable with more ranks than cores. One job per fixed placement
+  (static uniform, static params, the ideal) and per DynMo variant, as in ``real``. DynMo by params is
+  left out: the emulated blocks all have the same parameters (static params uses the real model's counts).
   **Emulated cost.**
 - ``projection``: the pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`, 1F1B,
   ``4 * stages`` micro-batches) fed the same measured per-layer costs stretched to 24-48 layers on 8-24
@@ -83,6 +85,8 @@ MODES = ("real", "emulated", "projection")
 VARIANTS = tuple((b, c) for b in ("partition", "diffusion") for c in ("time", "params"))
 IMBALANCE_GAP = 0.05  # a case whose better static split is within 5% of the ideal is "not imbalanced"
 PROJECTIONS = ((24, 8), (48, 16), (48, 24))  # (layers, stages), the paper's scales
+SPREAD = 2  # the measured 2-stage candidates: first stage within 2 blocks of half
+START = "fork"  # ranks forked from this process (torch set to one thread first): no re-import per job
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,6 @@ class Sizes:
     steps: int
     settle: int
     rounds: int
-    sweep_repeats: int
 
     @property
     def shape(self) -> dict[str, int]:
@@ -117,10 +120,9 @@ FULL = Sizes(
     seq_len=128,
     batch_size=8,
     microbatches=4,
-    steps=24,
+    steps=20,
     settle=10,
     rounds=2,
-    sweep_repeats=2,
 )
 QUICK = Sizes(
     num_layers=4,
@@ -132,7 +134,6 @@ QUICK = Sizes(
     steps=6,
     settle=3,
     rounds=1,
-    sweep_repeats=1,
 )
 
 
@@ -172,7 +173,7 @@ def _early_exit(sizes: Sizes) -> GPTConfig:
         steps=sizes.steps,
         settle=sizes.settle,
         rounds=sizes.rounds,
-        sweep_repeats=sizes.sweep_repeats,
+        sweep_repeats=1,
         timing_repeats=1,
         exit_share=0.3,
         capacity=0.125,
@@ -217,7 +218,8 @@ CASES: dict[str, Case] = {
             {"every_step": True},
             paper=4.02,
         ),
-        Case("early_exit", _early_exit, {"on_events": True}, paper=4.52),
+        # Periodic: with the weights held still (lr 1e-8) the exit rates do not change, so no events come.
+        Case("early_exit", _early_exit, {"every_n_steps": 6}, paper=4.52),
         Case(
             "mod",
             lambda s: mod_config(**s.shape, capacity=0.125, routing="predictor"),
@@ -245,14 +247,30 @@ def static_placements(params: Sequence[int], num_stages: int) -> dict[str, Place
 # -- mode 1: real compute on 2 stages --------------------------------------------------------------
 
 
+def two_stage_splits(num_layers: int, spread: int) -> list[str]:
+    """The 2-stage splits whose first stage holds within ``spread`` layers of half the blocks."""
+    half = num_layers // 2
+    return [
+        str(Placement.from_sizes([k, num_layers - k]))
+        for k in range(1, num_layers)
+        if abs(k - half) <= spread
+    ]
+
+
+def interleaved(names: list[str], round_index: int) -> list[str]:
+    """The jobs in order on even rounds, reversed on odd ones (a drift of the machine hits them alike)."""
+    return names if round_index % 2 == 0 else names[::-1]
+
+
 def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VARIANTS) -> dict[str, Any]:
-    """The sweep of every fixed 2-stage split and one job per DynMo variant, interleaved over rounds."""
+    """One job per fixed 2-stage split and one per DynMo variant, interleaved over rounds."""
     config = case.model(sizes)
     params = block_params(config)
     statics = {k: str(p) for k, p in static_placements(params, 2).items()}
-    last = sizes.num_layers - 1
-    candidates = tuple(f"0-{k}|{k + 1}-{last}" for k in range(last))
+    candidates = tuple(dict.fromkeys([*two_stage_splits(sizes.num_layers, SPREAD), statics["static params"]]))
     lead = case.lead_steps(sizes)
+    # A fixed placement is a job of its own with the DynMo jobs' structure (fresh ranks, the same untimed
+    # start): timing placements one after the other inside one job favours the later ones (warm ranks).
     base = JobSpec(
         kind="dynmo",
         config=config,
@@ -261,10 +279,20 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
         num_microbatches=sizes.microbatches,
         callbacks=case.callbacks(sizes),
     )
+    measured = sizes.steps - sizes.settle
     jobs = {
-        "sweep": replace(
-            base, kind="sweep", candidates=candidates, repeats=sizes.sweep_repeats, lead_steps=lead
-        ),
+        **{
+            p: replace(
+                base,
+                kind="sweep",
+                candidates=(p,),
+                lead_steps=lead + sizes.settle,
+                warm_steps=0,
+                measure_steps=measured,
+                repeats=1,
+            )
+            for p in candidates
+        },
         **{
             f"DynMo {b}/{c}": replace(base, callback={"balancer": b, "cost": c, **case.trigger})
             for b, c in variants
@@ -272,21 +300,19 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
     }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for r in range(sizes.rounds):
-        for name, spec in jobs.items():
+        for name in interleaved(list(jobs), r):
             print(
                 f"[{case.name}] real, round {r + 1}/{sizes.rounds}: {name} ...", file=sys.stderr, flush=True
             )
-            runs[name].append(launch(run_job, spec))
-    sweep_ms = {
-        p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs["sweep"]) for p in candidates
-    }
+            runs[name].append(launch(run_job, jobs[name], start_method=START))
+    sweep_ms = {p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]) for p in candidates}
     ideal = min(sweep_ms, key=lambda p: sweep_ms[p])
     rows: dict[str, dict[str, Any]] = {
         name: {"ms": sweep_ms[p], "placement": p} for name, p in statics.items()
     }
     skip = sizes.settle + lead
     for name in jobs:
-        if name != "sweep":
+        if name.startswith("DynMo"):
             rows[name] = {
                 "ms": statistics.median(median_ms(run["step_s"][skip:]) for run in runs[name]),
                 "placement": ", ".join(run["placement"] for run in runs[name]),
@@ -330,7 +356,7 @@ class EmulatedJob:
     steps: int
     callback: dict[str, Any] | None = None  # DynMoCallback keywords; None: a sweep of ``candidates``
     candidates: tuple[str, ...] = ()
-    repeats: int = 2
+    warmup: int = 0  # untimed steps of a fixed-placement job
 
     @property
     def microbatches(self) -> int:
@@ -342,7 +368,8 @@ def run_emulated(job: EmulatedJob) -> dict[str, Any]:
     torch.set_num_threads(1)
     timer = StepTimer()
     callbacks: list[pl.Callback] = [timer]
-    schedule = visit_schedule(job.candidates, 1, 3, job.repeats) if job.callback is None else []
+    measured = job.steps - job.warmup
+    schedule = visit_schedule(job.candidates, 0, measured, 1, job.warmup) if job.callback is None else []
     dynmo = DynMoCallback(**job.callback) if job.callback is not None else None
     callbacks.append(dynmo if dynmo is not None else PlacementSweep(schedule))
     steps = len(schedule) or job.steps
@@ -380,7 +407,12 @@ def stretch(costs: Sequence[LayerCost], num_layers: int) -> list[LayerCost]:
 
 
 def emulated_case(
-    costs: Sequence[LayerCost], stages: int, mean_ms: float, steps: int, rounds: int, balancers: Sequence[str]
+    costs: Sequence[LayerCost],
+    stages: int,
+    mean_ms: float,
+    steps: int,
+    rounds: int,
+    balancers: Sequence[str],
 ) -> dict[str, Any]:
     """Static splits and the exact partition (fixed, swept) against DynMo by time, ``stages`` ranks."""
     layers = stretch(costs, 4 * stages)
@@ -389,24 +421,26 @@ def emulated_case(
     bwd = tuple(round(1e3 * c.bwd_time_s * scale, 3) for c in layers)
     fixed = {k: str(p) for k, p in static_placements([c.num_params for c in layers], stages).items()}
     fixed["ideal"] = str(partition(layers, stages, by="time"))
-    candidates = tuple(dict.fromkeys(fixed.values()))
-    sweep = EmulatedJob(fwd, bwd, stages, steps, candidates=candidates)
-    dynmo = {
-        f"DynMo {b}/time": replace(sweep, callback={"balancer": b, "cost": "time", "every_n_steps": 4})
-        for b in balancers
+    base = EmulatedJob(fwd, bwd, stages, steps)
+    jobs = {
+        **{p: replace(base, candidates=(p,), warmup=steps // 2) for p in dict.fromkeys(fixed.values())},
+        **{
+            f"DynMo {b}/time": replace(base, callback={"balancer": b, "cost": "time", "every_n_steps": 4})
+            for b in balancers
+        },
     }
-    runs: dict[str, list[dict[str, Any]]] = {"sweep": [], **{k: [] for k in dynmo}}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in jobs}
     for r in range(rounds):
-        for name, job in (("sweep", sweep), *dynmo.items()):
+        for name in interleaved(list(jobs), r):
             print(
                 f"  emulated {stages} stages, round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True
             )
-            runs[name].append(launch(run_emulated, job, nproc=stages))
+            runs[name].append(launch(run_emulated, jobs[name], nproc=stages, start_method=START))
     rows = {
-        name: {"ms": statistics.median(median_ms(run["sweep_s"][p]) for run in runs["sweep"]), "placement": p}
+        name: {"ms": statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]), "placement": p}
         for name, p in fixed.items()
     }
-    for name in dynmo:
+    for name in (k for k in jobs if k.startswith("DynMo")):
         rows[name] = {
             "ms": statistics.median(median_ms(run["step_s"][steps // 2 :]) for run in runs[name]),
             "placement": ", ".join(run["placement"] for run in runs[name]),
@@ -421,7 +455,7 @@ def emulated_case(
 def settled_diffusion(
     costs: Sequence[LayerCost], start: Placement, by: str, rebalances: int = 10
 ) -> Placement:
-    """Where repeated diffusion rebalances on the same costs settle (one call is one of DynMo's rebalances)."""
+    """Where repeated diffusion rebalances on the same costs settle (each call: one of DynMo's rebalances)."""
     placement = start
     for _ in range(rebalances):
         moved = diffuse(costs, placement, by=by).placement
@@ -570,6 +604,34 @@ def summary_table(summaries: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def measure_case(
+    case: Case,
+    sizes: Sizes,
+    modes: Sequence[str],
+    results: dict[str, Any],
+    variants: Sequence[tuple[str, str]],
+    stages: Sequence[int],
+    emulated_ms: float,
+    quick: bool,
+    rounds: int,
+) -> None:
+    """Run ``case`` in every mode of ``modes``, filling ``results`` as each mode finishes."""
+    balancers = list(dict.fromkeys(b for b, c in variants if c == "time"))
+    if "real" in modes:
+        results["real"] = real_case(case, sizes, variants)
+    if {"emulated", "projection"} & set(modes):
+        costs = (
+            results["real"]["costs"] if "real" in results else timed_costs(case, sizes, 3 if quick else 10)
+        )
+        if "emulated" in modes:
+            steps = 8 if quick else 20
+            results["emulated"] = [
+                emulated_case(costs, s, emulated_ms, steps, rounds, balancers) for s in stages
+            ]
+        if "projection" in modes:
+            results["projection"] = [project_case(costs, n, s) for n, s in PROJECTIONS]
+
+
 def output_path(out: Path | None, force: bool) -> Path:
     """``out`` or today's dated file; refuses to overwrite an existing file unless ``force``."""
     path = out or RESULTS / f"e2e-{dt.date.today().isoformat()}.md"
@@ -618,7 +680,6 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--variants {chosen}: include a time variant (its profiler measures the emulated costs)"
         )
-    balancers = list(dict.fromkeys(b for b, c in variants if c == "time"))
     emulated_ms = args.emulated_ms or (1.0 if args.quick else 6.0)
     path = output_path(args.out, args.force)
     torch.set_num_threads(1)
@@ -628,22 +689,22 @@ def main(argv: list[str] | None = None) -> None:
     summaries = []
     for name in cases:
         case, results = CASES[name], {}
-        if "real" in args.mode:
-            results["real"] = real_case(case, sizes, variants)
-        if {"emulated", "projection"} & set(args.mode):
-            costs = (
-                results["real"]["costs"]
-                if "real" in results
-                else timed_costs(case, sizes, 3 if args.quick else 10)
+        try:
+            measure_case(
+                case,
+                sizes,
+                args.mode,
+                results,
+                variants,
+                stages,
+                emulated_ms,
+                args.quick,
+                args.emulated_rounds,
             )
-            if "emulated" in args.mode:
-                steps = 8 if args.quick else 16
-                results["emulated"] = [
-                    emulated_case(costs, s, emulated_ms, steps, args.emulated_rounds, balancers)
-                    for s in stages
-                ]
-            if "projection" in args.mode:
-                results["projection"] = [project_case(costs, n, s) for n, s in PROJECTIONS]
+        except Exception as error:  # one case's failure is reported, the other cases still run
+            sections.append(f"### {name}\n\nFAILED: {type(error).__name__}: {error}")
+            print(f"[{name}] FAILED: {error!r}", file=sys.stderr, flush=True)
+            continue
         lines, summary = case_section(case, results)
         sections.append("\n".join(lines))
         summaries.append(summary)
@@ -658,9 +719,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Real-compute setup: GPT with {sizes.num_layers} blocks, d_model {sizes.d_model}, "
         f"{sizes.num_heads} heads, seq_len {sizes.seq_len}, batches of {sizes.batch_size} rows in "
         f"{sizes.microbatches} micro-batches, "
-        f"float32, 1 torch thread per rank, 2 gloo ranks, 1F1B; DynMo jobs {sizes.steps} steps after the "
-        f"dynamism settled, the first {sizes.settle} not measured; {sizes.rounds} interleaved round(s), "
-        "medians.",
+        f"float32, 1 torch thread per rank, 2 gloo ranks, 1F1B; every job (a fixed 2-stage split within "
+        f"{SPREAD} blocks of half, or a DynMo variant) runs {sizes.steps} steps after the case's dynamism "
+        f"settled, the first {sizes.settle} not measured; {sizes.rounds} round(s), job order reversed every "
+        "other round, medians. Learning rate 1e-8 (what a routing costs must not drift while measured).",
         "",
         "Which figures are what: **real compute** = the case's GPT blocks on 2 CPU ranks; **emulated** = "
         "blocks that sleep their measured cost, on more ranks than cores; **projected** = the pipeline "
