@@ -117,11 +117,11 @@ FULL = Sizes(
     num_layers=8,
     d_model=128,
     num_heads=4,
-    seq_len=128,
+    seq_len=64,
     batch_size=8,
     microbatches=4,
-    steps=20,
-    settle=10,
+    steps=16,
+    settle=8,
     rounds=2,
 )
 QUICK = Sizes(
@@ -304,7 +304,12 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
             print(
                 f"[{case.name}] real, round {r + 1}/{sizes.rounds}: {name} ...", file=sys.stderr, flush=True
             )
-            runs[name].append(launch(run_job, jobs[name], start_method=START))
+            run = launch(run_job, jobs[name], start_method=START)
+            runs[name].append(run)
+            print(
+                f"    {median_ms(run['step_s'][-measured:]):.1f} ms, ends at {run['placement']}",
+                file=sys.stderr,
+            )
     sweep_ms = {p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]) for p in candidates}
     ideal = min(sweep_ms, key=lambda p: sweep_ms[p])
     rows: dict[str, dict[str, Any]] = {
