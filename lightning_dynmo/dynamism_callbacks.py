@@ -1,7 +1,8 @@
 """Lightning glue for the dynamism controllers of :mod:`lightning_dynmo.dynamism` (torch-only themselves).
 
 Read :func:`pruning_scope` (how a Trainer's strategy becomes the layers and groups a controller works
-on), then :class:`PruningCallback`.
+on), then :class:`PruningCallback`; :func:`freezing_scope` and :class:`FreezingCallback` follow the same
+pattern.
 
 A controller needs, on every rank and at the right step: the blocks this rank holds, the group of ranks
 that together hold the whole model (the pipeline group: a global decision such as a pruning threshold is
@@ -21,10 +22,11 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_dynmo.dynamism.freezing import FreezingConfig, FreezingReport, FreezingScope, LayerFreezer
 from lightning_dynmo.dynamism.pruning import GlobalMagnitudePruner, PruningConfig, PruningReport, PruningScope
 from lightning_dynmo.events import EventBus
 
-__all__ = ["PruningCallback", "pruning_scope"]
+__all__ = ["FreezingCallback", "PruningCallback", "freezing_scope", "pruning_scope"]
 
 
 def pruning_scope(trainer: pl.Trainer, pl_module: pl.LightningModule) -> PruningScope | None:
@@ -107,11 +109,135 @@ class PruningCallback(Callback):
         self.pruner.load_state_dict(state_dict)
 
 
-def _blocks(pl_module: pl.LightningModule) -> Any:
+def freezing_scope(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, freeze_first_parts: bool = True
+) -> FreezingScope | None:
+    """This rank's blocks, first parts and groups now; ``None`` on a rank a re-pack released."""
+    from lightning_dynmo.strategy import DynMoStrategy
+
+    strategy = trainer.strategy
+    parts = getattr(pl_module, "pipeline_first_parts", ()) if freeze_first_parts else ()
+    if isinstance(strategy, DynMoStrategy):
+        if strategy.stage_index is None:
+            return None
+        tied = bool(strategy.tied_parameters)  # a tied embedding keeps training through the head
+        return FreezingScope(
+            layers=strategy.local_layers,
+            num_layers=strategy.placement.num_layers,
+            first_parts=[getattr(pl_module, n) for n in parts]
+            if strategy.is_first_stage and not tied
+            else [],
+            group=strategy.active_group,
+            replicas=strategy.data_parallel_size,
+            optimizers=trainer.optimizers,
+            rebuild=strategy.rebuild_pipeline,
+            device=strategy.root_device,
+        )
+    layers = {int(k): m for k, m in _blocks(pl_module, "FreezingCallback freezes").items()}
+    later = {id(p) for n, m in pl_module.named_children() if n not in parts for p in m.parameters()}
+    first = [getattr(pl_module, n) for n in parts]
+    replicated = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+    return FreezingScope(
+        layers=layers,
+        num_layers=len(layers),
+        first_parts=[m for m in first if not any(id(p) in later for p in m.parameters())],
+        group=dist.group.WORLD if replicated else None,
+        replicas=trainer.world_size if replicated else 1,
+        optimizers=trainer.optimizers,
+        device=strategy.root_device,
+    )
+
+
+class FreezingCallback(Callback):
+    """Layer freezing front to back in ``fit`` (:mod:`lightning_dynmo.dynamism.freezing`).
+
+    At ``setup`` every block (``pl_module.layers``) gets its frozen flag and gradient-norm buffers, on the
+    whole model before the strategy keeps each rank's part. After each backward
+    (``on_before_optimizer_step``: data-parallel gradients are averaged, not yet clipped) it adds the
+    blocks' gradient norms to their interval sums; at the first batch of every optimizer step it takes
+    the step's decision, which freezes a longer prefix, rebuilds the pipeline stages and publishes a
+    ``frozen`` event that :class:`~lightning_dynmo.DynMoCallback` answers by profiling and rebalancing.
+    At ``on_train_start`` (after a resume) the blocks' flags are applied to ``requires_grad`` again.
+
+    Args:
+        config: The freezing settings; ``None`` is ``FreezingConfig()`` (AutoFreeze every 50 steps).
+        event_bus: Where the ``frozen`` events go (default: the process-wide bus).
+    """
+
+    def __init__(self, config: FreezingConfig | None = None, *, event_bus: EventBus | None = None) -> None:
+        self.freezer = LayerFreezer(config, event_bus=event_bus)
+        self._last_step: int | None = None
+        self._unfreeze_from: int | None = None
+
+    @property
+    def history(self) -> list[FreezingReport]:
+        """Every change of the frozen prefix so far (restored from checkpoints)."""
+        return self.freezer.history
+
+    @property
+    def num_frozen(self) -> int:
+        """How many leading blocks are frozen."""
+        return self.freezer.num_frozen
+
+    def unfreeze_from(self, layer: int) -> None:
+        """Unfreeze blocks ``layer ..`` at the start of the next step (call it on every rank)."""
+        self._unfreeze_from = layer
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        layers = getattr(pl_module, "layers", None)
+        if stage == "fit" and layers is not None:
+            self.freezer.prepare({int(k): m for k, m in layers.items()})
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        scope = self._scope(trainer, pl_module)
+        if scope is not None and self.freezer.num_frozen > 0:  # resumed frozen: flags -> requires_grad
+            self.freezer.apply_flags(scope)
+            if scope.rebuild is not None:
+                scope.rebuild()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a later micro-batch of an accumulated step
+        self._last_step = step
+        scope = self._scope(trainer, pl_module)
+        if scope is None:
+            return
+        if self._unfreeze_from is not None:
+            layer, self._unfreeze_from = self._unfreeze_from, None
+            self.freezer.unfreeze_from(layer, scope, step=step)
+        self.freezer.step(step, scope)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        scope = self._scope(trainer, pl_module)
+        if scope is not None:
+            self.freezer.record_gradients(scope)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.freezer.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.freezer.load_state_dict(state_dict)
+
+    def _scope(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FreezingScope | None:
+        return freezing_scope(trainer, pl_module, self.freezer.config.freeze_first_parts)
+
+
+def _blocks(pl_module: pl.LightningModule, what: str = "PruningCallback prunes") -> Any:
     layers = getattr(pl_module, "layers", None)
     if layers is None:
         raise TypeError(
-            f"PruningCallback prunes the blocks of a model following DynMo's contract, but "
+            f"{what} the blocks of a model following DynMo's contract, but "
             f"{type(pl_module).__name__} has no `layers` (an nn.ModuleDict of blocks keyed by global index); "
             "add one (see lightning_dynmo.pipeline.contract)."
         )

@@ -493,7 +493,7 @@ class DynMoStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self._loss_scaling.agree_on_overflow()
-        self._rebuild_pipeline()
+        self.rebuild_pipeline()
         log.info(
             "rank %d: placement %s, schedule %s, stages %s, layers %s",
             self.global_rank,
@@ -586,7 +586,7 @@ class DynMoStrategy(ParallelStrategy):
         )
         report = self._migrate(planned, f"migration {old} -> {target}")
         self._placement = target
-        self._rebuild_pipeline()
+        self.rebuild_pipeline()
         log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
         return report
 
@@ -650,7 +650,7 @@ class DynMoStrategy(ParallelStrategy):
                 new_grid, self.global_rank, self._timeout
             )
             self._pair_tied_copies()
-            self._rebuild_pipeline()
+            self.rebuild_pipeline()
         else:
             self._ties.clear()
             self._release()
@@ -828,7 +828,8 @@ class DynMoStrategy(ParallelStrategy):
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
         load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
 
-    def _rebuild_pipeline(self) -> None:
+    def rebuild_pipeline(self) -> None:
+        """New stages and schedule on this rank (all active ranks together, at a step boundary)."""
         self._pipe = build_pipeline(
             self._module(),
             self._require_spec(),
@@ -912,12 +913,9 @@ class DynMoStrategy(ParallelStrategy):
         if self._batch_shape is not None and shape != self._batch_shape:
             # The schedule caches activation shapes from its first step; a new shape needs new stages.
             log.info(
-                "rank %d: batch shape changed %s -> %s, rebuilding stages",
-                self.global_rank,
-                self._batch_shape,
-                shape,
+                "rank %d: batch shape %s -> %s, rebuilding stages", self.global_rank, self._batch_shape, shape
             )
-            self._rebuild_pipeline()
+            self.rebuild_pipeline()
         self._batch_shape = shape
 
     @override

@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline.aux import AuxLossRecord, collect_aux_losses
 from lightning_dynmo.pipeline.contract import ModelSpec, check_loss
+from lightning_dynmo.pipeline.gradless import guard_gradless_inputs
 from lightning_dynmo.pipeline.layout import StageStyle, stages_of_pipeline_rank
 from lightning_dynmo.pipeline.stage import StageModule, guard_shape_inference
 
@@ -131,6 +132,7 @@ def build_pipeline(
     ]
     for stage, module in zip(stages, modules, strict=True):
         guard_shape_inference(stage, module)
+        guard_gradless_inputs(stage)  # behind a frozen prefix (see pipeline/gradless.py)
     loss_fn = checked_loss_fn(model)
     # torch divides each stage's gradients by the micro-batch count; a parameter two local stages share
     # (a tied embedding under a V schedule) would be divided twice. run_schedule_step divides once.

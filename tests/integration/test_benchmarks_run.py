@@ -125,3 +125,29 @@ def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
     for label in ("| static uniform |", "| static params |", "| DynMo partition/time |", "| ideal |"):
         assert text.count("\n" + label) == 2  # rows of the real and the emulated tables
     assert "| early_exit |" in text and "4.52x |" in text
+
+
+def test_freezing_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import freezing
+
+    out = tmp_path / "freezing.md"
+    freezing.main(["--quick", "--spread", "0", "--out", str(out)])
+    text = out.read_text()
+    for heading in (
+        "### 1. Per-layer",
+        "### 2. Stage-load imbalance",
+        "### 3. Static vs DynMo",
+        "### 4. Projection",
+    ):
+        assert heading in text
+    for label in (
+        "| static uniform |",
+        "| DynMo partition/time |",
+        "| fixed 0-0|1-3 |",
+        "| DynMo (re-partition per level) |",
+        "| best fixed for the run |",
+        "| first parts |",
+    ):
+        assert label in text
+    assert text.count("| 2 | uniform |") == 1 and "75% frozen" in text
+    assert "python -m benchmarks.freezing --quick --spread 0" in text
