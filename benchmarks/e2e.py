@@ -72,12 +72,13 @@ from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, diffu
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.dynamism.early_exit import early_exit_config
+from lightning_dynmo.dynamism.freezing import FreezingConfig
 from lightning_dynmo.dynamism.mod import mod_config
 from lightning_dynmo.dynamism.moe import moe_gpt_config
 from lightning_dynmo.dynamism.pruning import PruningConfig, pruning_gpt_config
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 from lightning_dynmo.dynamism.sparse_attention import sparse_attention_gpt_config
-from lightning_dynmo.dynamism_callbacks import PruningCallback
+from lightning_dynmo.dynamism_callbacks import FreezingCallback, PruningCallback
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -197,6 +198,14 @@ def _pruning_callbacks(sizes: Sizes) -> tuple[Callable[[], pl.Callback], ...]:
     return (functools.partial(PruningCallback, config),)
 
 
+FREEZE_AT = 2  # the freezing case freezes the first half of the blocks at this step (a schedule)
+
+
+def _freezing_callbacks(sizes: Sizes) -> tuple[Callable[[], pl.Callback], ...]:
+    config = FreezingConfig(criterion="schedule", schedule=((FREEZE_AT, sizes.num_layers // 2),))
+    return (functools.partial(FreezingCallback, config),)
+
+
 CASES: dict[str, Case] = {
     case.name: case
     for case in (
@@ -209,7 +218,14 @@ CASES: dict[str, Case] = {
             callbacks=_pruning_callbacks,
             lead_steps=lambda s: 2 + 2 * 3,
         ),
-        # freezing: Case("freezing", <its GPT config>, {}, paper=2.23, callbacks=<FreezingCallback factory>)
+        Case(
+            "freezing",
+            lambda s: GPTConfig(vocab_size=256, blocks="dense", **s.shape),
+            {},  # rebalances on the freezer's events
+            paper=2.23,
+            callbacks=_freezing_callbacks,
+            lead_steps=lambda s: FREEZE_AT + 2,
+        ),
         Case(
             "sparse_attention",
             lambda s: sparse_attention_gpt_config(
@@ -731,7 +747,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "Which figures are what: **real compute** = the case's GPT blocks on 2 CPU ranks; **emulated** = "
         "blocks that sleep their measured cost, on more ranks than cores; **projected** = the pipeline "
-        "simulator fed the measured per-layer costs. Freezing is not on main yet: not in this table.",
+        "simulator fed the measured per-layer costs.",
         "",
         *summary_table(summaries),
         "",

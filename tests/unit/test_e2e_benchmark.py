@@ -85,7 +85,7 @@ def test_bad_options_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_every_case_has_a_model_and_a_trigger() -> None:
-    assert set(e2e.CASES) == {"moe", "pruning", "sparse_attention", "early_exit", "mod"}
+    assert set(e2e.CASES) == {"moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"}
     for case in e2e.CASES.values():
         config = case.model(e2e.QUICK)
         assert config.num_layers == e2e.QUICK.num_layers
