@@ -157,6 +157,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
         report["decisions"] = len(dynmo.rebalances)
+        report["why"] = [f"step {r['step']}: {r['old']} -> {r['new']}: {r['why']}" for r in dynmo.rebalances]
         report["rebalances"] = [r["new"] for r in dynmo.rebalances if r["applied"]]
         report["overhead_s"] = dynmo.overhead_s
         costs = dynmo.last_costs or []
