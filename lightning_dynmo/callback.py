@@ -47,6 +47,12 @@ from lightning_dynmo.balancing.policy import (
     validate_policy,
 )
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
+from lightning_dynmo.pipeline.control_plane import (
+    PositionIndex,
+    busy_per_position,
+    exchange_events,
+    keep_recent,
+)
 from lightning_dynmo.pipeline.faults import RemoteFailure
 from lightning_dynmo.profiling import (
     LayerProfiler,
@@ -110,10 +116,13 @@ class DynMoCallback(Callback):
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
-    Resuming from a checkpoint restores the history and, when the run has the same pipeline (schedule,
-    ranks, stages), the saved placement. On another pipeline (other devices or schedule) the run keeps
-    its own initial placement and rebalances it after profiling its first steps, without re-packing then
-    (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at start-up.
+    The history (``events``, ``rebalances``) keeps the most recent
+    :data:`~lightning_dynmo.pipeline.control_plane.MAX_HISTORY` records each; ``dropped_history`` counts
+    the others. Resuming from a checkpoint restores the history and, when the run has the same pipeline
+    (schedule, ranks, stages), the saved placement. On another pipeline (other devices or schedule) the
+    run keeps its own initial placement and rebalances it after profiling its first steps, without
+    re-packing then (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at
+    start-up.
 
     Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
     the running means cover every step, and decision metrics appear at the next written step):
@@ -192,8 +201,9 @@ class DynMoCallback(Callback):
         self._clock = clock
         self._trigger = RebalanceTrigger(self.triggers, clock)
         # History (kept in checkpoints) and current state.
-        self.events: list[DynamismEvent] = []
+        self.events: list[DynamismEvent] = []  # the most recent (control_plane.MAX_HISTORY), as rebalances
         self.rebalances: list[dict[str, Any]] = []
+        self.dropped_history = {"events": 0, "rebalances": 0}  # records dropped by the cap
         self.placement: str | None = None
         self.overhead_s = 0.0
         self.last_costs: list[LayerCost] | None = None
@@ -212,6 +222,7 @@ class DynMoCallback(Callback):
         # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
         self._activations: dict[int, tuple[int, int, int]] = {}
         self._cost_to_share = 0.0
+        self._positions: PositionIndex | None = None
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
         self._step_start = 0.0
@@ -337,6 +348,7 @@ class DynMoCallback(Callback):
             "rebalances": [dict(r) for r in self.rebalances],
             "trigger": self._trigger.state_dict(),
             "overhead_s": self.overhead_s,
+            "dropped_history": dict(self.dropped_history),
         }
 
     @override
@@ -348,6 +360,9 @@ class DynMoCallback(Callback):
         self.rebalances = [dict(r) for r in state_dict["rebalances"]]
         self._trigger.load_state_dict(state_dict["trigger"])
         self.overhead_s = float(state_dict["overhead_s"])
+        self.dropped_history = dict(state_dict.get("dropped_history", {"events": 0, "rebalances": 0}))
+        self.dropped_history["events"] += keep_recent(self.events)
+        self.dropped_history["rebalances"] += keep_recent(self.rebalances)
 
     # -- profiling window -----------------------------------------------------------------------------
 
@@ -532,6 +547,7 @@ class DynMoCallback(Callback):
             "migration_s": migration_s,
         }
         self.rebalances.append(record)
+        self.dropped_history["rebalances"] += keep_recent(self.rebalances)
         self._log_decision(trainer, decision, record)
         if decision.apply and self._gain.rebalanced():
             self._gain_record = record
@@ -582,18 +598,21 @@ class DynMoCallback(Callback):
         step_max = float(rows[:, _STEP].max())
         self._follow_measured_gain(trainer, step_max, cost_changed=bool(rows[:, _EVENTS].any()))
         if (rows[:, _BUSY] >= 0).all():
-            stage_busy = _busy_per_pipeline_rank(rows[:, _BUSY].tolist(), strategy)
+            self._positions = self._positions or PositionIndex(strategy.pipeline_rank_of)
+            positions = self._positions.of(strategy.active_ranks)
+            stage_busy = busy_per_position(rows[:, _BUSY], positions, strategy.pipeline_size)
             if self.triggers.auto and self._profiler is None and self._pending is None:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, stage_busy, step_max)
 
     def _exchange_events(self, strategy: Any) -> None:
-        # Rare (only when some rank had an event): every rank then keeps every rank's events.
+        # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
         mine = [e.to_dict() for e in self._new_events]
         self._new_events.clear()
-        for source in strategy.active_ranks:
-            part = strategy.broadcast(mine if source == strategy.global_rank else None, src=source)
-            self.events.extend(DynamismEvent.from_dict(e) for e in part or [])
+        with strategy._guard("the dynamism event exchange"):
+            shared = exchange_events(mine, strategy.active_group, len(strategy.active_ranks))
+        self.events.extend(DynamismEvent.from_dict(e) for e in shared)
+        self.dropped_history["events"] += keep_recent(self.events)
 
     def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float, cost_changed: bool) -> None:
         measured = self._gain.observe(step_s, self._step_phase)
@@ -691,17 +710,6 @@ def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:
 def _loggers_write_now(trainer: pl.Trainer) -> bool:
     """Whether the Trainer's loggers write at this step (every ``log_every_n_steps``, Lightning decides)."""
     return bool(trainer.loggers) and bool(trainer._logger_connector.should_update_logs)
-
-
-def _busy_per_pipeline_rank(busy: list[float], strategy: Any) -> list[float]:
-    """Mean busy seconds of each pipeline position over the data-parallel replicas."""
-    size = strategy.pipeline_size
-    sums, counts = [0.0] * size, [0] * size
-    for rank, value in zip(strategy.active_ranks, busy, strict=True):
-        position = strategy.pipeline_rank_of(rank)
-        sums[position] += value
-        counts[position] += 1
-    return [s / c for s, c in zip(sums, counts, strict=True) if c]
 
 
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

@@ -591,37 +591,26 @@ class DynMoStrategy(ParallelStrategy):
         return report
 
     def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
-        from lightning_dynmo.pipeline.migration import MigrationReport, UnitMove, migrate_units
+        from lightning_dynmo.pipeline.migration import UnitMove, migrate_units
 
-        # Replicas move the same unit names, and one migrate_units call moves each unit at most once:
-        # one call per replica, each collective over all active ranks (moves stay inside a replica).
-        grid, context = self._require_grid(), self._comm_context()
-        reports = []
-        for replica in range(grid.data_parallel_size):
-            moves = [
-                UnitMove(m.unit, m.src, m.dst) for m in planned if grid.data_parallel_rank(m.src) == replica
-            ]
-            with communication_guard(what, context):
-                received, report = migrate_units(
-                    moves,
-                    self._local_units(),
-                    self.optimizers,
-                    device=self.root_device,
-                    group=self._active_group,
-                    lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
-                )
-            reports.append(report)
-            for move in moves:
-                if move.src == self.global_rank:
-                    detach_unit(self._module(), move.name)
-            for unit, module in received.items():
-                attach_unit(self._module(), unit, module)
-        return MigrationReport(
-            moves=tuple(move for r in reports for move in r.moves),
-            bytes_sent=sum(r.bytes_sent for r in reports),
-            bytes_received=sum(r.bytes_received for r in reports),
-            seconds=sum(r.seconds for r in reports),
-        )
+        # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
+        # one agreement over the active ranks, and all replicas' transfers at the same time.
+        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
+        with communication_guard(what, self._comm_context()):
+            received, report = migrate_units(
+                moves,
+                self._local_units(),
+                self.optimizers,
+                device=self.root_device,
+                group=self._active_group,
+                lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
+            )
+        for move in moves:
+            if move.src == self.global_rank:
+                detach_unit(self._module(), move.name)
+        for unit, module in received.items():
+            attach_unit(self._module(), unit, module)
+        return report
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 

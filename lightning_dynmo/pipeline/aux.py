@@ -48,7 +48,7 @@ from torch import Tensor
 __all__ = ["AuxLossRecord", "add_aux_loss", "aux_loss_scale", "collect_aux_losses", "reduce_step_losses"]
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: open records are removed from the stack by `is`, not value
 class AuxLossRecord:
     """The auxiliary loss values added while a :func:`collect_aux_losses` block was open.
 

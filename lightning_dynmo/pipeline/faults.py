@@ -70,6 +70,9 @@ _TORCH_STAGE_WRAPPER = "failed to run forward"
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # At most this many peers are listed in a message (the rest are counted).
 _MAX_PEERS_LISTED = 8
+# After a closed connection, how long to wait for the peers' records: gloo closes a pair as soon as one end
+# times out, so the peer that closed it may still be posting what it was waiting in.
+_CLOSED_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -285,8 +288,9 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
     reports: dict[int, FailureRecord] = {}
     if first is None:
         # A peer that timed out too posts about now (within one timeout of when *it* started waiting,
-        # which under load can be seconds after us); one that closed the connection has posted already.
-        grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else 0.0
+        # which under load can be seconds after us); one that closed the connection because it timed
+        # out first posts right after closing it (one that raised its own error has posted already).
+        grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
         reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)
         first = board.first_failure(excluding=context.rank)
     return describe_failure(what, context, err, first=first, reports=reports)

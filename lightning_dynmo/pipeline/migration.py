@@ -25,13 +25,18 @@ their previous relative order), then unit parameters sorted by the natural order
 Known units are those in ``local_units`` plus those received.
 
 Communication. ``migrate_units`` is collective over ``group``: every rank of the group calls it with the
-identical move list. A first tiny all-gather checks that the lists agree and that every sender could
+identical move list. A first tiny all-reduce checks that the lists agree and that every sender could
 pack its units, so bad input fails on all ranks at once instead of leaving a peer waiting for data that
 never comes. Then three rounds of one ``dist.batch_isend_irecv`` each: structure sizes, structures,
 payloads. Within a round every rank posts all its sends and receives at once, in move order, so a rank
 that both sends and receives cannot deadlock and moves between non-neighbouring ranks need nothing
-special. A last tiny all-gather tells every rank whether every receiver could take its units in. An empty
-move list returns at once without any communication.
+special. A last tiny all-reduce tells every rank whether every receiver could take its units in. An empty
+move list returns at once without any communication. The agreements carry a few numbers whatever the
+group's size; only when one fails are the ranks' flags gathered, to name the ranks in the error.
+
+One plan for all data-parallel replicas. A unit name may appear in several moves when they leave from
+different ranks and arrive at different ranks (each replica moves its own copy of ``layers.3``), so the
+moves of every replica go in one call and their transfers run at the same time.
 """
 
 from __future__ import annotations
@@ -140,7 +145,8 @@ def migrate_units(
     it matches, see :mod:`lightning_dynmo.pipeline.param_groups`) together with their full optimizer state.
 
     Args:
-        moves: the moves, identical on every rank of ``group``. Ranks are GLOBAL ranks.
+        moves: the moves, identical on every rank of ``group``. Ranks are GLOBAL ranks. A rank sends a
+            unit name at most once and receives it at most once (replicas' copies may move together).
         local_units: the units this rank owns now (at least those it sends). Passing all of them gives a
             fully sorted param_group order (see the module docstring).
         optimizers: this rank's optimizers (the same number on every rank; param_groups may differ, e.g.
@@ -155,8 +161,9 @@ def migrate_units(
         ``(received, report)``: the modules this rank received keyed by unit name, and a report.
 
     Raises:
-        ValueError: malformed moves (duplicate unit, ``src == dst``, rank outside ``group``), a unit this
-            rank must send but does not own, or move lists that differ between ranks.
+        ValueError: malformed moves (a unit sent or received twice by one rank, ``src == dst``, a rank
+            outside ``group``), a unit this rank must send but does not own, or move lists that differ
+            between ranks.
         TypeError: a unit holds something that cannot travel (an unpicklable attribute, a tensor attached
             to an autograd graph, a tensor subclass); the message names the unit and attribute.
         RuntimeError: another rank rejected the migration, or could not take in what it received (its own
@@ -565,7 +572,7 @@ def _rebuild_tensors(
 
 def _check_moves(moves: tuple[Any, ...]) -> None:
     """Checks every rank can do on its own and reaches the same verdict on."""
-    seen: set[str] = set()
+    seen: set[tuple[str, str, int]] = set()
     for i, move in enumerate(moves):
         if not isinstance(move, UnitMove):
             raise TypeError(f"moves[{i}] must be a UnitMove, got {type(move).__name__}: {move!r}.")
@@ -574,12 +581,14 @@ def _check_moves(moves: tuple[Any, ...]) -> None:
                 f"moves[{i}] = {move!r} has src == dst ({move.src}): a unit that stays needs no move. "
                 "Leave it out of the move list."
             )
-        if move.name in seen:
+        ends = {(move.name, "src", move.src), (move.name, "dst", move.dst)}
+        if ends & seen:
             raise ValueError(
-                f"moves[{i}] = {move!r}: unit {move.name!r} appears more than once in moves. Each unit may "
-                "move at most once per call; merge its moves into one (src = current owner, dst = final one)."
+                f"moves[{i}] = {move!r}: unit {move.name!r} appears more than once in moves from or to the "
+                "same rank. Each copy of a unit may move at most once per call; merge its moves into one "
+                "(src = current owner, dst = final one)."
             )
-        seen.add(move.name)
+        seen |= ends
 
 
 def _check_moves_for_rank(
@@ -629,10 +638,20 @@ def _agree(
     members: list[int],
     after_transfer: bool = False,
 ) -> None:
-    """All ranks learn whether every rank accepted the same moves; raise everywhere if not."""
-    mine = torch.tensor([0 if local_error is None else 1, _digest(moves)], dtype=torch.int64, device=device)
+    """All ranks learn whether every rank accepted the same moves; raise everywhere if not.
+
+    One all-reduce (max) of ``[failed, digest, -digest]``: a few bytes whatever the group's size. Only when
+    it reports a failure or differing lists are the flags and digests gathered, to name the ranks.
+    """
+    failed_here, digest = 0 if local_error is None else 1, _digest(moves)
+    verdict = torch.tensor([failed_here, digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    any_failed, max_digest, min_digest = int(verdict[0]), int(verdict[1]), -int(verdict[2])
+    if not any_failed and max_digest == min_digest:
+        return
+    mine = torch.tensor([failed_here, digest], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in members]
-    dist.all_gather(gathered, mine, group=group)
+    dist.all_gather(gathered, mine, group=group)  # the error path only: name the ranks
     if local_error is not None:
         raise local_error
     failed = [members[i] for i, t in enumerate(gathered) if int(t[0]) != 0]

@@ -313,3 +313,62 @@ def test_subgroup_moves_use_global_ranks(tmp_path):
     torch.manual_seed(0)
     assert results[0] == "raised" and results[1] == {}
     assert torch.equal(results[2]["layers.0"], nn.Linear(2, 2).weight.detach())
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4 ranks, two data-parallel replicas of a 2-stage pipeline: both replicas' copies move in one call
+# ----------------------------------------------------------------------------------------------------
+
+
+def _replicas_in_one_plan(rank: int, world_size: int) -> dict[str, Any]:
+    """Replica 0 is ranks (0, 1), replica 1 ranks (2, 3); each moves its own ``layers.1`` 0->1 / 2->3."""
+    torch.set_default_dtype(torch.float64)
+    position = rank % 2
+    stages = [["embed", *_layers(0, 1)], [*_layers(2, 3), "head"]]
+    owners = tm.owners_from_stages(stages)
+    units = {n: m for n, m in tm.build_model(4).units().items() if owners[n] == position}
+    optimizer = tm.make_optimizer(units)
+    for p in optimizer.param_groups[0]["params"]:  # distinct state per replica: a mix-up would show
+        p.grad = torch.full_like(p, 1.0 + rank // 2)
+    optimizer.step()
+    before = tm.snapshot(units, [optimizer])
+    moves = [UnitMove("layers.1", 0, 1), UnitMove("layers.1", 2, 3)]
+    counted: list[str] = []
+    real = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counting(name: str) -> Any:
+        return lambda *args, **kwargs: (counted.append(name), real[name](*args, **kwargs))[1]
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        received, _ = migrate_units(moves, units, [optimizer], device=CPU)
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    units = {n: m for n, m in {**units, **received}.items() if n != "layers.1" or position == 1}
+    return {"before": before, "after": tm.snapshot(units, [optimizer]), "collectives": counted}
+
+
+def test_data_parallel_replicas_move_their_copies_in_one_call(tmp_path):
+    results = run_distributed(_replicas_in_one_plan, 4, tmp_path)
+    for replica in (0, 1):
+        ranks = (2 * replica, 2 * replica + 1)
+        before = _merge([results[r]["before"] for r in ranks])
+        after = _merge([results[r]["after"] for r in ranks])
+        tm.assert_same(before, after)  # each replica's own copy arrived, bitwise, with its own state
+    # Negative control: the replicas' states differ, so a copy that crossed replicas would have shown.
+    assert _max_param_diff(results[0]["before"], results[2]["before"]) > 0
+    # Two agreements (before and after the transfer), one small all-reduce each, whatever the group size.
+    assert all(r["collectives"] == ["all_reduce", "all_reduce"] for r in results)
+
+
+def _same_unit_twice_to_one_rank(rank: int, world_size: int) -> str:
+    units: dict[str, nn.Module] = {"layers.0": nn.Linear(2, 2)} if rank in (0, 1) else {}
+    with pytest.raises(ValueError, match=r"unit 'layers.0' appears more than once in moves from or to"):
+        migrate_units([UnitMove("layers.0", 0, 2), UnitMove("layers.0", 1, 2)], units, [], device=CPU)
+    return "raised"
+
+
+def test_two_copies_of_a_unit_to_one_rank_are_refused(tmp_path):
+    assert run_distributed(_same_unit_twice_to_one_rank, 3, tmp_path) == ["raised"] * 3

@@ -1,0 +1,106 @@
+"""The callback's exchanges between ranks, each one collective whatever the number of ranks (issue #13).
+
+Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had an
+event), :class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline
+position with tensor ops, no Python loop over ranks), then :func:`keep_recent` (the event and rebalance
+histories a checkpoint keeps, capped).
+
+At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
+720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
+few bytes per rank at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MAX_HISTORY", "PositionIndex", "busy_per_position", "exchange_events", "keep_recent"]
+
+#: The event and rebalance histories keep at most this many records each (the most recent).
+MAX_HISTORY = 1024
+
+
+def exchange_events(
+    mine: Sequence[Mapping[str, Any]], group: dist.ProcessGroup | None, num_ranks: int
+) -> list[dict[str, Any]]:
+    """Every rank's events, in group rank order, each distinct event once; collective over ``group``.
+
+    One ``all_gather_object`` (a size all-gather and a payload all-gather) replaces one broadcast per
+    rank. Data-parallel replicas report the same event (the same layers pruned at the same step) from
+    every replica: an event equal to one already listed is dropped, so the history grows with what
+    happened, not with the number of replicas.
+
+    Args:
+        mine: This rank's new events, as :meth:`~lightning_dynmo.events.DynamismEvent.to_dict` dicts.
+        group: The active ranks' group (``None``: the default group).
+        num_ranks: The size of ``group``.
+    """
+    parts: list[Any] = [list(mine)]
+    if num_ranks > 1 and dist.is_available() and dist.is_initialized():
+        parts = [None] * num_ranks
+        dist.all_gather_object(parts, [dict(e) for e in mine], group=group)
+    seen: set[str] = set()
+    events = []
+    for event in (e for part in parts for e in part or []):
+        key = repr(sorted(event.items()))
+        if key not in seen:
+            seen.add(key)
+            events.append(dict(event))
+    return events
+
+
+class PositionIndex:
+    """The pipeline position of every active rank as a tensor, rebuilt only when the active ranks change.
+
+    Args:
+        pipeline_rank_of: Global rank -> pipeline position (``strategy.pipeline_rank_of``).
+    """
+
+    def __init__(self, pipeline_rank_of: Callable[[int], int]) -> None:
+        self._pipeline_rank_of = pipeline_rank_of
+        self._ranks: tuple[int, ...] | None = None
+        self._positions = torch.zeros(0, dtype=torch.long)
+
+    def of(self, active_ranks: Sequence[int]) -> torch.Tensor:
+        """``positions[i]``: the pipeline position of ``active_ranks[i]``."""
+        ranks = tuple(active_ranks)
+        if ranks != self._ranks:
+            self._positions = torch.tensor([self._pipeline_rank_of(r) for r in ranks], dtype=torch.long)
+            self._ranks = ranks
+        return self._positions
+
+
+def busy_per_position(busy: torch.Tensor, positions: torch.Tensor, pipeline_size: int) -> list[float]:
+    """Mean busy seconds of each pipeline position over the data-parallel replicas.
+
+    Args:
+        busy: One value per active rank (a column of the per-step rows).
+        positions: The pipeline position of each active rank (:meth:`PositionIndex.of`).
+        pipeline_size: Pipeline positions; a position no active rank holds is left out.
+    """
+    if busy.shape != positions.shape:
+        raise ValueError(
+            f"busy has shape {tuple(busy.shape)} but positions has {tuple(positions.shape)}; give one busy "
+            "time per active rank, in the order of the positions."
+        )
+    values = busy.to(torch.float64)
+    sums = torch.zeros(pipeline_size, dtype=torch.float64).index_add_(0, positions, values)
+    counts = torch.bincount(positions, minlength=pipeline_size)
+    held = counts > 0
+    means: list[float] = (sums[held] / counts[held]).tolist()
+    return means
+
+
+def keep_recent(records: list[Any], limit: int = MAX_HISTORY) -> int:
+    """Drop the oldest entries of ``records`` in place so at most ``limit`` remain; return how many went."""
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit={limit!r} must be an integer >= 1 (the records kept).")
+    extra = len(records) - limit
+    if extra <= 0:
+        return 0
+    del records[:extra]
+    return extra

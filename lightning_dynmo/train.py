@@ -1,0 +1,141 @@
+"""``python -m lightning_dynmo.train``: compose ``conf/``, start the ranks, fit, end with a summary.
+
+Read in this order: :func:`main` (the Hydra entry point), :func:`run` (start the ranks, or train when
+this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``).
+
+The configuration is ``conf/train.yaml`` and its groups (``model``, ``dynamism``, ``balancer``,
+``strategy``, ``callbacks``, ``trainer``, ``data``, ``logger``, ``experiment``); each node names a
+public constructor by ``_target_`` and is validated against a schema generated from that constructor
+(:mod:`lightning_dynmo.app.schema`). Examples::
+
+    python -m lightning_dynmo.train                                      # the quick start
+    python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
+    python -m lightning_dynmo.train -m dynamism=early_exit,pruning balancer=partition_time,diffusion_time
+    torchrun --standalone --nproc-per-node 2 -m lightning_dynmo.train   # ranks started by torchrun
+
+Every run writes to its own directory (``outputs/<date>/<time>``, multirun jobs under
+``multirun/<date>/<time>/<job>``; both ignored by git): Hydra's ``.hydra/`` (the composed config),
+``train_rank<r>.log``, ``csv/`` and ``tensorboard/`` logs, ``checkpoints/`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_dynmo.app import quiet
+from lightning_dynmo.app.launch import (
+    CHILD_ENV,
+    check_multi_node,
+    external_launcher,
+    local_processes,
+    rank_of_this_process,
+    run_id,
+    start_local_ranks,
+)
+from lightning_dynmo.app.schema import register_schemas
+
+__all__ = ["CONF_DIR", "fit", "main", "run"]
+
+log = logging.getLogger(__name__)
+
+#: The Hydra configuration of the application (``conf/`` at the repository root).
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+register_schemas()
+if not OmegaConf.has_resolver("dynmo_run_id"):
+    OmegaConf.register_new_resolver("dynmo_run_id", run_id)
+    OmegaConf.register_new_resolver("dynmo_rank", lambda: str(rank_of_this_process()))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    """The Hydra entry point (one call per job of a multirun)."""
+    return run(cfg)
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Train the job ``cfg`` describes; returns the run summary on the process that reports it.
+
+    In the process Hydra started, with several ranks to run on this node and no launcher around
+    (torchrun, ``srun``), start the ranks (:func:`~lightning_dynmo.app.launch.start_local_ranks`), then
+    print the summary rank 0 wrote. Otherwise this process is a rank (or the only one): train.
+    """
+    quiet.configure(rank_of_this_process())
+    check_multi_node(cfg.trainer.get("num_nodes", 1))
+    nproc = local_processes(cfg.trainer)
+    if nproc > 1 and external_launcher() is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        run_dir = str(cfg.run_dir)
+        start_local_ranks(nproc, list(HydraConfig.get().overrides.task), run_dir=run_dir)
+        summary_path = Path(run_dir) / "summary.json"
+        if not summary_path.exists():
+            return None
+        from lightning_dynmo.app.report import format_summary
+
+        summary: dict[str, Any] = json.loads(summary_path.read_text())
+        print(format_summary(summary), flush=True)
+        return summary
+    return fit(cfg)
+
+
+def fit(cfg: DictConfig) -> dict[str, Any] | None:
+    """Instantiate the config's nodes, fit, and return rank 0's summary (``None`` on other ranks)."""
+    import lightning.pytorch as pl
+    import torch
+    from hydra.utils import instantiate
+
+    import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
+    from lightning_dynmo.app.report import RunReport
+
+    if cfg.trainer.get("accelerator") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data, _convert_="all")
+    model = instantiate(cfg.model, _convert_="all")
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    callbacks = [instantiate(node, _convert_="all") for node in _nodes(cfg.callbacks)]
+    for callback in callbacks:
+        if isinstance(callback, RunReport):
+            callback.run_info.update(_choices(cfg))
+            # The process that launched this rank prints the table once every rank has finished.
+            callback.print_summary = callback.print_summary and os.environ.get(CHILD_ENV) != "1"
+    loggers = [instantiate(node, _convert_="all") for node in _nodes(cfg.logger)]
+    trainer = instantiate(
+        cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False, _convert_="all"
+    )
+    trainer.fit(model, datamodule=datamodule)
+    report = next((c for c in callbacks if isinstance(c, RunReport)), None)
+    return report.summary if report is not None else None
+
+
+def _nodes(group: Any) -> list[Any]:
+    """The non-null nodes of a named group (``callbacks``, ``logger``), in config order."""
+    if group is None:
+        return []
+    return [node for node in group.values() if node is not None]
+
+
+def _choices(cfg: DictConfig) -> dict[str, Any]:
+    """The group options this run was composed from (for the summary)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choices: dict[str, Any] = {}
+    if HydraConfig.initialized():
+        picked = HydraConfig.get().runtime.choices
+        choices = {g: picked.get(g) for g in ("dynamism", "balancer", "model", "trainer", "experiment")}
+    choices["schedule"] = cfg.strategy.get("schedule")
+    choices["run_dir"] = str(cfg.run_dir)
+    return {k: v for k, v in choices.items() if v is not None}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""``python -m lightning_dynmo.train`` end to end: a multirun sweep and a torchrun launch, tiny sizes.
+
+Each test runs the application as a user does, in a fresh interpreter with ``tmp_path`` as the working
+directory, and reads what the runs wrote. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds, and a small corpus; every other size comes from ``experiment=tiny``.
+TINY = ["experiment=tiny", "trainer.max_steps=3", "data.corpus.max_bytes=32768"]
+#: Lines a user must not see (warnings they cannot act on, Lightning's advertising).
+NOISE = ("Tip:", "val_dataloader", "LeafSpec", "Warning", "GPU available")
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 400) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    return out
+
+
+def test_a_sweep_of_two_cases_and_two_balancers_writes_one_result_per_job(tmp_path: Path) -> None:
+    out = _run(
+        [
+            "-m",
+            "lightning_dynmo.train",
+            "-m",
+            "dynamism=early_exit,pruning",
+            "balancer=partition_time,diffusion_time",
+            *TINY,
+        ],
+        cwd=tmp_path,
+    )
+    summaries = sorted(tmp_path.glob("multirun/*/*/*/summary.json"))
+    assert len(summaries) == 4, out[-4000:]
+    jobs = set()
+    for path in summaries:
+        summary = json.loads(path.read_text())
+        jobs.add((summary["dynamism"], summary["balancer"]))
+        assert summary["steps"] == 3
+        assert summary["final_placement"] and summary["tokens_per_s"] > 0
+        assert Path(summary["summary"]) == path
+        # every job ran its own two ranks: each wrote its log into the job's directory
+        assert {p.name for p in path.parent.glob("train_rank*.log")} == {"train_rank0.log", "train_rank1.log"}
+        assert (path.parent / "csv" / "metrics.csv").exists()
+    assert jobs == {(d, b) for d in ("early_exit", "pruning") for b in ("partition_time", "diffusion_time")}
+    # one table per job, printed once (by the launching process), and nothing a user cannot act on
+    assert out.count("DynMo run summary") == 4
+    assert out.count("rank 0: placement 0-1|2-3") == 4
+    for noise in NOISE:
+        assert noise not in out, noise
+
+
+def test_torchrun_starts_the_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "lightning_dynmo.train",
+            *TINY,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["dynamism"] == "early_exit"
+    assert out.count("DynMo run summary") == 1  # rank 0 prints it
+    assert {p.name for p in run_dir.glob("train_rank*.log")} == {"train_rank0.log", "train_rank1.log"}
+
+
+def test_run_outputs_are_ignored_by_git() -> None:
+    ignored = subprocess.run(
+        ["git", "check-ignore", "outputs/2026-01-01/00-00-00/summary.json", "multirun/x/0_a/summary.json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if ignored.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert ignored.stdout.split() == [
+        "outputs/2026-01-01/00-00-00/summary.json",
+        "multirun/x/0_a/summary.json",
+    ]
+
+
+def test_a_rank_that_fails_fails_the_run_naming_it(tmp_path: Path) -> None:
+    # composes (a string is a valid balancer name for the schema), fails in the ranks' constructor
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_dynmo.train", *TINY, "callbacks.dynmo.balancer=best"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "balancer" in out and "best" in out  # the rank's own error
+    assert re.search(r"LaunchFailed: .*rank \d \(exit code 1\).* of the 2 ranks failed", out), out[-3000:]

@@ -1,0 +1,61 @@
+"""The control plane's exchanges on real gloo ranks: one collective each, results as the loops gave."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from lightning_dynmo.pipeline.control_plane import exchange_events
+from lightning_dynmo.pipeline.groups import check_same_on_all_ranks
+from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _exchanges(rank: int, world_size: int) -> dict[str, Any]:
+    calls: list[str] = []
+    names = ("all_gather_object", "all_reduce", "broadcast_object_list")
+    real = {name: getattr(dist, name) for name in names}
+
+    def counting(name: str) -> Any:
+        return lambda *args, **kwargs: (calls.append(name), real[name](*args, **kwargs))[1]
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        shared = {"kind": "pruned", "layers": [0], "step": 1, "detail": ""}  # every rank saw this one
+        own = {"kind": "custom", "layers": [rank], "step": 1, "detail": f"rank {rank}"}
+        events = exchange_events([shared, own] if rank != 1 else [], None, world_size)
+        event_calls, calls[:] = list(calls), []
+        check_same_on_all_ranks("0-1|2-3", list(range(world_size)), None, "same")
+        same_calls, calls[:] = list(calls), []
+        error = ""
+        try:
+            check_same_on_all_ranks("0-1|2-3" if rank else "0-2|3-3", list(range(world_size)), None, "placed")
+        except ValueError as err:
+            error = str(err)
+        return {"events": events, "event_calls": event_calls, "same_calls": same_calls, "error": error}
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def test_events_and_agreements_take_one_collective_each(tmp_path: Any) -> None:
+    results = run_distributed(_exchanges, 3, tmp_path)
+    shared = {"kind": "pruned", "layers": [0], "step": 1, "detail": ""}
+    expected = [
+        shared,
+        {"kind": "custom", "layers": [0], "step": 1, "detail": "rank 0"},
+        {"kind": "custom", "layers": [2], "step": 1, "detail": "rank 2"},
+    ]
+    for res in results:
+        assert res["events"] == expected, "every rank keeps every distinct event, in rank order"
+        assert res["event_calls"] == ["all_gather_object"]
+        assert res["same_calls"] == ["all_reduce"], "equal values: one digest all-reduce, nothing gathered"
+        # Negative control: differing values are caught, and every rank names each rank's value.
+        assert (
+            "placed on different ranks (rank 0: '0-2|3-3', rank 1: '0-1|2-3', rank 2: '0-1|2-3')"
+            in (res["error"])
+        )
