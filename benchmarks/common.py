@@ -31,6 +31,22 @@ def write_report(report: str, name: str, out: Path | None = None) -> Path:
     return path
 
 
+def results_path(name: str, out: Path | None, force: bool) -> Path:
+    """Where a report goes: ``out``, else ``benchmarks/results/<name>-<date>.md`` if that is new or ``force``.
+
+    Raises:
+        FileExistsError: if the dated file exists (e.g. committed figures) and neither ``out`` nor ``force``.
+    """
+    if out is not None:
+        return out
+    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.md"
+    if path.exists() and not force:
+        raise FileExistsError(
+            f"{path} exists; pass --out PATH to write elsewhere or --force to overwrite it."
+        )
+    return path
+
+
 def launch(
     fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2, start_method: str = "spawn"
 ) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class _Harness:
             stage_indices=(self.position,),
             placement=self.placement,
         )
-        strategy._guard = lambda what: communication_guard(what, self.comm_context())
+        strategy.guard = lambda what: communication_guard(what, self.comm_context())
         strategy.broadcast = self.broadcast
         self.strategy = strategy
         self.trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=rank, loggers=[])

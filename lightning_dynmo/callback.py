@@ -33,7 +33,9 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
+from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
 from lightning_dynmo.balancing.metrics import imbalance
+from lightning_dynmo.balancing.microbatches import RetuneOptions
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
     BalanceConfig,
@@ -54,14 +56,17 @@ from lightning_dynmo.pipeline.control_plane import (
     keep_recent,
 )
 from lightning_dynmo.pipeline.faults import RemoteFailure
+from lightning_dynmo.pipeline.microbatches import retune_candidates
+from lightning_dynmo.pipeline.stage import part_modules
 from lightning_dynmo.profiling import (
     LayerProfiler,
     StageBusyTimer,
-    gather_layer_costs,
     inflight_microbatches,
     measure_boundary_comm_s,
 )
 from lightning_dynmo.profiling.clock import StepClock
+from lightning_dynmo.profiling.gather import gather_costs
+from lightning_dynmo.profiling.speed import time_reference_workload
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,8 @@ _EVENTS, _BUSY, _STEP, _COST = range(4)
 
 #: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
 ACTIVATION_REFRESH_STEPS = 100
+#: Workers whose reference workload runs within this fraction of the fastest count as equally fast.
+SPEED_TOLERANCE = 0.05
 
 
 class DynMoCallback(Callback):
@@ -111,8 +118,20 @@ class DynMoCallback(Callback):
             times across profiling windows, in ``[0, 1)``. ``None``: 0.8 with ``every_step`` (one step's
             routing is a noisy sample: act on what persists), 0 otherwise (after an event or a period
             the fresh measurement is the truth). Windows opened by a dynamism event always start fresh.
-        measure_comm: Time each stage boundary's activation transfer once per window and feed it to
-            the balancer (single-stage schedules only).
+        measure_comm: Time each stage boundary's activation transfer, link by link, in every window
+            (every-step windows reuse the last measurement) and feed it to the balancer: the sending
+            stage pays it (single-stage schedules only).
+        measure_speed: Time one fixed reference workload on every rank in each window and balance for
+            the measured worker speeds: a layer moved to a slower worker costs more there (see
+            :mod:`lightning_dynmo.profiling.speed` for why a reference workload). Workers within
+            ``SPEED_TOLERANCE`` of the fastest count as equal.
+        speed_probe: The reference workload ``(device, dtype) -> seconds`` for ``measure_speed``; ``None``:
+            :func:`~lightning_dynmo.profiling.speed.time_reference_workload` (an MLP forward and
+            backward). Every rank must run the same work.
+        retune_microbatches: With ``repack`` and ``cost="time"``: when a re-pack is applied, re-tune the
+            micro-batch count for the smaller pipeline (a divisor of the batch the schedule accepts,
+            chosen by the simulator with the measured fixed cost per op and the memory caps; see
+            :mod:`lightning_dynmo.balancing.microbatches`). Training stays exactly the same.
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -160,6 +179,9 @@ class DynMoCallback(Callback):
         rebalance_cost_prior_s: float = 1.0,
         cost_smoothing: float | None = None,
         measure_comm: bool = True,
+        measure_speed: bool = False,
+        speed_probe: Callable[[torch.device, torch.dtype], float] | None = None,
+        retune_microbatches: bool = False,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -197,6 +219,9 @@ class DynMoCallback(Callback):
         self.profile_warmup_steps = profile_warmup_steps
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
+        self.measure_speed = measure_speed
+        self.retune_microbatches = retune_microbatches
+        self._speed_probe = speed_probe or time_reference_workload
         self._bus = event_bus or default_bus()
         self._clock = clock
         self._trigger = RebalanceTrigger(self.triggers, clock)
@@ -206,7 +231,8 @@ class DynMoCallback(Callback):
         self.dropped_history = {"events": 0, "rebalances": 0}  # records dropped by the cap
         self.placement: str | None = None
         self.overhead_s = 0.0
-        self.last_costs: list[LayerCost] | None = None
+        self.last_costs: list[LayerCost] | None = None  # on the reference worker (see measure_speed)
+        self.last_hardware: Hardware | None = None  # the parts, speeds and links of the last decision
         self._layout: dict[str, Any] | None = None  # the pipeline ``placement`` is for
         self._restored_placement: str | None = None
         self._restored_layout: dict[str, Any] | None = None
@@ -218,9 +244,10 @@ class DynMoCallback(Callback):
         self._window_reason = ""
         self._pending: RebalanceDecision | None = None
         self._pending_costs: dict[str, float] = {}
-        self._comm_s_per_byte: float | None = None
-        # Per local layer: (saved-activation bytes, output bytes, step metered); see _known_activations.
-        self._activations: dict[int, tuple[int, int, int]] = {}
+        self._link_s_per_byte: list[float] | None = None
+        # Per local layer or part: (saved-activation bytes, output bytes, step metered); see
+        # _known_activations.
+        self._activations: dict[int | str, tuple[int, int, int]] = {}
         self._cost_to_share = 0.0
         self._positions: PositionIndex | None = None
         self._last_checked_step = -1
@@ -231,6 +258,8 @@ class DynMoCallback(Callback):
         )
         self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
         self._step_phase: StepPhase = "quiet"
+        self._window_busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
+        self._window_batch: Any = None  # the batch of the step that closes a window, while it closes
         self._window_steps = 0
         self._queued_metrics: dict[str, float] = {}
         self._averages = {
@@ -324,8 +353,12 @@ class DynMoCallback(Callback):
         step_s = self._clock() - self._step_start
         assert self._busy is not None
         busy_s = self._busy.end_step()
+        if self._step_phase == "profiled" and busy_s is not None:
+            self._window_busy_s.append(busy_s)
         if self._profiler is not None and self._profiler.end_step():
+            self._window_batch = batch  # its size bounds the micro-batch counts a re-tune may pick
             self._close_window(trainer)
+            self._window_batch = None
         self._share_step(trainer, pl_module, busy_s, step_s)
 
     @override
@@ -378,15 +411,17 @@ class DynMoCallback(Callback):
             stages=strategy.pipeline_stages,
             microbatches_per_step=strategy.num_microbatches,
             known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
+            parts=part_modules([stage.submod for stage in strategy.pipeline_stages]),
         )
         self._profiler.start()
         self._window_steps = 0
+        self._window_busy_s = []
         self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
     def _known_activations(
         self, layers: Mapping[int, Any], step: int, reason: str
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int | str, tuple[int, int]]:
         """Activation sizes an every-step window can reuse instead of metering them again.
 
         Saved-activation sizes follow shapes, not routing, so back-to-back every-step windows reuse what
@@ -400,7 +435,7 @@ class DynMoCallback(Callback):
         return {
             i: (saved, output)
             for i, (saved, output, metered_at) in self._activations.items()
-            if i in layers and step - metered_at < ACTIVATION_REFRESH_STEPS
+            if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
         }
 
     def _close_window(self, trainer: pl.Trainer) -> None:
@@ -414,17 +449,10 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         start = self._clock()
         placement = strategy.placement
-        inflight = inflight_microbatches(
-            strategy.schedule_name, 0, strategy.num_stages, strategy.num_microbatches
-        )
-        costs = gather_layer_costs(
-            result.layer_costs(inflight), placement.num_layers, strategy.pipeline_group, strategy.root_device
-        )
-        previous = None if self._window_reason == "event" else self.last_costs
-        costs = smooth_costs(previous, costs, self.cost_smoothing)
-        comm = self._comm_per_layer(strategy, costs, placement) if self.measure_comm else None
-        self.last_costs = costs
-        decision = self._decide_once(strategy, costs, placement, comm, trainer.global_step)
+        costs, hardware = self._measure(trainer, result)
+        self.last_costs, self.last_hardware = costs, hardware
+        retune = self._retune_options(trainer, result) if self._retunes else None
+        decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step, retune)
         self._pending = decision
         self._pending_costs = {
             "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
@@ -433,13 +461,97 @@ class DynMoCallback(Callback):
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
         self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
 
+    def _measure(self, trainer: pl.Trainer, result: Any) -> tuple[list[LayerCost], Hardware]:
+        """Every layer's and part's cost on the reference worker, the worker speeds and the links.
+
+        Collectives over the pipeline group (costs, links) and the active ranks (speeds): every rank.
+        """
+        strategy = trainer.strategy
+        placement, schedule = strategy.placement, strategy.schedule_name
+        stages, microbatches = strategy.num_stages, strategy.num_microbatches
+        inflight = inflight_microbatches(schedule, 0, stages, microbatches)
+        parts = result.part_costs(
+            {"first": inflight, "last": inflight_microbatches(schedule, stages - 1, stages, microbatches)}
+        )
+        gathered = gather_costs(
+            result.layer_costs(inflight),
+            placement.num_layers,
+            strategy.pipeline_group,
+            strategy.root_device,
+            local_parts=parts,
+        )
+        costs, first, last = gathered.layers, gathered.first, gathered.last
+        slowdown = self._worker_slowdown(trainer) if self.measure_speed else None
+        if slowdown is not None:
+            workers = _stage_workers(strategy, placement) or list(range(stages))
+            costs = to_reference(costs, placement, workers, slowdown)
+            first = None if first is None else scaled(first, 1.0 / slowdown[workers[0]])
+            last = None if last is None else scaled(last, 1.0 / slowdown[workers[-1]])
+        fresh = self._window_reason == "event"
+        previous = None if fresh else self.last_costs
+        costs = smooth_costs(previous, costs, self.cost_smoothing)
+        before = None if fresh or self.last_hardware is None else self.last_hardware
+        first = _smooth_part(None if before is None else before.first_stage_extra, first, self.cost_smoothing)
+        last = _smooth_part(None if before is None else before.last_stage_extra, last, self.cost_smoothing)
+        comm = self._link_times(strategy, costs, placement) if self.measure_comm else None
+        self._queue_hardware_metrics(slowdown, comm, placement, strategy.pipeline_size)
+        return costs, Hardware(first, last, slowdown, comm)
+
+    @property
+    def _retunes(self) -> bool:
+        return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
+
+    def _retune_options(self, trainer: pl.Trainer, result: Any) -> RetuneOptions:
+        """The micro-batch counts each re-pack may run, and the measured fixed cost of an op; a collective.
+
+        An op's fixed cost is a rank's busy time in the window's measured steps beyond its own units'
+        work and the profiler's hooks, per forward or backward op; the slowest rank's (clamped at 0).
+        """
+        strategy = trainer.strategy
+        batch_size = int(trainer.lightning_module.pipeline_batch(self._window_batch)[0].shape[0])
+        units = [*result.layers.values(), *result.parts.values()]
+        work_s = sum(p.fwd_time_s + p.bwd_time_s for p in units) + result.hook_time_s
+        busy_s = statistics.median(self._window_busy_s) if self._window_busy_s else work_s
+        ops = 2 * strategy.num_microbatches * len(strategy.stage_indices)
+        mine = torch.tensor(
+            [max(0.0, busy_s - work_s) / ops], dtype=torch.float64, device=strategy.root_device
+        )
+        per_op_s = float(_all_gather_rows(mine, strategy)[:, 0].max())
+        schedule, spr = _schedule_spec(strategy), len(strategy.stage_indices)
+        layouts = _repack_layouts(strategy)
+        stage_counts = list(layouts) if layouts is not None else list(range(1, strategy.num_stages + 1))
+        counts = {k: retune_candidates(schedule, k // spr, batch_size) for k in stage_counts}
+        self._queued_metrics["dynmo/per_op_s"] = per_op_s
+        return RetuneOptions(counts=counts, per_op_s=per_op_s)
+
+    def _worker_slowdown(self, trainer: pl.Trainer) -> list[float] | None:
+        """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
+        strategy = trainer.strategy
+        params = list(trainer.lightning_module.parameters())
+        dtype = params[0].dtype if params else torch.get_default_dtype()
+        seconds = float(self._speed_probe(strategy.root_device, dtype))
+        mine = torch.tensor([seconds], dtype=torch.float64, device=strategy.root_device)
+        times = _all_gather_rows(mine, strategy)[:, 0].tolist()
+        positions = [strategy.pipeline_rank_of(r) for r in strategy.active_ranks]
+        return worker_slowdown(times, positions, SPEED_TOLERANCE)
+
+    def _queue_hardware_metrics(
+        self, slowdown: list[float] | None, comm: list[list[float]] | None, placement: Placement, ranks: int
+    ) -> None:
+        if self.measure_speed:
+            for rank, factor in enumerate(slowdown or [1.0] * ranks):
+                self._queued_metrics[f"dynmo/rank{rank}/slowdown"] = factor
+        for link, row in enumerate(comm or []):
+            self._queued_metrics[f"dynmo/link{link}/send_s"] = row[placement.layers_of(link)[-1]]
+
     def _decide_once(
         self,
         strategy: Any,
         costs: list[LayerCost],
         placement: Placement,
-        comm: list[float] | None,
+        hardware: Hardware,
         trainer_step: int,
+        retune: RetuneOptions | None = None,
     ) -> RebalanceDecision:
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
         source = strategy.active_ranks[0]
@@ -456,10 +568,11 @@ class DynMoCallback(Callback):
                     else dataclasses.replace(self.balance, repack=False, target_num_stages=None),
                     strategy.num_microbatches,
                     strategy.schedule_name,
-                    comm,
                     stage_workers=_stage_workers(strategy, placement),
                     min_saving=self._min_saving(trainer_step),
                     repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
+                    hardware=hardware,
+                    retune=retune,
                 )
             except ValueError as err:
                 outcome = f"{err}"
@@ -499,24 +612,25 @@ class DynMoCallback(Callback):
             lasts = self.triggers.auto_horizon_steps
         return statistics.mean(r["migration_s"] for r in migrations) / max(lasts, 1)
 
-    def _comm_per_layer(
+    def _link_times(
         self, strategy: Any, costs: list[LayerCost], placement: Placement
-    ) -> list[float] | None:
-        """Per layer, seconds to send its output across a boundary (measured once, scaled by bytes).
+    ) -> list[list[float]] | None:
+        """Per link, per layer: seconds to send that layer's output over the link (one row per link).
 
-        A boundary is a pair of neighbouring ranks whatever the placement, so the seconds per byte of
-        the links are measured in the first window only.
+        Each link's seconds per byte are measured with the boundary's activation in every window but
+        the every-step ones (they reuse the last measurement, as long as the pipeline has not changed).
         """
         if len(strategy.stage_indices) != 1 or strategy.pipeline_size < 2:
-            return None  # virtual stages share ranks: a rank-pair ping-pong does not measure them
-        if self._comm_s_per_byte is None:
-            last_layers = [placement.layers_of(s)[-1] for s in range(placement.num_stages - 1)]
+            return None  # virtual stages share ranks: a rank-pair stream does not measure them
+        links = placement.num_stages - 1
+        stale = self._link_s_per_byte is None or len(self._link_s_per_byte) != links
+        if stale or self._window_reason != "every_step":
+            last_layers = [placement.layers_of(s)[-1] for s in range(links)]
             sizes = [costs[i].activation_bytes for i in last_layers]
             seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
-            self._comm_s_per_byte = statistics.mean(
-                t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)
-            )
-        return [c.activation_bytes * self._comm_s_per_byte for c in costs]
+            self._link_s_per_byte = [t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)]
+        assert self._link_s_per_byte is not None
+        return [[c.activation_bytes * per_byte for c in costs] for per_byte in self._link_s_per_byte]
 
     # -- applying a decision --------------------------------------------------------------------------
 
@@ -528,7 +642,9 @@ class DynMoCallback(Callback):
         migration_s = 0.0
         if decision.apply:
             start = self._clock()
-            strategy.apply_placement(decision.proposed)
+            count = decision.num_microbatches
+            retuned = {} if count is None else {"num_microbatches": count}  # only a re-tune passes a count
+            strategy.apply_placement(decision.proposed, **retuned)
             migration_s = self._clock() - start
         total = costs["profiling_s"] + costs["decision_s"] + migration_s
         self._cost_to_share = total
@@ -543,6 +659,7 @@ class DynMoCallback(Callback):
             "why": decision.reason,
             "predicted_gain": decision.predicted_gain,
             "measured_gain": None,
+            "num_microbatches": strategy.num_microbatches,
             **costs,
             "migration_s": migration_s,
         }
@@ -609,7 +726,7 @@ class DynMoCallback(Callback):
         # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
         mine = [e.to_dict() for e in self._new_events]
         self._new_events.clear()
-        with strategy._guard("the dynamism event exchange"):
+        with strategy.guard("the dynamism event exchange"):
             shared = exchange_events(mine, strategy.active_group, len(strategy.active_ranks))
         self.events.extend(DynamismEvent.from_dict(e) for e in shared)
         self.dropped_history["events"] += keep_recent(self.events)
@@ -663,6 +780,19 @@ class DynMoCallback(Callback):
         if self.balance.memory_capacity_bytes is None and device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
             self.balance = dataclasses.replace(self.balance, memory_capacity_bytes=float(total))
+
+
+def _smooth_part(previous: LayerCost | None, measured: LayerCost | None, weight: float) -> LayerCost | None:
+    """:func:`smooth_costs` for one pinned part (absent on either side: the measurement)."""
+    if previous is None or measured is None:
+        return measured
+    return smooth_costs([previous], [measured], weight)[0]
+
+
+def _schedule_spec(strategy: Any) -> Any:
+    from lightning_dynmo.pipeline.schedule import resolve_schedule
+
+    return resolve_schedule(strategy.schedule_name)
 
 
 def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:

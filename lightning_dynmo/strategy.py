@@ -104,6 +104,7 @@ from lightning_dynmo.pipeline.layout import (
     unit_owners,
 )
 from lightning_dynmo.pipeline.loss_scaling import PipelineLossScaling
+from lightning_dynmo.pipeline.microbatches import MicrobatchCount
 from lightning_dynmo.pipeline.release import (
     ReleaseEvent,
     active_ranks_of,
@@ -218,7 +219,7 @@ class DynMoStrategy(ParallelStrategy):
         )
         self._schedule = resolve_schedule(schedule)
         self._pipeline_size_arg = pipeline_size
-        self._num_microbatches = num_microbatches
+        self._microbatches = MicrobatchCount(num_microbatches)
         self._timeout = timeout
         self._start_method = start_method
         self._process_group_backend = process_group_backend
@@ -242,7 +243,6 @@ class DynMoStrategy(ParallelStrategy):
         # First/last-part parameter ties; when the two parts are on different ranks, the global rank
         # holding the other copy and this rank's side ("first" or "last"), else None.
         self._ties = TiedCopies()
-        self._batch_shape: tuple[Any, ...] | None = None
         self._sync_blocked = False
         self._board: FailureBoard | None = None
         self._sigterm = SigtermAgreement()
@@ -365,7 +365,7 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per training step."""
-        return self._num_microbatches
+        return self._microbatches.current
 
     @property
     def schedule_name(self) -> str:
@@ -455,7 +455,7 @@ class DynMoStrategy(ParallelStrategy):
         return self._ties.ties
 
     def _sync_tied_grads(self) -> None:
-        guard = partial(self._guard, "the tied-parameter gradient exchange")
+        guard = partial(self.guard, "the tied-parameter gradient exchange")
         self._ties.sync_grads(self._module(), self._pipeline_group, guard)
 
     @override
@@ -521,7 +521,7 @@ class DynMoStrategy(ParallelStrategy):
     def _local_units(self) -> dict[str, nn.Module]:
         return pipeline_units(self._module(), self._require_spec())
 
-    def apply_placement(self, new: Placement | str) -> MigrationReport:
+    def apply_placement(self, new: Placement | str, num_microbatches: int | None = None) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
 
         Step boundaries: a callback's ``on_train_batch_start`` / ``on_train_batch_end``, or
@@ -544,6 +544,9 @@ class DynMoStrategy(ParallelStrategy):
 
         Args:
             new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.
+            num_microbatches: With a re-pack, the micro-batch count the smaller pipeline runs from now on
+                (:mod:`lightning_dynmo.pipeline.microbatches`: it must divide the batch; a batch it does
+                not divide runs with the configured count). ``None`` keeps the count.
 
         Returns:
             This rank's :class:`~lightning_dynmo.pipeline.migration.MigrationReport`.
@@ -564,9 +567,10 @@ class DynMoStrategy(ParallelStrategy):
         pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
         spec = self._require_spec()
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        with self._guard("apply_placement (the check that every rank applies the same placement)"):
-            what = "apply_placement was called with different placements"
-            check_same_on_all_ranks(str(target), self._active_ranks, self._active_group, what)
+        with self.guard("apply_placement (the check that every rank applies the same placement)"):
+            what = "apply_placement was called with different placements or micro-batch counts"
+            agreed = f"{target} num_microbatches={num_microbatches}"
+            check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(
                 f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -575,8 +579,10 @@ class DynMoStrategy(ParallelStrategy):
                 "because released ranks have left the job. To train on more stages, save a checkpoint "
                 "and resume it with more devices: DynMo checkpoints load at any placement."
             )
+        # Before anything moves, so that a bad count fails every rank alike.
+        self._microbatches.check_retune(num_microbatches, self._schedule, target, self.placement)
         if target.num_stages < self.placement.num_stages:
-            return self._repack(target)
+            return self._repack(target, num_microbatches)
         check_placement(target, spec.num_layers, self._num_stages_of_run())
         old = self.placement
         if target == old:
@@ -614,7 +620,7 @@ class DynMoStrategy(ParallelStrategy):
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 
-    def _repack(self, target: Placement) -> MigrationReport:
+    def _repack(self, target: Placement, num_microbatches: int | None) -> MigrationReport:
         spec, old, old_grid = self._require_spec(), self.placement, self._require_grid()
         check_placement(target, spec.num_layers, target.num_stages)
         new_grid = plan_repack(old_grid, old, target, self._schedule.stages_per_rank)
@@ -639,6 +645,7 @@ class DynMoStrategy(ParallelStrategy):
                 new_grid, self.global_rank, self._timeout
             )
             self._pair_tied_copies()
+            self._microbatches.retune(num_microbatches)
             self.rebuild_pipeline()
         else:
             self._ties.clear()
@@ -677,7 +684,7 @@ class DynMoStrategy(ParallelStrategy):
         """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
         if self._released or not _distributed_is_initialized():
             return
-        with self._guard("the SIGTERM check at a batch start"):
+        with self.guard("the SIGTERM check at a batch start"):
             stop = self._sigterm.agree(self._active_group, self.root_device)
         if stop and (trainer := self._trainer()) is not None:
             trainer._signal_connector.received_sigterm = True
@@ -712,7 +719,7 @@ class DynMoStrategy(ParallelStrategy):
             raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
         if batch_idx == 0 and len(self._active_ranks) > 1:
             replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
-            with self._guard("the check that every stage reads the same batch"):
+            with self.guard("the check that every stage reads the same batch"):
                 check_same_batch_in_pipeline(
                     batch, self._active_group, self._active_ranks, replicas, self.root_device
                 )
@@ -727,7 +734,8 @@ class DynMoStrategy(ParallelStrategy):
         peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
         return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
 
-    def _guard(self, what: str) -> AbstractContextManager[None]:
+    def guard(self, what: str) -> AbstractContextManager[None]:
+        """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers."""
         return communication_guard(what, self._comm_context())
 
     @override
@@ -757,7 +765,7 @@ class DynMoStrategy(ParallelStrategy):
         if self._released:
             return {}
         dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
-        with self._guard("checkpoint saving (gathering the model and optimizer state)"):
+        with self.guard("checkpoint saving (gathering the model and optimizer state)"):
             model, self._saved_optimizer_states = state_to_save(
                 self._local_units(),
                 list(self.optimizers),
@@ -785,7 +793,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.is_global_zero:
             checkpoint[CHECKPOINT_KEY] = layout_of(self)
         if self._save_distributed_checkpoint:
-            with self._guard("checkpoint saving (each rank writing its units)"):
+            with self.guard("checkpoint saving (each rank writing its units)"):
                 save_sharded(
                     filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
                 )
@@ -797,7 +805,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
-        with self._guard("checkpoint loading"):
+        with self.guard("checkpoint loading"):
             units, aliases = self._local_units(), self._ties.aliases
             loaded = read_checkpoint(
                 checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
@@ -826,11 +834,11 @@ class DynMoStrategy(ParallelStrategy):
             self._schedule,
             pipeline_rank=self._require_grid().pipeline_rank(self.global_rank),
             pipeline_size=self.pipeline_size,
-            num_microbatches=self._num_microbatches,
+            num_microbatches=self._microbatches.current,
             device=self.root_device,
             group=self._pipeline_group,
         )
-        self._batch_shape = None
+        self._microbatches.batch_shape = None
 
     # -- one training step ------------------------------------------------------------------------------
 
@@ -871,7 +879,7 @@ class DynMoStrategy(ParallelStrategy):
                 step.losses,
                 step.aux,
                 spec.aux_losses,
-                num_microbatches=self._num_microbatches,
+                num_microbatches=self._microbatches.current,
                 data_parallel_size=self.data_parallel_size,
                 group=self._active_group,
                 device=self.root_device,
@@ -887,25 +895,9 @@ class DynMoStrategy(ParallelStrategy):
         return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
 
     def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
-        n = self._num_microbatches
-        if inputs.shape[0] % n != 0:
-            raise ValueError(
-                f"a batch of {inputs.shape[0]} samples cannot be cut into num_microbatches={n} equal "
-                f"micro-batches; use a batch size that is a multiple of {n} and drop_last=True in the "
-                "DataLoader."
-            )
-        shape = (
-            tuple(inputs.shape),
-            tuple(target.shape),
-            *((k, tuple(v.shape)) for k, v in sorted(side.items())),
-        )
-        if self._batch_shape is not None and shape != self._batch_shape:
-            # The schedule caches activation shapes from its first step; a new shape needs new stages.
-            log.info(
-                "rank %d: batch shape %s -> %s, rebuilding stages", self.global_rank, self._batch_shape, shape
-            )
+        # The schedule caches activation shapes from its first step; a new shape needs new stages.
+        if self._microbatches.new_pipeline_needed(inputs, target, side):
             self.rebuild_pipeline()
-        self._batch_shape = shape
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -981,11 +973,11 @@ class DynMoStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, _, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
-            self._guard("a predict step"),
+            self.guard("a predict step"),
         ):
             output = self._evaluator.predict(
                 self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
@@ -1020,8 +1012,8 @@ class DynMoStrategy(ParallelStrategy):
         batch = args[0] if args else kwargs["batch"]
         inputs, target, side = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._num_microbatches)
-        with self._guard(f"a {phase} step"):
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
+        with self.guard(f"a {phase} step"):
             losses = self._evaluator.step(
                 self._require_pipe(),
                 inputs,
@@ -1047,7 +1039,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def barrier(self, name: str | None = None) -> None:
         if _distributed_is_initialized() and not self._released:
-            with self._guard(f"strategy.barrier({name!r})"):
+            with self.guard(f"strategy.barrier({name!r})"):
                 dist.barrier(group=self._active_group)
 
     @override
@@ -1055,7 +1047,7 @@ class DynMoStrategy(ParallelStrategy):
         if not _distributed_is_initialized() or self._released:
             return obj
         box = [obj]
-        with self._guard(f"strategy.broadcast(src={src})"):
+        with self.guard(f"strategy.broadcast(src={src})"):
             dist.broadcast_object_list(box, src=src, group=self._active_group)
         return box[0]
 
@@ -1064,7 +1056,7 @@ class DynMoStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor) and not self._released:
-            with self._guard("strategy.reduce"):
+            with self.guard("strategy.reduce"):
                 return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
         return tensor
 
@@ -1072,7 +1064,7 @@ class DynMoStrategy(ParallelStrategy):
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if self._released:
             return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        with self._guard("strategy.all_gather"):
+        with self.guard("strategy.all_gather"):
             return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
 
     @override

@@ -46,17 +46,21 @@ import numpy as np
 import numpy.typing as npt
 
 from lightning_dynmo.balancing._checks import (
+    CommTime,
     MemoryCapacity,
+    check_extras,
     check_fraction,
     check_placement,
     check_positive_int,
+    comm_rows,
     memory_caps,
 )
+from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.moves import LayerMove, plan_moves
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.balancing.stage_model import FloatArray, StageModel
+from lightning_dynmo.balancing.stage_model import FloatArray, IntArray, StageModel
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,10 @@ def diffuse(
     max_rounds: int = 5,
     tolerance: float = 0.0,
     refine_bottleneck: bool = True,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: CommTime = None,
+    stage_slowdown: Sequence[float] | None = None,
 ) -> DiffusionResult:
     """Rebalance ``current`` by moving boundary layers between neighbouring stages.
 
@@ -110,6 +118,12 @@ def diffuse(
             bottleneck phase that follows has no round limit, it stops when no cascade helps).
         tolerance: Stop once ``imbalance(stage loads) <= tolerance`` (``(max - min) / mean``, >= 0).
         refine_bottleneck: Run the bottleneck phase after variance descent stops (see module doc).
+        first_stage_extra: Fixed cost pinned to stage 0 (embedding), as in :func:`partition`.
+        last_stage_extra: Fixed cost pinned to the last stage (final norm, head, loss).
+        comm_time_s: Activation send times, as in :func:`partition` (one number, one per layer, or
+            one row per link); the sending stage pays them.
+        stage_slowdown: Per stage, how many times longer its worker takes than the reference worker
+            the costs are expressed in, as in :func:`partition`.
 
     Returns:
         A :class:`DiffusionResult`; its bottleneck is never above ``current``'s.
@@ -123,8 +137,12 @@ def diffuse(
     placement = check_placement(current, len(costs))
     check_positive_int(max_rounds, "max_rounds")
     tol = check_fraction(tolerance, "tolerance")
-    caps = memory_caps(memory_capacity_bytes, placement.num_stages)
-    model = StageModel.build(costs, placement.num_stages, by, caps)
+    stages = placement.num_stages
+    caps = memory_caps(memory_capacity_bytes, stages)
+    check_extras(first_stage_extra, last_stage_extra)
+    comm = comm_rows(comm_time_s, len(costs), stages, by)
+    slowdown = check_slowdown(stage_slowdown, stages)
+    model = StageModel.build(costs, stages, by, caps, first_stage_extra, last_stage_extra, comm, slowdown)
     over, stage = model.overflow(placement)
     if over > 0:
         raise ValueError(
@@ -171,11 +189,15 @@ class _State:
         stages = range(model.num_stages)
         self.loads = np.asarray([model.load(bounds[s], bounds[s + 1], s) for s in stages])
         self.mems = np.asarray([model.memory(bounds[s], bounds[s + 1], s) for s in stages])
-        # Diffusion's model has no extras and no communication term, so a stage's load is exactly
-        # W[b] - W[a]; the cascade uses these Python lists directly (much faster than method calls).
-        assert not any(model.extra_load) and not any(model.extra_memory) and not np.any(model.comm)
+        self.stage_ids = np.arange(model.num_stages, dtype=np.int64)
+        # The cascades evaluate StageModel.load's expression on these Python lists (much faster than
+        # method calls): (slowdown * (W[b] - W[a]) + comm[s][b - 1]) + extra.
         self.prefix_w: list[float] = model.prefix_load.tolist()
         self.prefix_m: list[float] = model.prefix_memory.tolist()
+        self.slowdown: list[float] = list(model.slowdown)
+        self.extra_w: list[float] = list(model.extra_load)
+        self.extra_m: list[float] = list(model.extra_memory)
+        self.comm: list[list[float]] | None = model.comm.tolist() if np.any(model.comm) else None
         self.capped = any(math.isfinite(c) for c in model.caps)
         # Chain scoring tables per direction, valid until the next boundary change (see _ChainTable).
         self._tables: dict[int, _ChainTable] = {}
@@ -254,10 +276,15 @@ class _State:
 
     def _square_change(self, lo: int, hi: int, bounds: list[int]) -> float:
         """Change of the sum of squared loads if stages ``lo..hi`` took inner boundaries ``bounds``."""
-        w = self.model.prefix_load
         b = np.asarray([self.bounds[lo], *bounds, self.bounds[hi + 1]])
-        new = w[b[1:]] - w[b[:-1]]
+        new = self.model.loads_of(b[:-1], b[1:], self.stage_ids[lo : hi + 1])
         return float(np.sum(new**2) - np.sum(self.loads[lo : hi + 1] ** 2))
+
+    def _load(self, stage: int, start: int, end: int) -> float:
+        """``StageModel.load`` on the cached lists (the cascades' inner loop)."""
+        w = self.prefix_w
+        send = 0.0 if self.comm is None else self.comm[stage][end - 1]
+        return (self.slowdown[stage] * (w[end] - w[start]) + send) + self.extra_w[stage]
 
     # The two cascades below are the refinement phase's inner loop (tens of thousands of steps at 720
     # stages), so they are written as tight scalar loops over Python lists: one bisection per stage plus
@@ -268,27 +295,32 @@ class _State:
     def _cascade_right(self, src: int, peak: float, max_length: int) -> tuple[int, int, list[int]] | None:
         """Cascade from ``src`` towards the last stage (each stage hands on its last layers)."""
         w, m, old = self.prefix_w, self.prefix_m, self.bounds
-        caps, capped = self.model.caps, self.capped
+        caps, capped, load = self.model.caps, self.capped, self._load
+        factor, extra_w, extra_m = self.slowdown, self.extra_w, self.extra_m
         last = min(self.model.num_stages - 1, src + max_length)
         cuts: list[int] = []
         a, lowest = old[src], old[src] + 1  # src keeps at least one layer
         for k in range(src, last):
             # Stage k (now starting at a) keeps the most layers that stay strictly below the peak, hands
             # on at least one, and an intermediate stage keeps what it just received (cut >= lowest).
+            # The bisection guesses from the work alone (a link only adds); the walks are exact.
             b = old[k + 1]
-            limit = w[a] + peak
+            limit = w[a] + (peak - extra_w[k]) / factor[k]
             cut = bisect.bisect_left(w, limit, lowest, b) - 1
-            while cut + 1 < b and w[cut + 1] - w[a] < peak:
+            while cut + 1 < b and load(k, a, cut + 1) < peak:
                 cut += 1
-            while cut >= lowest and not w[cut] - w[a] < peak:
+            while cut >= lowest and not load(k, a, cut) < peak:
                 cut -= 1
             if capped:  # a stage already over its cap (allowed when it was so) may stay as full
-                cut = min(cut, _last_end(m, a, max(caps[k], float(self.mems[k])), strict=False))
+                room = max(caps[k], float(self.mems[k])) - extra_m[k]
+                cut = min(cut, _last_end(m, a, room, strict=False))
             if cut < lowest:
                 return None
             cuts.append(cut)
             end = old[k + 2]
-            if w[end] - w[cut] < peak and (not capped or m[end] - m[cut] <= caps[k + 1]):
+            if load(k + 1, cut, end) < peak and (
+                not capped or (m[end] - m[cut]) + extra_m[k + 1] <= caps[k + 1]
+            ):
                 # The nearest stage that absorbs ends the cascade: fewer layers move and it keeps the
                 # refinement phase linear in the cascade length.
                 return src, k + 1, cuts
@@ -298,25 +330,30 @@ class _State:
     def _cascade_left(self, src: int, peak: float, max_length: int) -> tuple[int, int, list[int]] | None:
         """Cascade from ``src`` towards the first stage (each stage hands on its first layers)."""
         w, m, old = self.prefix_w, self.prefix_m, self.bounds
-        caps, capped = self.model.caps, self.capped
+        caps, capped, load = self.model.caps, self.capped, self._load
+        factor, extra_w, extra_m = self.slowdown, self.extra_w, self.extra_m
         first = max(0, src - max_length)
         cuts: list[int] = []
         b, highest = old[src + 1], old[src + 1] - 1  # src keeps at least one layer
         for k in range(src, first, -1):
             a = old[k]
-            limit = w[b] - peak
+            send = 0.0 if self.comm is None else self.comm[k][b - 1]
+            limit = w[b] - ((peak - extra_w[k]) - send) / factor[k]
             cut = bisect.bisect_right(w, limit, a + 1, highest + 1)
-            while cut - 1 > a and w[b] - w[cut - 1] < peak:
+            while cut - 1 > a and load(k, cut - 1, b) < peak:
                 cut -= 1
-            while cut <= highest and not w[b] - w[cut] < peak:
+            while cut <= highest and not load(k, cut, b) < peak:
                 cut += 1
             if capped:
-                cut = max(cut, _first_start(m, b, max(caps[k], float(self.mems[k])), strict=False))
+                room = max(caps[k], float(self.mems[k])) - extra_m[k]
+                cut = max(cut, _first_start(m, b, room, strict=False))
             if cut > highest:
                 return None
             cuts.append(cut)
             start = old[k - 1]
-            if w[cut] - w[start] < peak and (not capped or m[cut] - m[start] <= caps[k - 1]):
+            if load(k - 1, start, cut) < peak and (
+                not capped or (m[cut] - m[start]) + extra_m[k - 1] <= caps[k - 1]
+            ):
                 cuts.reverse()
                 return k - 1, src, cuts
             b, highest = cut, a
@@ -327,11 +364,11 @@ class _State:
         b = np.asarray(self.bounds)
         self.bounds_arr = b
         self._tables.clear()
-        # Same ``W[b] - W[a]`` as ``StageModel.load`` (no extras or comm here), one vector op for a chain
-        # that may span hundreds of stages.
+        # StageModel's own expressions, one vector op for a chain that may span hundreds of stages.
         starts, ends = b[lo : hi + 1], b[lo + 1 : hi + 2]
-        self.loads[lo : hi + 1] = self.model.prefix_load[ends] - self.model.prefix_load[starts]
-        self.mems[lo : hi + 1] = self.model.prefix_memory[ends] - self.model.prefix_memory[starts]
+        ids = self.stage_ids[lo : hi + 1]
+        self.loads[lo : hi + 1] = self.model.loads_of(starts, ends, ids)
+        self.mems[lo : hi + 1] = self.model.memories_of(starts, ends, ids)
 
 
 @dataclass(frozen=True, eq=False)
@@ -341,12 +378,13 @@ class _ChainTable:
     A round scores chains from hundreds of overloaded stages but accepts few of them, so the terms that
     do not depend on ``src`` are computed once per state (vectorised over all stages) and a query only
     slices them. Arrays are *oriented*: position ``j`` is stage ``j`` going right and stage
-    ``num_stages - 1 - j`` going left, so a chain always runs from ``j`` to higher positions, and the
-    values (and their summation order) are exactly those of scoring each path on its own.
+    ``num_stages - 1 - j`` going left, so a chain always runs from ``j`` to higher positions. A stage's
+    load after a move is evaluated with :meth:`StageModel.loads_of` on its new boundaries, so slower
+    workers, links and extras count exactly as everywhere else.
     """
 
     loads: FloatArray
-    passed: FloatArray  # load of the layer each stage hands on (last layer going right, first going left)
+    src_term: FloatArray  # [j]: square change of stage j when it hands on a layer and receives none
     pass_term: FloatArray  # [j]: square change of stage j when it receives a layer and hands one on
     recv_term: FloatArray  # [j]: square change of stage j when it receives a layer and keeps it
     recv_ok: npt.NDArray[np.bool_]  # [j]: stage j may end the chain (bottleneck and memory)
@@ -357,14 +395,27 @@ class _ChainTable:
     def build(cls, state: _State, direction: int) -> _ChainTable:
         """Tables for ``state`` in ``direction`` (+1 right, -1 left)."""
         b = state.bounds_arr
-        passed_layer = b[1:] - 1 if direction > 0 else b[:-1]
+        starts, ends = b[:-1], b[1:]
+        n = state.model.num_layers
+        if direction > 0:  # a stage receives at its start and hands on its last layer
+            received = (np.maximum(starts - 1, 0), ends)
+            passing = (np.maximum(starts - 1, 0), ends - 1)
+            source = (starts, ends - 1)
+        else:  # a stage receives at its end and hands on its first layer
+            received = (starts, np.minimum(ends + 1, n))
+            passing = (starts + 1, np.minimum(ends + 1, n))
+            source = (starts + 1, ends)
         order = slice(None) if direction > 0 else slice(None, None, -1)
-        loads, x = state.loads[order], state.weights[passed_layer][order]
+        passed_layer = ends - 1 if direction > 0 else starts
+
+        def new_loads(bounds: tuple[IntArray, IntArray]) -> FloatArray:
+            lo, hi = np.minimum(bounds[0], n - 1), bounds[1]
+            hi = np.maximum(hi, lo + 1)  # where the move is impossible, any valid (unused) value
+            return state.model.loads_of(lo, hi, state.stage_ids)[order]
+
+        loads = state.loads[order]
         bottleneck = float(np.max(state.loads))
-        # Position j >= 1 receives the layer position j - 1 hands on; position 0 never receives.
-        gain = np.concatenate(([0.0], x[:-1]))
-        pass_load = loads + gain - x
-        recv_load = loads + gain
+        recv_load, pass_load, src_load = new_loads(received), new_loads(passing), new_loads(source)
         pass_ok = pass_load <= bottleneck
         recv_ok = recv_load <= bottleneck
         if state.capped:  # without caps every memory test passes; skip the arrays
@@ -373,11 +424,13 @@ class _ChainTable:
             pass_mem = mems + gain_mem - mx
             pass_ok &= (pass_mem <= caps) | (pass_mem <= mems)
             recv_ok &= mems + gain_mem <= caps
+        # Position 0 never receives (the first stage going right, the last going left).
+        recv_ok[0] = False
         positions = np.arange(len(loads))
         fails = np.where(pass_ok, len(loads), positions)
         return cls(
             loads=loads,
-            passed=x,
+            src_term=src_load**2 - loads**2,
             pass_term=pass_load**2 - loads**2,
             recv_term=recv_load**2 - loads**2,
             recv_ok=recv_ok,
@@ -396,7 +449,7 @@ class _ChainTable:
         recv_ok = self.recv_ok[src + 1 : end + 1]
         if not recv_ok.any():
             return None
-        head = (self.loads[src] - self.passed[src]) ** 2 - self.loads[src] ** 2
+        head = self.src_term[src]
         pass_ss = np.cumsum(np.concatenate(([0.0], self.pass_term[src + 1 : end])))
         delta = head + pass_ss + self.recv_term[src + 1 : end + 1]
         valid = recv_ok & (delta < -self.eps)

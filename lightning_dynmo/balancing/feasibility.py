@@ -3,13 +3,13 @@
 Read in this order: :func:`probe` (dispatch), :func:`next_candidate` (the smallest stage load above a
 failed bound, which lets the search jump between achievable values), then the two probes.
 
-* ``_probe_greedy`` is the fast path, used when no communication time is given, all middle stages
-  share one memory capacity and every single layer fits a middle stage. Then the positions where
-  stage ``s`` can end form an interval ``[s, G_s]``, so one greedy jump per stage decides
-  feasibility: O(S log n) per probe.
-* ``_probe_dp`` is the safe path for everything else (per-boundary communication time, heterogeneous
-  per-stage capacities). It is a reachability DP over (stage, boundary position) with the bound fixed,
-  vectorised over positions with numpy: O(S n) per probe.
+* ``_probe_greedy`` is the fast path, used when no communication time is given, every stage runs at
+  the reference speed, all middle stages share one memory capacity and every single layer fits a
+  middle stage. Then the positions where stage ``s`` can end form an interval ``[s, G_s]``, so one
+  greedy jump per stage decides feasibility: O(S log n) per probe.
+* ``_probe_dp`` is the safe path for everything else (per-boundary communication time, slower
+  workers, heterogeneous per-stage capacities). It is a reachability DP over (stage, boundary
+  position) with the bound fixed, vectorised over positions with numpy: O(S n) per probe.
 
 Both return the boundaries of a placement meeting the bound, or ``None``. Both honour memory capacities,
 fixed extras and the "exactly S non-empty stages" rule inside the search.
@@ -21,11 +21,8 @@ import bisect
 import math
 
 import numpy as np
-import numpy.typing as npt
 
-from lightning_dynmo.balancing.stage_model import FloatArray, StageModel
-
-IntArray = npt.NDArray[np.int64]
+from lightning_dynmo.balancing.stage_model import FloatArray, IntArray, StageModel
 
 
 def probe(model: StageModel, bound: float) -> tuple[int, ...] | None:
@@ -45,35 +42,47 @@ def probe(model: StageModel, bound: float) -> tuple[int, ...] | None:
 def use_greedy(model: StageModel) -> bool:
     """True when the interval structure behind the fast greedy probe holds."""
     middle_caps = set(model.caps[1:-1])
-    return not np.any(model.comm) and len(middle_caps) <= 1
+    return model.homogeneous and len(middle_caps) <= 1
 
 
-def _min_start(prefix: FloatArray, ends: IntArray, add: FloatArray, extra: float, bound: float) -> IntArray:
-    """For each end ``b``, the smallest start ``a <= b`` with ``((P[b] - P[a]) + add) + extra <= bound``.
+def _min_start(
+    prefix: FloatArray, ends: IntArray, add: FloatArray, extra: float, bound: float, scale: float = 1.0
+) -> IntArray:
+    """For each end ``b``, the smallest start ``a <= b`` whose load is within ``bound``.
+
+    The load is ``(scale * (P[b] - P[a]) + add) + extra`` (``scale`` 1.0 is left out: same value).
 
     Returns ``b`` where even ``a = b - 1`` fails (no valid non-empty stage ends at ``b``). The
-    searchsorted guess is corrected with the exact expression, so rounding cannot disagree with
-    :meth:`StageModel.load`.
+    searchsorted guess is corrected with the exact expression until it no longer moves, so rounding
+    cannot disagree with :meth:`StageModel.load`.
     """
     if math.isinf(bound):
         return np.zeros(len(ends), dtype=np.int64)
     pe = prefix[ends]
-    start = np.searchsorted(prefix, (pe + add + extra) - bound, side="left").astype(np.int64)
+    guess = (pe + add + extra) - bound if scale == 1.0 else pe - ((bound - extra) - add) / scale
+    start = np.searchsorted(prefix, guess, side="left").astype(np.int64)
     start = np.minimum(start, ends)
-    for _ in range(2):
-        bad = (start < ends) & (((pe - prefix[start]) + add) + extra > bound)
-        start = start + bad
+
+    def value(a: IntArray) -> FloatArray:
+        work = pe - prefix[a] if scale == 1.0 else scale * (pe - prefix[a])
+        result: FloatArray = (work + add) + extra
+        return result
+
+    while True:
+        bad = (start < ends) & (value(start) > bound)
         lower = np.maximum(start - 1, 0)
-        fits = (start > 0) & (((pe - prefix[lower]) + add) + extra <= bound)
-        start = start - fits
+        fits = ~bad & (start > 0) & (value(lower) <= bound)
+        if not (np.any(bad) or np.any(fits)):
+            break
+        start = start + bad - fits
     # A start equal to the end is an empty stage: it means "no start fits".
     return np.asarray(start, dtype=np.int64)
 
 
 def _stage_min_starts(model: StageModel, stage: int, bound: float, ends: IntArray) -> IntArray:
     """Smallest feasible start (load and memory) of ``stage`` for every end in ``ends``."""
-    add = model.comm[ends - 1] if stage < model.num_stages - 1 else np.zeros(len(ends))
-    by_load = _min_start(model.prefix_load, ends, add, model.extra_load[stage], bound)
+    add = model.comm[stage, ends - 1]
+    by_load = _min_start(model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage])
     by_memory = _min_start(
         model.prefix_memory, ends, np.zeros(len(ends)), model.extra_memory[stage], model.caps[stage]
     )
@@ -87,10 +96,16 @@ def _probe_dp(model: StageModel, bound: float) -> tuple[int, ...] | None:
     reach = np.zeros(n + 1, dtype=bool)
     reach[0] = True
     latest: list[IntArray] = []  # latest[s][p]: largest reachable start of stage s at or before p
-    cache: dict[tuple[float, float, float, bool], IntArray] = {}
+    cache: dict[tuple[float, float, float, float, int], IntArray] = {}
     for s in range(stages):
-        # Middle stages usually share extras and capacity, hence one min-start array for all of them.
-        key = (model.extra_load[s], model.extra_memory[s], model.caps[s], s == stages - 1)
+        # Middle stages usually share extras, capacity, speed and link, hence one min-start array for all.
+        key = (
+            model.extra_load[s],
+            model.extra_memory[s],
+            model.caps[s],
+            model.slowdown[s],
+            _link_key(model, s),
+        )
         if key not in cache:
             cache[key] = _stage_min_starts(model, s, bound, ends)
         min_start = cache[key]
@@ -195,17 +210,30 @@ def _end_candidates(model: StageModel) -> tuple[FloatArray, FloatArray]:
     cached: tuple[FloatArray, FloatArray] | None = model.__dict__.get("_end_candidates")
     if cached is None:
         n, last = model.num_layers, model.num_stages - 1
-        w = model.prefix_load
         if last == 0:
             first = np.asarray([model.load(0, n, 0)])
             cached = (first, first)
         else:
-            ends = np.arange(1, n, dtype=np.int64)
-            first = ((w[ends] - w[0]) + model.comm[ends - 1]) + model.extra_load[0]
-            lasts = ((w[n] - w[ends]) + 0.0) + model.extra_load[last]
+            cuts = np.arange(1, n, dtype=np.int64)
+            zeros, fulls = np.zeros(len(cuts), dtype=np.int64), np.full(len(cuts), n, dtype=np.int64)
+            first = model.loads_of(zeros, cuts, zeros)
+            lasts = model.loads_of(cuts, fulls, np.full(len(cuts), last, dtype=np.int64))
             cached = (np.sort(first), np.sort(lasts))
         object.__setattr__(model, "_end_candidates", cached)
     return cached
+
+
+def _link_key(model: StageModel, stage: int) -> int:
+    """The first stage whose link row equals ``stage``'s (stages with equal rows share search tables)."""
+    cached: list[int] | None = model.__dict__.get("_link_keys")
+    if cached is None:
+        keys: list[int] = []
+        seen: dict[bytes, int] = {}
+        for row in model.comm:
+            keys.append(seen.setdefault(row.tobytes(), len(keys)))
+        object.__setattr__(model, "_link_keys", keys)
+        cached = keys
+    return cached[stage]
 
 
 def next_candidate(model: StageModel, bound: float) -> float:
@@ -214,8 +242,9 @@ def next_candidate(model: StageModel, bound: float) -> float:
     The candidate set is every ``load(a, b, s)`` a stage could have, searched lazily. First and last
     stages have a fixed start or end, so their loads are sorted once. For a middle stage ending at
     ``b`` only the largest start that *violates* the bound matters, because a load only grows as the
-    stage starts earlier. A value from a superset of the real candidates is still a valid lower bound
-    on the optimum whenever ``bound`` is infeasible, which is all the search needs.
+    stage starts earlier. Middle stages that differ (speed, link, extras) are searched one kind at a
+    time. A value from a superset of the real candidates is still a valid lower bound on the optimum
+    whenever ``bound`` is infeasible, which is all the search needs.
     """
     best = math.inf
     for values in _end_candidates(model):
@@ -223,14 +252,23 @@ def next_candidate(model: StageModel, bound: float) -> float:
         if i < len(values):
             best = min(best, float(values[i]))
     n = model.num_layers
-    if model.num_stages > 2 and n > 2:
-        ends = np.arange(2, n, dtype=np.int64)
-        add = model.comm[ends - 1]
-        start = _min_start(model.prefix_load, ends, add, model.extra_load[1], bound) - 1
+    if model.num_stages <= 2 or n <= 2:
+        return best
+    ends = np.arange(2, n, dtype=np.int64)
+    kinds = {
+        (model.slowdown[s], _link_key(model, s), model.extra_load[s]): s
+        for s in range(1, model.num_stages - 1)
+    }
+    for stage in kinds.values():
+        add = model.comm[stage, ends - 1]
+        start = (
+            _min_start(model.prefix_load, ends, add, model.extra_load[stage], bound, model.slowdown[stage])
+            - 1
+        )
         ok = start >= 1
         if np.any(ok):
             st, en = start[ok], ends[ok]
-            vals = ((model.prefix_load[en] - model.prefix_load[st]) + add[ok]) + model.extra_load[1]
+            vals = model.loads_of(st, en, np.full(len(st), stage, dtype=np.int64))
             vals = vals[vals > bound]
             if len(vals):
                 best = min(best, float(np.min(vals)))

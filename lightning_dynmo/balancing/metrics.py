@@ -21,6 +21,18 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "zero_bubble")
 
 Op = tuple[str, int]  # ("F" | "B" | "W", micro-batch index)
 
+# torch.distributed.pipelining schedule names (lower-cased) -> the simulator's schedule model.
+_SIMULATED_SCHEDULE = {
+    "gpipe": "gpipe",
+    "loopedbfs": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved1f1b": "1f1b",
+    "interleavedzerobubble": "zero_bubble",
+    "zbvzerobubble": "zero_bubble",
+    "dualpipev": "zero_bubble",
+    "zero_bubble": "zero_bubble",
+}
+
 
 def imbalance(loads: Sequence[float]) -> float:
     """Load imbalance ``(max - min) / mean`` of the stage loads (paper section 2.2).
@@ -260,3 +272,14 @@ def _next_action(
     if pending_w:
         return free_at, ("W", pending_w[0])
     return None
+
+
+def simulated_schedule(schedule: str) -> str:
+    """The simulator's model (``"gpipe"``, ``"1f1b"``, ``"zero_bubble"``) of a pipelining schedule name."""
+    key = schedule.lower()
+    if key not in _SIMULATED_SCHEDULE:
+        raise ValueError(
+            f"schedule={schedule!r} has no simulator model; use one of torch's schedule names "
+            f"({', '.join(sorted(_SIMULATED_SCHEDULE))})."
+        )
+    return _SIMULATED_SCHEDULE[key]

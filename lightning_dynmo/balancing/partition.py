@@ -20,8 +20,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from lightning_dynmo.balancing import feasibility
-from lightning_dynmo.balancing._checks import MemoryCapacity, check_num_stages, memory_caps
+from lightning_dynmo.balancing._checks import (
+    CommTime,
+    MemoryCapacity,
+    check_extras,
+    check_num_stages,
+    comm_rows,
+    memory_caps,
+)
+from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.stage_model import StageModel
@@ -55,12 +65,13 @@ def partition(
     memory_capacity_bytes: MemoryCapacity = None,
     first_stage_extra: LayerCost | None = None,
     last_stage_extra: LayerCost | None = None,
-    comm_time_s: float | Sequence[float] | None = None,
+    comm_time_s: CommTime = None,
+    stage_slowdown: Sequence[float] | None = None,
 ) -> Placement:
     """The placement over ``num_stages`` stages whose heaviest stage is as light as possible.
 
     Args:
-        costs: One record per layer, in layer order.
+        costs: One record per layer, in layer order, measured on (or scaled to) the reference worker.
         num_stages: Number of stages, ``1 <= num_stages <= len(costs)``; every stage gets >= 1 layer.
         by: ``"time"`` (forward + backward seconds) or ``"params"`` (parameter count).
         memory_capacity_bytes: ``None`` (unlimited), one capacity for every stage, or one per stage.
@@ -68,10 +79,15 @@ def partition(
         first_stage_extra: Fixed cost pinned to stage 0, e.g. the embedding. Its weight under ``by``
             adds to stage 0's load and its ``memory_bytes`` to stage 0's memory.
         last_stage_extra: Same for the last stage (final norm, head, loss).
-        comm_time_s: Activation send time, only with ``by="time"``. One number (every boundary costs
-            the same) or one number per layer: entry ``i`` is the time to send layer ``i``'s output to
-            the next stage. It is paid only where a stage ends (not by the last stage), and it is added
-            to the *sending* stage's load, which is busy until the send completes.
+        comm_time_s: Activation send time, only with ``by="time"``: one number (every layer, every
+            link), one number per layer (entry ``i`` is the time to send layer ``i``'s output to the
+            next stage, on every link), or one row per link (row ``s``: stage ``s`` -> ``s + 1``) of
+            one number per layer, when links differ. It is paid only where a stage ends (not by the
+            last stage), and it is added to the *sending* stage's load, which is busy until the send
+            completes.
+        stage_slowdown: Per stage, how many times longer its worker takes than the reference worker
+            the costs are expressed in (1.0 = the reference, 2.0 = half as fast); it scales the
+            stage's layers and extras. ``None``: every worker is the reference.
 
     Returns:
         The optimal placement. When several placements are optimal, which one is returned is
@@ -82,7 +98,14 @@ def partition(
             possible overflow in bytes and the stage that overflows).
     """
     return solve_partition(
-        costs, num_stages, by, memory_capacity_bytes, first_stage_extra, last_stage_extra, comm_time_s
+        costs,
+        num_stages,
+        by,
+        memory_capacity_bytes,
+        first_stage_extra,
+        last_stage_extra,
+        comm_time_s,
+        stage_slowdown,
     ).placement
 
 
@@ -93,11 +116,19 @@ def solve_partition(
     memory_capacity_bytes: MemoryCapacity = None,
     first_stage_extra: LayerCost | None = None,
     last_stage_extra: LayerCost | None = None,
-    comm_time_s: float | Sequence[float] | None = None,
+    comm_time_s: CommTime = None,
+    stage_slowdown: Sequence[float] | None = None,
 ) -> PartitionResult:
     """Like :func:`partition`, but also return the optimal bottleneck, stage loads and memory."""
     model = build_model(
-        costs, num_stages, by, memory_capacity_bytes, first_stage_extra, last_stage_extra, comm_time_s
+        costs,
+        num_stages,
+        by,
+        memory_capacity_bytes,
+        first_stage_extra,
+        last_stage_extra,
+        comm_time_s,
+        stage_slowdown,
     )
     placement = _search(model)
     loads = model.loads(placement)
@@ -111,50 +142,18 @@ def build_model(
     memory_capacity_bytes: MemoryCapacity = None,
     first_stage_extra: LayerCost | None = None,
     last_stage_extra: LayerCost | None = None,
-    comm_time_s: float | Sequence[float] | None = None,
+    comm_time_s: CommTime = None,
+    stage_slowdown: Sequence[float] | None = None,
 ) -> StageModel:
     """Validate the arguments of :func:`partition` and build its :class:`StageModel`."""
     check_costs(costs)
     check_view(by)
     check_num_stages(num_stages, len(costs))
     caps = memory_caps(memory_capacity_bytes, num_stages)
-    for name, extra in (("first_stage_extra", first_stage_extra), ("last_stage_extra", last_stage_extra)):
-        if extra is not None and not isinstance(extra, LayerCost):
-            raise ValueError(
-                f"{name}={extra!r} must be a LayerCost (or None); describe the pinned part's time, "
-                "parameters and memory with LayerCost(...)."
-            )
-    comm = _comm_per_layer(comm_time_s, len(costs), by)
-    return StageModel.build(costs, num_stages, by, caps, first_stage_extra, last_stage_extra, comm)
-
-
-def _comm_per_layer(
-    comm_time_s: float | Sequence[float] | None, num_layers: int, by: str
-) -> list[float] | None:
-    if comm_time_s is None:
-        return None
-    if by != "time":
-        raise ValueError(
-            f"comm_time_s={comm_time_s!r} is given with by={by!r}; communication time only adds to time "
-            "loads, so use by='time' or drop comm_time_s."
-        )
-    if isinstance(comm_time_s, (int, float)) and not isinstance(comm_time_s, bool):
-        values = [float(comm_time_s)] * num_layers
-    elif isinstance(comm_time_s, Sequence) and not isinstance(comm_time_s, str):
-        if len(comm_time_s) != num_layers:
-            raise ValueError(
-                f"comm_time_s has {len(comm_time_s)} entries but there are {num_layers} layers; give one "
-                "send time per layer (entry i = sending layer i's output), or a single number."
-            )
-        values = [float(v) if not isinstance(v, bool) else math.nan for v in comm_time_s]
-    else:
-        raise ValueError(f"comm_time_s={comm_time_s!r} must be None, a number of seconds, or one per layer.")
-    bad = [v for v in values if math.isnan(v) or math.isinf(v) or v < 0]
-    if bad:
-        raise ValueError(
-            f"comm_time_s contains {bad[0]!r}; send times must be finite numbers >= 0 (seconds)."
-        )
-    return values
+    check_extras(first_stage_extra, last_stage_extra)
+    comm = comm_rows(comm_time_s, len(costs), num_stages, by)
+    slowdown = check_slowdown(stage_slowdown, num_stages)
+    return StageModel.build(costs, num_stages, by, caps, first_stage_extra, last_stage_extra, comm, slowdown)
 
 
 def _search(model: StageModel) -> Placement:
@@ -164,10 +163,7 @@ def _search(model: StageModel) -> Placement:
         raise _memory_error(model)
     best = Placement(bounds)
     hi = max(model.loads(best))
-    n, stages = model.num_layers, model.num_stages
-    total = float(model.prefix_load[-1]) + sum(model.extra_load)
-    lo = max(total / stages, float(max(model.prefix_load[1:] - model.prefix_load[:-1])) if n else 0.0)
-    lo = min(lo, hi)
+    lo = min(_lower_bound(model), hi)
     for _ in range(_MAX_PROBES):
         if lo >= hi:
             return best
@@ -182,6 +178,24 @@ def _search(model: StageModel) -> Placement:
             hi = max(model.loads(best))
     log.warning("partition search stopped after %d probes; returning the best placement found", _MAX_PROBES)
     return best
+
+
+def _lower_bound(model: StageModel) -> float:
+    """A bottleneck no placement can beat: the work spread at every worker's speed, or the largest layer.
+
+    Stage ``s`` can take at most ``(B - extra_s) / slowdown_s`` of the reference work under a bottleneck
+    ``B`` (links only add), so ``B >= (W + sum(extra_s / slowdown_s)) / sum(1 / slowdown_s)``; and the
+    largest layer costs at least its weight on the fastest worker.
+    """
+    largest = float(np.max(np.diff(model.prefix_load)))
+    total = float(model.prefix_load[-1])
+    if all(f == 1.0 for f in model.slowdown):
+        return max((total + sum(model.extra_load)) / model.num_stages, largest)
+    spread = (total + sum(e / f for e, f in zip(model.extra_load, model.slowdown, strict=True))) / sum(
+        1.0 / f for f in model.slowdown
+    )
+    # A rounding hair above the optimum would make the search miss it: stay safely below.
+    return max(spread, largest * min(model.slowdown)) * (1.0 - 1e-9)
 
 
 def _memory_error(model: StageModel) -> ValueError:

@@ -20,6 +20,7 @@ Read in this order:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -28,28 +29,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_dynmo.balancing._checks import memory_caps
-from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
+from lightning_dynmo.balancing._checks import CommTime, comm_rows, memory_caps
+from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
+from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost
 from lightning_dynmo.balancing.diffusion import diffuse
-from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline
+from lightning_dynmo.balancing.hardware import Hardware, stage_times
+from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline, simulated_schedule
+from lightning_dynmo.balancing.microbatches import RetuneOptions, choose_microbatches
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.repack import repack
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
 BALANCERS: tuple[str, ...] = ("partition", "diffusion", "static")
-
-# torch.distributed.pipelining schedule names (lower-cased) -> the simulator's schedule model.
-_SIMULATED_SCHEDULE = {
-    "gpipe": "gpipe",
-    "loopedbfs": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "1f1b",
-    "interleavedzerobubble": "zero_bubble",
-    "zbvzerobubble": "zero_bubble",
-    "dualpipev": "zero_bubble",
-    "zero_bubble": "zero_bubble",
-}
 
 MemoryCapacity = float | int | Sequence[float | int] | None
 
@@ -411,6 +403,9 @@ class RebalanceDecision:
         imbalance_before: Stage-load imbalance of ``current``.
         imbalance_after: Stage-load imbalance of ``proposed``.
         reason: Why (not) applied, for the log line.
+        num_microbatches: With a re-tune (:class:`~lightning_dynmo.balancing.microbatches.RetuneOptions`),
+            the micro-batch count the re-packed pipeline runs; ``None``: unchanged.
+        microbatch_steps: The predicted step seconds of each micro-batch count the re-tune weighed.
     """
 
     apply: bool
@@ -423,6 +418,8 @@ class RebalanceDecision:
     imbalance_before: float
     imbalance_after: float
     reason: str
+    num_microbatches: int | None = None
+    microbatch_steps: Mapping[int, float] | None = None
 
     @property
     def predicted_gain(self) -> float:
@@ -444,24 +441,14 @@ class _Prediction:
     imbalance: float
 
 
-def simulated_schedule(schedule: str) -> str:
-    """The simulator's model (``"gpipe"``, ``"1f1b"``, ``"zero_bubble"``) of a pipelining schedule name."""
-    key = schedule.lower()
-    if key not in _SIMULATED_SCHEDULE:
-        raise ValueError(
-            f"schedule={schedule!r} has no simulator model; use one of torch's schedule names "
-            f"({', '.join(sorted(_SIMULATED_SCHEDULE))})."
-        )
-    return _SIMULATED_SCHEDULE[key]
-
-
 def predict(
     costs: Sequence[LayerCost],
     placement: Placement,
     num_microbatches: int,
     schedule: str,
     by: str = "time",
-    comm_time_s: Sequence[float] | None = None,
+    comm_time_s: CommTime = None,
+    hardware: Hardware | None = None,
 ) -> tuple[float, float, float]:
     """Simulated (step time, bubble ratio, stage-load imbalance) of ``placement``.
 
@@ -471,9 +458,15 @@ def predict(
         num_microbatches: Micro-batches per step.
         schedule: A pipelining schedule name, e.g. ``"1F1B"``.
         by: ``"time"``, or ``"params"`` (parameter counts stand in for time, split 1:2 forward:backward).
-        comm_time_s: Per layer, seconds to send its output to the next stage (used where a stage ends).
+        comm_time_s: Seconds to send each layer's output across a boundary (used where a stage ends):
+            one per layer, or one row per link. Overrides ``hardware.comm_time_s`` when given. A send
+            keeps its sender busy (it is added to the sender's forward op), as the balancers assume.
+        hardware: Pinned first/last-stage parts, worker slowdowns (one stage per worker) and links.
     """
-    p = _predict(costs, placement, num_microbatches, schedule, by, comm_time_s)
+    hw = hardware or Hardware()
+    if comm_time_s is not None:
+        hw = dataclasses.replace(hw, comm_time_s=comm_time_s)
+    p = _predict(costs, placement, num_microbatches, schedule, by, hw, None)
     return p.step, p.bubble_ratio, p.imbalance
 
 
@@ -483,25 +476,13 @@ def _predict(
     num_microbatches: int,
     schedule: str,
     by: str,
-    comm_time_s: Sequence[float] | None,
+    hardware: Hardware,
+    stage_workers: Sequence[int] | None,
 ) -> _Prediction:
-    if by == "time":
-        fwd = [c.fwd_time_s for c in costs]
-        bwd = [c.bwd_time_s for c in costs]
-    else:
-        weights = layer_weights(costs, by)
-        fwd = [w / 3 for w in weights]
-        bwd = [2 * w / 3 for w in weights]
-    stages = range(placement.num_stages)
-    stage_fwd = [sum(fwd[i] for i in placement.layers_of(s)) / num_microbatches for s in stages]
-    stage_bwd = [sum(bwd[i] for i in placement.layers_of(s)) / num_microbatches for s in stages]
-    comm: list[float] = []
-    if comm_time_s is not None and by == "time":
-        comm = [comm_time_s[placement.layers_of(s)[-1]] for s in range(placement.num_stages - 1)]
-    sim = simulate_pipeline(
-        stage_fwd, stage_bwd, num_microbatches, simulated_schedule(schedule), comm if comm else 0.0
-    )
-    loads = tuple(f + b for f, b in zip(stage_fwd, stage_bwd, strict=True))
+    times = stage_times(costs, placement, by, hardware, stage_workers)
+    fwd, bwd = times.per_microbatch(num_microbatches)
+    sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
+    loads = tuple(f + b for f, b in zip(fwd, bwd, strict=True))
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
 
 
@@ -511,20 +492,24 @@ def decide(
     config: BalanceConfig,
     num_microbatches: int,
     schedule: str,
-    comm_time_s: Sequence[float] | None = None,
+    comm_time_s: CommTime = None,
     stage_workers: Sequence[int] | None = None,
     min_saving: float = 0.0,
     repack_layouts: Mapping[int, Sequence[int]] | None = None,
+    hardware: Hardware | None = None,
+    retune: RetuneOptions | None = None,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
     Args:
-        costs: One record per layer (identical on every rank: gathered by the profiler).
+        costs: One record per layer (identical on every rank: gathered by the profiler), expressed on
+            the reference worker when ``hardware`` gives worker slowdowns.
         current: The placement in use.
         config: Balancer, cost view, memory caps, re-pack options, minimum gain.
         num_microbatches: Micro-batches per step.
         schedule: The pipelining schedule name.
-        comm_time_s: Per layer, seconds to send its output across a stage boundary (optional).
+        comm_time_s: Per layer, seconds to send its output across a stage boundary, or one such row per
+            link (optional; overrides ``hardware.comm_time_s``).
         stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
             stage. ``partition`` then minimises the heaviest *worker* (:func:`partition_workers`;
             per-stage memory caps become per-worker caps: the smallest of the worker's stages), and a
@@ -536,6 +521,13 @@ def decide(
         repack_layouts: With ``repack`` under a schedule with several stages per worker: every stage count
             it can run -> the worker of each stage (:func:`~lightning_dynmo.balancing.repack`'s
             ``layouts``); re-packs are then proposed only onto those and judged by the heaviest worker.
+        hardware: The pinned first- and last-stage parts (embedding; final norm, head and loss), which
+            every balancer, the predicted step and the memory caps count on their stages; worker
+            slowdowns; links. ``None``: blocks only, equal workers, free links.
+        retune: With ``cost="time"``, when a re-pack is applied, choose the micro-batch count of the
+            smaller pipeline among ``retune.counts[new stage count]`` (:func:`choose_microbatches`;
+            ``predicted_step_after`` stays the re-pack's at the current count, each count's prediction is
+            in ``microbatch_steps``).
 
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
@@ -546,38 +538,42 @@ def decide(
             f"costs has {len(costs)} records but current={current} covers {current.num_layers} layers; "
             "pass one LayerCost per layer."
         )
-    if comm_time_s is not None and len(comm_time_s) != len(costs):
-        raise ValueError(f"comm_time_s has {len(comm_time_s)} entries; give one per layer ({len(costs)}).")
     if stage_workers is not None and len(stage_workers) != current.num_stages:
         raise ValueError(
             f"stage_workers has {len(stage_workers)} entries but current={current} has "
             f"{current.num_stages} stages; give the worker of every stage."
         )
+    hw = hardware or Hardware()
+    if comm_time_s is not None:
+        hw = dataclasses.replace(hw, comm_time_s=comm_time_s)
+    comm_rows(hw.comm_time_s, len(costs), current.num_stages, "time")  # bad send times fail here
+    slowdown = hw.stage_slowdown(current.num_stages, stage_workers)
+    check_slowdown(slowdown, current.num_stages, "worker_slowdown")
     config.check_pipeline(current.num_stages)
 
-    def evaluate(placement: Placement) -> _Prediction:
-        return _predict(costs, placement, num_microbatches, schedule, config.cost, comm_time_s)
+    def evaluate(placement: Placement, workers: Sequence[int] | None) -> _Prediction:
+        return _predict(costs, placement, num_microbatches, schedule, config.cost, hw, workers)
 
     _check_positive(min_saving, "min_saving", allow_zero=True)
-    before = evaluate(current)
-    proposed, reason = _propose(costs, current, config, comm_time_s, stage_workers, repack_layouts)
-    after = evaluate(proposed)
-    step_before, step_after = before.step, after.step
+    proposed, reason = _propose(costs, current, config, hw, stage_workers, repack_layouts, num_microbatches)
     proposed_workers = (
         stage_workers
         if proposed.num_stages == current.num_stages
         else (repack_layouts or {}).get(proposed.num_stages)
     )
+    before = evaluate(current, stage_workers)
+    after = evaluate(proposed, proposed_workers)
+    step_before, step_after = before.step, after.step
     if stage_workers is not None and proposed_workers is not None:
-        step_before = max(worker_loads(costs, current, stage_workers, config.cost).values())
-        step_after = max(worker_loads(costs, proposed, proposed_workers, config.cost).values())
+        step_before = _heaviest_worker(costs, current, stage_workers, config.cost, hw)
+        step_after = _heaviest_worker(costs, proposed, proposed_workers, config.cost, hw)
     apply, why = _worth_it(current, proposed, step_before, step_after, config)
     if apply and proposed.num_stages == current.num_stages and step_before - step_after < min_saving:
         apply, why = (
             False,
             f"predicted saving {step_before - step_after:.4g} below min_saving={min_saving:.4g}",
         )
-    return RebalanceDecision(
+    decision = RebalanceDecision(
         apply=apply,
         current=current,
         proposed=proposed,
@@ -589,18 +585,85 @@ def decide(
         imbalance_after=after.imbalance,
         reason=f"{reason}; {why}",
     )
+    if retune is None or not apply or proposed.num_stages == current.num_stages or config.cost != "time":
+        return decision
+    return _retuned(decision, costs, config, num_microbatches, schedule, hw, proposed_workers, retune)
+
+
+def _retuned(
+    decision: RebalanceDecision,
+    costs: Sequence[LayerCost],
+    config: BalanceConfig,
+    num_microbatches: int,
+    schedule: str,
+    hw: Hardware,
+    workers: Sequence[int] | None,
+    retune: RetuneOptions,
+) -> RebalanceDecision:
+    """``decision`` (an applied re-pack) with the micro-batch count chosen for its smaller pipeline."""
+    proposed = decision.proposed
+    counts = retune.counts.get(proposed.num_stages)
+    if not counts:
+        return decision
+    caps = config.memory_capacity_bytes
+    if isinstance(caps, Sequence):
+        caps = list(caps)[: proposed.num_stages]  # the kept stages keep their capacities
+    choice = choose_microbatches(
+        costs,
+        proposed,
+        current=num_microbatches,
+        candidates=counts,
+        schedule=schedule,
+        hardware=hw,
+        stage_workers=workers,
+        per_op_s=retune.per_op_s,
+        memory_capacity_bytes=caps,
+        min_gain=config.min_gain,
+    )
+    if choice.num_microbatches == num_microbatches:
+        return dataclasses.replace(decision, microbatch_steps=choice.predicted_step_s)
+    return dataclasses.replace(
+        decision,
+        num_microbatches=choice.num_microbatches,
+        microbatch_steps=choice.predicted_step_s,
+        reason=f"{decision.reason}; {choice.num_microbatches} micro-batches instead of {num_microbatches}",
+    )
+
+
+def _heaviest_worker(
+    costs: Sequence[LayerCost], placement: Placement, workers: Sequence[int], by: str, hw: Hardware
+) -> float:
+    slowdown = None if hw.worker_slowdown is None else list(hw.worker_slowdown)
+    loads = worker_loads(
+        costs,
+        placement,
+        workers,
+        by,
+        hw.first_stage_extra,
+        hw.last_stage_extra,
+        hw.links(len(costs), placement.num_stages, by),
+        slowdown,
+    )
+    return max(loads.values())
 
 
 def _propose(
     costs: Sequence[LayerCost],
     current: Placement,
     config: BalanceConfig,
-    comm_time_s: Sequence[float] | None,
+    hw: Hardware,
     stage_workers: Sequence[int] | None,
     repack_layouts: Mapping[int, Sequence[int]] | None,
+    num_microbatches: int,
 ) -> tuple[Placement, str]:
     if config.balancer == "static":
         return current, "static balancer"
+    stages, by = current.num_stages, config.cost
+    extras = {"first_stage_extra": hw.first_stage_extra, "last_stage_extra": hw.last_stage_extra}
+    # The balancers weigh whole steps: a stage sends its activation once per micro-batch.
+    per_send = hw.links(len(costs), stages, by)
+    links = None if per_send is None else [[num_microbatches * t for t in row] for row in per_send]
+    slowdown = hw.stage_slowdown(stages, stage_workers)
     if config.repack:
         packed = repack(
             costs,
@@ -608,32 +671,51 @@ def _propose(
             config.memory_capacity_bytes,
             target_num_stages=config.target_num_stages,
             max_slowdown=config.max_slowdown,
-            by=config.cost,
+            by=by,
             layouts=repack_layouts,
+            comm_time_s=links if repack_layouts is None else None,
+            stage_slowdown=slowdown,
+            **extras,
         )
-        if packed.placement.num_stages < current.num_stages:
+        if packed.placement.num_stages < stages:
             return packed.placement, f"re-pack onto {packed.placement.num_stages} stages"
     caps = config.memory_capacity_bytes
     if config.balancer == "diffusion":
         result = diffuse(
             costs,
             current,
-            by=config.cost,
+            by=by,
             memory_capacity_bytes=caps,
             max_rounds=config.diffusion_max_rounds,
             tolerance=config.diffusion_tolerance,
+            first_stage_extra=hw.first_stage_extra,
+            last_stage_extra=hw.last_stage_extra,
+            comm_time_s=links,
+            stage_slowdown=slowdown,
         )
-        return result.placement, f"diffusion by {config.cost}"
+        return result.placement, f"diffusion by {by}"
     if stage_workers is not None:
         balanced = partition_workers(
-            costs, stage_workers, config.cost, _stage_caps_per_worker(caps, stage_workers), current=current
+            costs,
+            stage_workers,
+            by,
+            _stage_caps_per_worker(caps, stage_workers),
+            current=current,
+            comm_time_s=links,
+            worker_slowdown=None if hw.worker_slowdown is None else list(hw.worker_slowdown),
+            **extras,
         )
-        return balanced.placement, f"partition of the workers by {config.cost}"
-    comm = list(comm_time_s) if comm_time_s is not None and config.cost == "time" else None
+        return balanced.placement, f"partition of the workers by {by}"
     placement = partition(
-        costs, current.num_stages, by=config.cost, memory_capacity_bytes=caps, comm_time_s=comm
+        costs,
+        stages,
+        by=by,
+        memory_capacity_bytes=caps,
+        comm_time_s=links,
+        stage_slowdown=slowdown,
+        **extras,
     )
-    return placement, f"partition by {config.cost}"
+    return placement, f"partition by {by}"
 
 
 def _worth_it(

@@ -25,7 +25,16 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing._checks import MemoryCapacity, check_fraction, check_placement, memory_caps
+from lightning_dynmo.balancing._checks import (
+    CommTime,
+    MemoryCapacity,
+    check_extras,
+    check_fraction,
+    check_placement,
+    comm_rows,
+    memory_caps,
+)
+from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
 from lightning_dynmo.balancing.partition import PartitionResult, solve_partition
 from lightning_dynmo.balancing.placement import Placement
@@ -71,6 +80,10 @@ def repack(
     max_slowdown: float = 0.05,
     by: str = "time",
     layouts: Mapping[int, Sequence[int]] | None = None,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: CommTime = None,
+    stage_slowdown: Sequence[float] | None = None,
 ) -> RepackResult:
     """Move all layers onto the first ``k`` current stages and release the others.
 
@@ -86,6 +99,14 @@ def repack(
         layouts: For schedules with several stages per worker: every stage count the schedule can run
             (the current one included) -> the worker of each stage. Only these counts are proposed, and
             loads are per worker. ``None``: one stage per worker, any count from 1 up.
+        first_stage_extra: Fixed cost pinned to stage 0 (embedding), as in :func:`partition`.
+        last_stage_extra: Fixed cost pinned to the last stage (final norm, head, loss); it moves to
+            the last *kept* stage.
+        comm_time_s: Activation send times, as in :func:`partition`; per-link rows are for the
+            current links (kept stage ``s`` keeps link ``s``). Not with ``layouts``, unless the same
+            on every link.
+        stage_slowdown: Per *current* stage, how many times longer its worker takes than the
+            reference; kept stages keep their workers, hence their factors.
 
     Returns:
         A :class:`RepackResult`; with no target and no smaller pipeline within ``max_slowdown`` it
@@ -101,9 +122,27 @@ def repack(
     slowdown = check_fraction(max_slowdown, "max_slowdown")
     stages = placement.num_stages
     caps = memory_caps(memory_capacity_bytes, stages)
+    check_extras(first_stage_extra, last_stage_extra)
+    problem = _Problem(
+        costs,
+        by,
+        caps,
+        first_stage_extra,
+        last_stage_extra,
+        comm_rows(comm_time_s, len(costs), stages, by),
+        check_slowdown(stage_slowdown, stages),
+    )
     if layouts is not None:
-        return _repack_workers(costs, placement, caps, target_num_stages, slowdown, by, layouts)
-    previous = max(StageModel.build(costs, stages, by, caps).loads(placement))
+        if problem.comm is not None and any(row != problem.comm[0] for row in problem.comm):
+            raise ValueError(
+                "comm_time_s gives one row per link, but with layouts (several stages per worker) the "
+                "links of the re-packed pipeline are not the current ones; give one number per layer."
+            )
+        return _repack_workers(problem, placement, target_num_stages, slowdown, layouts, comm_time_s)
+    model = StageModel.build(
+        costs, stages, by, caps, first_stage_extra, last_stage_extra, problem.comm, problem.slowdown
+    )
+    previous = max(model.loads(placement))
     if target_num_stages is not None:
         if (
             not isinstance(target_num_stages, int)
@@ -115,32 +154,55 @@ def repack(
                 "number of stages); re-packing only removes stages."
             )
         try:
-            solved = solve_partition(costs, target_num_stages, by, list(caps[:target_num_stages]))
+            solved = problem.solve(target_num_stages)
         except ValueError as err:
             raise ValueError(
                 f"target_num_stages={target_num_stages} cannot be reached: the layers do not fit in memory "
                 f"on the first {target_num_stages} stages. {err}"
             ) from None
         return _result(solved, stages, previous)
-    best = _fewest_within(costs, caps, by, previous * (1.0 + slowdown), stages - 1)
+    best = _fewest_within(problem, previous * (1.0 + slowdown), stages - 1)
     if best is None:
         return RepackResult(placement, (), previous, previous)
     return _result(best, stages, previous)
 
 
-def _fewest_within(
-    costs: Sequence[LayerCost], caps: tuple[float, ...], by: str, limit: float, most: int
-) -> PartitionResult | None:
+@dataclass(frozen=True)
+class _Problem:
+    """The validated inputs of :func:`repack`, for the current stages."""
+
+    costs: Sequence[LayerCost]
+    by: str
+    caps: tuple[float, ...]
+    first: LayerCost | None
+    last: LayerCost | None
+    comm: list[list[float]] | None  # one row per current link
+    slowdown: tuple[float, ...]  # one per current stage
+
+    def solve(self, k: int) -> PartitionResult:
+        """The exact partition onto the first ``k`` stages (their caps, workers and links)."""
+        links = self.comm[: k - 1] if self.comm is not None and k > 1 else None
+        return solve_partition(
+            self.costs, k, self.by, list(self.caps[:k]), self.first, self.last, links, list(self.slowdown[:k])
+        )
+
+    @property
+    def monotone(self) -> bool:
+        """Whether a pipeline of more stages is never worse (one capacity, equal workers, free links)."""
+        return len(set(self.caps)) <= 1 and len(set(self.slowdown)) <= 1 and not self.comm
+
+
+def _fewest_within(problem: _Problem, limit: float, most: int) -> PartitionResult | None:
     """The optimal partition with the fewest stages in ``1..most`` whose bottleneck is <= ``limit``.
 
-    With one capacity for all stages, feasibility is monotone in the stage count (a stage of two or
-    more layers can always be split without raising any load or memory), so a binary search needs
-    only O(log S) exact partitions. With per-stage capacities adding a stage shifts which capacity
-    applies where, so we scan the counts upwards instead.
+    With one capacity for all stages, equal workers and free links, feasibility is monotone in the stage
+    count (a stage of two or more layers can always be split without raising any load or memory), so a
+    binary search needs only O(log S) exact partitions. Otherwise adding a stage shifts which capacity,
+    worker or link applies where, so we scan the counts upwards instead.
     """
-    if len(set(caps)) > 1:
+    if not problem.monotone:
         for k in range(1, most + 1):
-            solved = _try(costs, k, by, caps)
+            solved = _try(problem, k)
             if solved is not None and solved.bottleneck <= limit:
                 return solved
         return None
@@ -148,7 +210,7 @@ def _fewest_within(
     best: PartitionResult | None = None
     while lo <= hi:
         k = (lo + hi) // 2
-        solved = _try(costs, k, by, caps)
+        solved = _try(problem, k)
         if solved is not None and solved.bottleneck <= limit:
             best, hi = solved, k - 1
         else:
@@ -156,9 +218,9 @@ def _fewest_within(
     return best
 
 
-def _try(costs: Sequence[LayerCost], k: int, by: str, caps: tuple[float, ...]) -> PartitionResult | None:
+def _try(problem: _Problem, k: int) -> PartitionResult | None:
     try:
-        return solve_partition(costs, k, by, list(caps[:k]))
+        return problem.solve(k)
     except ValueError:
         return None  # the first k stages cannot hold the layers' memory
 
@@ -169,18 +231,26 @@ def _result(solved: PartitionResult, stages: int, previous: float) -> RepackResu
 
 
 def _repack_workers(
-    costs: Sequence[LayerCost],
+    problem: _Problem,
     current: Placement,
-    caps: tuple[float, ...],
     target: int | None,
     slowdown: float,
-    by: str,
     layouts: Mapping[int, Sequence[int]],
+    comm_time_s: CommTime,
 ) -> RepackResult:
     """:func:`repack` over the stage counts in ``layouts``, balancing and comparing workers."""
+    costs, by, caps = problem.costs, problem.by, problem.caps
     stages = current.num_stages
     now = list(layouts.get(stages, range(stages)))
-    previous = max(worker_loads(costs, current, now, by).values())
+    # A kept worker keeps its memory (the smallest capacity among its current stages) and its speed.
+    worker_caps: dict[int, float] = {}
+    worker_slowdown: dict[int, float] = {}
+    for stage, worker in enumerate(now):
+        worker_caps[worker] = min(worker_caps.get(worker, math.inf), caps[stage])
+        worker_slowdown[worker] = max(worker_slowdown.get(worker, 0.0), problem.slowdown[stage])
+    comm = comm_time_s if problem.comm is not None else None
+    first, last = problem.first, problem.last
+    previous = max(worker_loads(costs, current, now, by, first, last, comm, worker_slowdown).values())
     counts = sorted(k for k in layouts if k < stages)
     if target is not None:
         if target not in (*counts, stages):
@@ -190,14 +260,20 @@ def _repack_workers(
                 "it accepts). Pick one of them, or None for an automatic choice."
             )
         counts = [target]
-    # A kept worker keeps its memory: the smallest capacity among its current stages.
-    worker_caps: dict[int, float] = {}
-    for stage, worker in enumerate(now):
-        worker_caps[worker] = min(worker_caps.get(worker, math.inf), caps[stage])
     for k in counts:
         workers = list(layouts[k])
+        kept = {w: worker_caps[w] for w in set(workers)}
         try:
-            solved = partition_workers(costs, workers, by, {w: worker_caps[w] for w in set(workers)})
+            solved = partition_workers(
+                costs,
+                workers,
+                by,
+                kept,
+                first_stage_extra=first,
+                last_stage_extra=last,
+                comm_time_s=comm,
+                worker_slowdown={w: worker_slowdown[w] for w in kept},
+            )
         except ValueError as err:
             if target is None:
                 continue  # these workers cannot hold the layers' memory: try more of them

@@ -1,24 +1,30 @@
 """What a stage costs: the load and memory of a contiguous run of layers on a given stage (private model).
 
-Read :class:`StageModel` first. It turns per-layer records plus the optional extras into the two numbers
-every balancer compares: the *load* of stage ``s`` owning layers ``a..b-1`` and its *memory*.
+Read :class:`StageModel` first. It turns per-layer records plus the optional extras, slowdowns and link
+times into the two numbers every balancer compares: the *load* of stage ``s`` owning layers ``a..b-1``
+and its *memory*.
 
 Model (documented once, used by partition, diffusion and repack alike):
 
-* load(a, b, s) = sum of the layers' weights (``by`` view)
-  + ``comm[b-1]`` if ``s`` is not the last stage (the send time of the boundary layer's activation is
-  paid by the *sending* stage, which cannot start its next op until the send is done)
-  + the first-stage extra's weight if ``s == 0`` + the last-stage extra's weight if ``s`` is the last.
+* load(a, b, s) = ``slowdown[s]`` x (sum of the layers' weights in the ``by`` view)
+  + ``comm[s][b-1]`` if ``s`` is not the last stage (the time to send the boundary layer's activation
+  over stage ``s``'s link; the *sending* stage pays it, as it cannot start its next op until the send is
+  done)
+  + ``slowdown[s]`` x (the first-stage extra's weight if ``s == 0``, the last-stage extra's if ``s`` is
+  the last).
 * memory(a, b, s) = sum of the layers' ``memory_bytes`` + the extras' ``memory_bytes`` on their stages.
 
-Loads are always evaluated as ``((W[b] - W[a]) + comm) + extra`` on prefix sums ``W`` so that the scalar
-and the vectorised code paths round identically (the exact search relies on that).
+Costs are expressed on a *reference* worker; a stage whose worker is slower (``slowdown[s] > 1``) takes
+proportionally longer for the same layers, extras included. Loads are always evaluated as
+``(slowdown * (W[b] - W[a]) + comm) + extra`` on prefix sums ``W``, so that the scalar and the vectorised
+code paths round identically (the exact search relies on that); with every slowdown 1.0 and no
+communication the value is exactly ``(W[b] - W[a]) + extra``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -27,20 +33,23 @@ from lightning_dynmo.balancing.costs import LayerCost, layer_weights
 from lightning_dynmo.balancing.placement import Placement
 
 FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, eq=False)
 class StageModel:
-    """Prefix sums and per-stage extras for one balancing problem with ``num_stages`` stages.
+    """Prefix sums and per-stage extras, slowdowns and link times for one problem with ``num_stages`` stages.
 
     Attributes:
         num_stages: Number of stages of the placements this model evaluates.
-        prefix_load: ``W[i]`` = summed weight of layers ``0..i-1`` (length ``n + 1``).
+        prefix_load: ``W[i]`` = summed weight of layers ``0..i-1`` on the reference worker (length ``n + 1``).
         prefix_memory: ``M[i]`` = summed ``memory_bytes`` of layers ``0..i-1`` (length ``n + 1``).
-        comm: Send time of each layer's output when it ends a non-last stage (length ``n``).
-        extra_load: Fixed load added to each stage (first/last-stage extras), length ``num_stages``.
+        comm: ``comm[s][i]``: time for stage ``s`` to send layer ``i``'s output to stage ``s + 1``; the
+            last row (the last stage sends nothing) is zeros. Shape ``(num_stages, n)``.
+        extra_load: Fixed load added to each stage (first/last-stage extras, slowdown applied).
         extra_memory: Fixed bytes added to each stage, length ``num_stages``.
         caps: Memory capacity of each stage in bytes (``inf`` = unlimited), length ``num_stages``.
+        slowdown: Time factor of each stage's worker against the reference, length ``num_stages``.
     """
 
     num_stages: int
@@ -50,6 +59,23 @@ class StageModel:
     extra_load: tuple[float, ...]
     extra_memory: tuple[float, ...]
     caps: tuple[float, ...]
+    slowdown: tuple[float, ...] = ()
+
+    _slowdown: FloatArray = field(init=False, repr=False)
+    _extra_load: FloatArray = field(init=False, repr=False)
+    _extra_memory: FloatArray = field(init=False, repr=False)
+    _scaled: bool = field(init=False, repr=False)
+    _linked: bool = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.slowdown:
+            object.__setattr__(self, "slowdown", (1.0,) * self.num_stages)
+        # Array copies and flags for the vectorised paths, which diffusion calls thousands of times.
+        object.__setattr__(self, "_slowdown", np.asarray(self.slowdown, dtype=np.float64))
+        object.__setattr__(self, "_extra_load", np.asarray(self.extra_load, dtype=np.float64))
+        object.__setattr__(self, "_extra_memory", np.asarray(self.extra_memory, dtype=np.float64))
+        object.__setattr__(self, "_scaled", any(f != 1.0 for f in self.slowdown))
+        object.__setattr__(self, "_linked", bool(np.any(self.comm)))
 
     @classmethod
     def build(
@@ -60,18 +86,27 @@ class StageModel:
         caps: tuple[float, ...],
         first_stage_extra: LayerCost | None = None,
         last_stage_extra: LayerCost | None = None,
-        comm: Sequence[float] | None = None,
+        comm: Sequence[Sequence[float]] | None = None,
+        slowdown: Sequence[float] | None = None,
     ) -> StageModel:
-        """Build the model from validated inputs (see ``partition`` for the meaning of each)."""
+        """Build the model from validated inputs (see ``partition`` for the meaning of each).
+
+        ``comm`` has one row per link (``num_stages - 1`` rows of one entry per layer) or is ``None``.
+        """
+        factors = tuple(slowdown) if slowdown is not None else (1.0,) * num_stages
         weights = np.asarray(layer_weights(costs, by), dtype=np.float64)
         memory = np.asarray([float(c.memory_bytes) for c in costs], dtype=np.float64)
         extra_load = [0.0] * num_stages
         extra_memory = [0.0] * num_stages
         for stage, extra in ((0, first_stage_extra), (num_stages - 1, last_stage_extra)):
             if extra is not None:
-                extra_load[stage] += layer_weights([extra], by)[0]
+                extra_load[stage] += factors[stage] * layer_weights([extra], by)[0]
                 extra_memory[stage] += float(extra.memory_bytes)
-        comm_arr = np.zeros(len(costs)) if comm is None else np.asarray(comm, dtype=np.float64)
+        comm_arr = np.zeros((num_stages, len(costs)))
+        if comm is not None:
+            comm_arr[: num_stages - 1] = np.asarray(comm, dtype=np.float64).reshape(
+                num_stages - 1, len(costs)
+            )
         return cls(
             num_stages=num_stages,
             prefix_load=np.concatenate(([0.0], np.cumsum(weights))),
@@ -80,6 +115,7 @@ class StageModel:
             extra_load=tuple(extra_load),
             extra_memory=tuple(extra_memory),
             caps=caps,
+            slowdown=factors,
         )
 
     @property
@@ -87,14 +123,39 @@ class StageModel:
         """Number of layers ``n``."""
         return len(self.prefix_load) - 1
 
+    @property
+    def homogeneous(self) -> bool:
+        """Every stage runs at the reference speed and no link costs anything."""
+        return not (self._scaled or self._linked)
+
     def comm_of(self, stage: int, end: int) -> float:
         """Send time paid by ``stage`` when it ends before layer ``end`` (0 for the last stage)."""
-        return 0.0 if stage == self.num_stages - 1 else float(self.comm[end - 1])
+        return float(self.comm[stage, end - 1])
 
     def load(self, start: int, end: int, stage: int) -> float:
         """Load of ``stage`` owning layers ``start..end-1``."""
         w = self.prefix_load
-        return (float(w[end] - w[start]) + self.comm_of(stage, end)) + self.extra_load[stage]
+        work = self.slowdown[stage] * float(w[end] - w[start])
+        return (work + self.comm_of(stage, end)) + self.extra_load[stage]
+
+    def loads_of(self, starts: IntArray, ends: IntArray, stages: IntArray) -> FloatArray:
+        """Vectorised :meth:`load`: the load of ``stages[k]`` owning ``starts[k]..ends[k]-1`` (same rounding).
+
+        Factors of 1.0 and zero links or extras are skipped, which leaves every value unchanged.
+        """
+        w = self.prefix_load
+        loads: FloatArray = w[ends] - w[starts]
+        if self._scaled:
+            loads = self._slowdown[stages] * loads
+        if self._linked:
+            loads = loads + self.comm[stages, ends - 1]
+        return loads + self._extra_load[stages]
+
+    def memories_of(self, starts: IntArray, ends: IntArray, stages: IntArray) -> FloatArray:
+        """Vectorised :meth:`memory`."""
+        m = self.prefix_memory
+        result: FloatArray = (m[ends] - m[starts]) + self._extra_memory[stages]
+        return result
 
     def memory(self, start: int, end: int, stage: int) -> float:
         """Bytes ``stage`` needs when owning layers ``start..end-1``."""

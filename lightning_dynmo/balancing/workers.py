@@ -23,12 +23,15 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing._checks import check_num_stages
+from lightning_dynmo.balancing._checks import CommTime, check_extras, check_num_stages, comm_rows
+from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
 from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view, layer_weights
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 
 WorkerCapacity = float | Sequence[float] | Mapping[int, float] | None
+#: Per worker, a number indexed by worker id (a sequence) or keyed by it (a mapping).
+PerWorker = Sequence[float] | Mapping[int, float] | None
 #: Work the escape phase may spend after the first local optimum, in descents x layers x stages (see
 #: ``_Search.kick``): small problems get many extra descents, large ones none.
 KICK_WORK = 4000
@@ -42,7 +45,7 @@ class WorkerPartitionResult:
         placement: The placement (stage ``s`` on worker ``stage_workers[s]``).
         bottleneck: The heaviest worker's load: the sum of its stages' loads.
         worker_loads: Load of every worker, by worker id.
-        worker_memory_bytes: Memory of every worker (its stages' layers), by worker id.
+        worker_memory_bytes: Memory of every worker (its stages' layers and extras), by worker id.
     """
 
     placement: Placement
@@ -52,14 +55,26 @@ class WorkerPartitionResult:
 
 
 def worker_loads(
-    costs: Sequence[LayerCost], placement: Placement, stage_workers: Sequence[int], by: str = "time"
+    costs: Sequence[LayerCost],
+    placement: Placement,
+    stage_workers: Sequence[int],
+    by: str = "time",
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: CommTime = None,
+    worker_slowdown: PerWorker = None,
 ) -> dict[int, float]:
-    """Each worker's load under ``placement``: the summed ``by`` weight of the layers of all its stages."""
+    """Each worker's load under ``placement``: the summed load of all its stages.
+
+    A stage's load is its layers' ``by`` weight, plus the pinned extras on the first and last stage,
+    times its worker's slowdown, plus the time to send its boundary activation (see
+    :func:`partition_workers` for the arguments).
+    """
     _check_workers(stage_workers, placement.num_stages)
-    loads: dict[int, float] = dict.fromkeys(sorted(set(stage_workers)), 0.0)
-    for stage, load in enumerate(placement.stage_loads(costs, by)):
-        loads[stage_workers[stage]] += load
-    return loads
+    model = _Model.build(
+        costs, stage_workers, by, first_stage_extra, last_stage_extra, comm_time_s, worker_slowdown
+    )
+    return dict(zip(model.ids, model.totals(placement.boundaries)[0], strict=True))
 
 
 def partition_workers(
@@ -68,6 +83,10 @@ def partition_workers(
     by: str = "time",
     memory_capacity_bytes: WorkerCapacity = None,
     current: Placement | None = None,
+    first_stage_extra: LayerCost | None = None,
+    last_stage_extra: LayerCost | None = None,
+    comm_time_s: CommTime = None,
+    worker_slowdown: PerWorker = None,
 ) -> WorkerPartitionResult:
     """A placement over ``len(stage_workers)`` stages whose heaviest worker is as light as we can find.
 
@@ -80,6 +99,14 @@ def partition_workers(
             (a sequence indexed by worker id, or a mapping worker id -> bytes). A worker's memory is
             the summed ``memory_bytes`` of the layers of all its stages.
         current: The placement in use, tried as a starting point too (so the result is never worse).
+        first_stage_extra: Fixed cost pinned to stage 0 (embedding): its weight adds to stage 0's
+            worker, its memory too.
+        last_stage_extra: The same for the last stage (final norm, head, loss).
+        comm_time_s: Activation send times, only with ``by="time"``: one number, one per layer, or one
+            row per stage boundary (row ``s``: stage ``s`` -> ``s + 1``) of one per layer. Stage
+            ``s``'s worker pays the send of its last layer's output, except for the last stage.
+        worker_slowdown: Per worker (indexed or keyed by worker id), how many times longer it takes
+            than the reference worker the costs are expressed in; ``None``: all are the reference.
 
     Returns:
         The best placement found; deterministic for the same input.
@@ -97,8 +124,20 @@ def partition_workers(
             f"current={current} has {current.num_stages} stages and {current.num_layers} layers; "
             f"expected {num_stages} stages (one per stage_workers entry) and {len(costs)} layers."
         )
-    search = _Search(costs, stage_workers, by, _worker_caps(memory_capacity_bytes, stage_workers))
-    starts = [partition(costs, num_stages, by=by).boundaries, _even(len(costs), num_stages)]
+    model = _Model.build(
+        costs, stage_workers, by, first_stage_extra, last_stage_extra, comm_time_s, worker_slowdown
+    )
+    search = _Search(model, _worker_caps(memory_capacity_bytes, stage_workers))
+    per_stage = partition(
+        costs,
+        num_stages,
+        by=by,
+        first_stage_extra=first_stage_extra,
+        last_stage_extra=last_stage_extra,
+        comm_time_s=comm_time_s,
+        stage_slowdown=[model.factor[k] for k in model.owner],
+    )
+    starts = [per_stage.boundaries, _even(len(costs), num_stages)]
     if current is not None:
         starts.append(current.boundaries)
     best = min((search.descend(list(b)) for b in starts), key=search.score)
@@ -110,70 +149,113 @@ def partition_workers(
             f"{worst} has. Raise memory_capacity_bytes, use more workers, or a model that fits."
         )
     placement = Placement(tuple(best))
-    loads = search.worker_loads(best)
-    return WorkerPartitionResult(placement, max(loads.values()), loads, search.worker_memory(best))
+    loads, memory = model.totals(best)
+    by_worker = dict(zip(model.ids, loads, strict=True))
+    return WorkerPartitionResult(placement, max(loads), by_worker, dict(zip(model.ids, memory, strict=True)))
 
 
-class _Search:
-    """Worker loads and memory of boundary lists, and the descent over boundary moves.
+@dataclass(frozen=True)
+class _Model:
+    """Worker loads and memory of boundary lists (workers in slots ``0..W-1``: sorted ids).
 
-    Workers are kept in slots ``0..W-1`` (sorted ids). A move changes some boundaries; moving boundary
-    ``i`` from ``x`` to ``y`` hands the layers in between from one of its stages to the other, so stage
-    ``i - 1`` gains ``P[y] - P[x]`` (prefix sums ``P``) and stage ``i`` loses it. Moves are therefore
-    scored from the current worker totals in O(workers), without re-summing the stages.
+    A stage's load is ``(factor * (layers + extra) + send)``: its layers' and pinned extra's reference
+    weight times its worker's slowdown, plus the time to send its last layer's output (not for the last
+    stage).
     """
 
-    def __init__(
-        self,
+    ids: list[int]
+    owner: list[int]  # slot of each stage's worker
+    factor: list[float]  # slowdown of each slot
+    prefix_load: list[float]
+    prefix_memory: list[float]
+    extra_load: list[float]  # per stage, reference weight of its pinned extra
+    extra_memory: list[float]
+    comm: list[list[float]] | None  # per stage boundary, per layer
+
+    @classmethod
+    def build(
+        cls,
         costs: Sequence[LayerCost],
         stage_workers: Sequence[int],
         by: str,
-        caps: Mapping[int, float],
-    ) -> None:
-        self.ids = sorted(set(stage_workers))
-        slot = {w: k for k, w in enumerate(self.ids)}
-        self.owner = [slot[w] for w in stage_workers]
-        self.caps = [caps[w] for w in self.ids]
-        self.prefix_load = [0.0]
-        self.prefix_memory = [0.0]
+        first: LayerCost | None,
+        last: LayerCost | None,
+        comm_time_s: CommTime,
+        slowdown: PerWorker,
+    ) -> _Model:
+        ids = sorted(set(stage_workers))
+        slot = {w: k for k, w in enumerate(ids)}
+        num_stages = len(stage_workers)
+        check_extras(first, last)
+        extra_load, extra_memory = [0.0] * num_stages, [0.0] * num_stages
+        for stage, extra in ((0, first), (num_stages - 1, last)):
+            if extra is not None:
+                extra_load[stage] += layer_weights([extra], by)[0]
+                extra_memory[stage] += float(extra.memory_bytes)
+        prefix_load, prefix_memory = [0.0], [0.0]
         for w, c in zip(layer_weights(costs, by), costs, strict=True):
-            self.prefix_load.append(self.prefix_load[-1] + w)
-            self.prefix_memory.append(self.prefix_memory[-1] + float(c.memory_bytes))
-        # Strict improvement below this is float noise, not progress (it keeps the descent finite).
-        self.eps = 1e-12 * max(self.prefix_load[-1], 1.0)
+            prefix_load.append(prefix_load[-1] + w)
+            prefix_memory.append(prefix_memory[-1] + float(c.memory_bytes))
+        return cls(
+            ids=ids,
+            owner=[slot[w] for w in stage_workers],
+            factor=list(_worker_slowdown(slowdown, ids)),
+            prefix_load=prefix_load,
+            prefix_memory=prefix_memory,
+            extra_load=extra_load,
+            extra_memory=extra_memory,
+            comm=comm_rows(comm_time_s, len(costs), num_stages, by),
+        )
 
-    def _totals(self, b: Sequence[int]) -> tuple[list[float], list[float]]:
+    def totals(self, b: Sequence[int]) -> tuple[list[float], list[float]]:
+        """Per worker slot: (load, memory) of boundaries ``b``."""
         loads, memory = [0.0] * len(self.ids), [0.0] * len(self.ids)
         for s, k in enumerate(self.owner):
-            loads[k] += self.prefix_load[b[s + 1]] - self.prefix_load[b[s]]
-            memory[k] += self.prefix_memory[b[s + 1]] - self.prefix_memory[b[s]]
+            work = (self.prefix_load[b[s + 1]] - self.prefix_load[b[s]]) + self.extra_load[s]
+            send = self.comm[s][b[s + 1] - 1] if self.comm is not None and s < len(self.owner) - 1 else 0.0
+            loads[k] += self.factor[k] * work + send
+            memory[k] += (self.prefix_memory[b[s + 1]] - self.prefix_memory[b[s]]) + self.extra_memory[s]
         return loads, memory
+
+
+class _Search:
+    """The descent over boundary moves on a :class:`_Model`.
+
+    A move changes some boundaries; moving boundary ``i`` from ``x`` to ``y`` hands the layers in
+    between from one of its stages to the other, so stage ``i - 1`` gains ``P[y] - P[x]`` (prefix sums
+    ``P``, times its worker's slowdown) and stage ``i`` loses it, and stage ``i - 1``'s send changes
+    with its last layer. Moves are therefore scored from the current worker totals in O(workers),
+    without re-summing the stages.
+    """
+
+    def __init__(self, model: _Model, caps: Mapping[int, float]) -> None:
+        self.model = model
+        self.ids = model.ids
+        self.owner = model.owner
+        self.caps = [caps[w] for w in self.ids]
+        # Strict improvement below this is float noise, not progress (it keeps the descent finite).
+        self.eps = 1e-12 * max(model.prefix_load[-1] * max(model.factor), 1.0)
 
     def _score(self, loads: list[float], memory: list[float]) -> tuple[float, float, float]:
         over = sum(max(0.0, m - c) for m, c in zip(memory, self.caps, strict=True))
         return over, max(loads), sum(v * v for v in loads)
 
-    def worker_loads(self, b: Sequence[int]) -> dict[int, float]:
-        return dict(zip(self.ids, self._totals(b)[0], strict=True))
-
-    def worker_memory(self, b: Sequence[int]) -> dict[int, float]:
-        return dict(zip(self.ids, self._totals(b)[1], strict=True))
-
     def overflow(self, b: Sequence[int]) -> tuple[float, int]:
         """Largest bytes over capacity (<= 0 when everything fits) and the worker where it happens."""
-        memory = self._totals(b)[1]
+        memory = self.model.totals(b)[1]
         worst = max(range(len(self.ids)), key=lambda k: memory[k] - self.caps[k])
         return memory[worst] - self.caps[worst], self.ids[worst]
 
     def score(self, b: Sequence[int]) -> tuple[float, float, float]:
-        return self._score(*self._totals(b))
+        return self._score(*self.model.totals(b))
 
     def descend(self, b: list[int]) -> list[int]:
         """Steepest descent over the moves of :meth:`_moves`; returns a local optimum."""
         b = list(b)
-        loads, memory = self._totals(b)
+        loads, memory = self.model.totals(b)
         current = self._score(loads, memory)
-        pl, pm, owner = self.prefix_load, self.prefix_memory, self.owner
+        pl, pm, owner = self.model.prefix_load, self.model.prefix_memory, self.owner
+        factor, comm = self.model.factor, self.model.comm
         while True:
             best: tuple[list[tuple[int, int]], list[float], list[float]] | None = None
             best_score = current
@@ -182,8 +264,11 @@ class _Search:
                 for i, y in changes:
                     x = b[i]
                     dl, dm = pl[y] - pl[x], pm[y] - pm[x]
-                    new_loads[owner[i - 1]] += dl
-                    new_loads[owner[i]] -= dl
+                    gain = factor[owner[i - 1]] * dl
+                    if comm is not None:  # stage i - 1 now ends before layer y instead of x
+                        gain += comm[i - 1][y - 1] - comm[i - 1][x - 1]
+                    new_loads[owner[i - 1]] += gain
+                    new_loads[owner[i]] -= factor[owner[i]] * dl
                     new_memory[owner[i - 1]] += dm
                     new_memory[owner[i]] -= dm
                 score = self._score(new_loads, new_memory)
@@ -266,6 +351,27 @@ def _check_workers(stage_workers: Sequence[int], num_stages: int) -> None:
     bad = [w for w in stage_workers if isinstance(w, bool) or not isinstance(w, int) or w < 0]
     if bad:
         raise ValueError(f"stage_workers={list(stage_workers)} holds {bad!r}; worker ids are integers >= 0.")
+
+
+def _worker_slowdown(slowdown: PerWorker, ids: Sequence[int]) -> tuple[float, ...]:
+    """Per worker slot, its slowdown factor (1.0 when none is given)."""
+    if slowdown is None:
+        return (1.0,) * len(ids)
+    if isinstance(slowdown, Mapping):
+        missing = [w for w in ids if w not in slowdown]
+        if missing:
+            raise ValueError(f"worker_slowdown has no entry for workers {missing}; give one per worker.")
+        values = [slowdown[w] for w in ids]
+    elif isinstance(slowdown, Sequence) and not isinstance(slowdown, (str, bytes)):
+        if len(slowdown) <= ids[-1]:
+            raise ValueError(
+                f"worker_slowdown has {len(slowdown)} entries but worker ids go up to {ids[-1]}; give one "
+                "per worker, indexed by worker id."
+            )
+        values = [slowdown[w] for w in ids]
+    else:
+        raise ValueError(f"worker_slowdown={slowdown!r} must be None, or one factor per worker.")
+    return check_slowdown(values, len(ids), "worker_slowdown")
 
 
 def _worker_caps(capacity: WorkerCapacity, stage_workers: Sequence[int]) -> dict[int, float]:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dynmo.demos import hardware
+
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
@@ -30,7 +32,8 @@ class EmulatedCost(torch.nn.Module):
     """Identity whose forward sleeps ``fwd_ms`` and whose backward sleeps ``bwd_ms`` (default 2x).
 
     The values are plain attributes, so they can be changed during training (a dynamic model) and
-    travel with the layer when it migrates.
+    travel with the layer when it migrates. On an emulated slow worker
+    (:func:`~lightning_dynmo.demos.hardware.set_emulated_slowdown`) both sleeps stretch by its factor.
 
     Args:
         fwd_ms: Forward sleep per call, milliseconds (>= 0).
@@ -48,4 +51,5 @@ class EmulatedCost(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fwd_ms == 0.0 and self.bwd_ms == 0.0:
             return x
-        return _Sleep.apply(x, self.fwd_ms / 1e3, self.bwd_ms / 1e3)
+        factor = hardware.emulated_slowdown()
+        return _Sleep.apply(x, factor * self.fwd_ms / 1e3, factor * self.bwd_ms / 1e3)

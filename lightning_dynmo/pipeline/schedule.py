@@ -12,7 +12,7 @@ pipeline is rebuilt instead of being patched in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +30,10 @@ from torch.distributed.pipelining.schedules import (
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline.aux import AuxLossRecord, collect_aux_losses
-from lightning_dynmo.pipeline.contract import ModelSpec, check_loss
+from lightning_dynmo.pipeline.contract import ModelSpec
 from lightning_dynmo.pipeline.gradless import guard_gradless_inputs
 from lightning_dynmo.pipeline.layout import StageStyle, stages_of_pipeline_rank
-from lightning_dynmo.pipeline.stage import StageModule, guard_shape_inference
+from lightning_dynmo.pipeline.stage import PipelineLoss, StageModule, guard_shape_inference
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def build_pipeline(
     for stage, module in zip(stages, modules, strict=True):
         guard_shape_inference(stage, module)
         guard_gradless_inputs(stage)  # behind a frozen prefix (see pipeline/gradless.py)
-    loss_fn = checked_loss_fn(model)
+    loss_fn = next((m.loss for m in modules if m.loss is not None), None) or checked_loss_fn(model)
     # torch divides each stage's gradients by the micro-batch count; a parameter two local stages share
     # (a tied embedding under a V schedule) would be divided twice. run_schedule_step divides once.
     kwargs = {"n_microbatches": num_microbatches, "loss_fn": loss_fn, "scale_grads": False}
@@ -162,14 +162,9 @@ def _check_stage_map(built: Any, schedule: ScheduleSpec, placement: Placement, p
         assert s in expected, f"schedule {schedule.name} maps stage {s} to rank {mapping[s]}, not ours"
 
 
-def checked_loss_fn(model: nn.Module) -> Callable[[Any, Any], Tensor]:
+def checked_loss_fn(model: nn.Module) -> PipelineLoss:
     """``model.pipeline_loss``, checked to return a scalar on the gradient path (see ``check_loss``)."""
-    name = type(model).__name__
-
-    def loss_fn(output: Any, target: Any) -> Tensor:
-        return check_loss(name, model.pipeline_loss(output, target), needs_grad=torch.is_grad_enabled())
-
-    return loss_fn
+    return PipelineLoss(model)
 
 
 @dataclass(frozen=True)
@@ -213,13 +208,14 @@ def run_schedule_step(
     """
     losses: list[Tensor] = []
     args = (inputs,) if pipe.has_first else ()
+    side: dict[str, Any] = dict(side_inputs or {})
     with collect_aux_losses(scale=aux_loss_scale, allowed=aux_losses, model_name=model_name) as aux:
         pipe.schedule.step(
             *args,
             target=target if pipe.has_last else None,
             losses=losses if pipe.has_last else None,
             return_outputs=False,
-            **dict(side_inputs or {}),
+            **side,
         )
     seen: set[int] = set()
     for module in pipe.modules:

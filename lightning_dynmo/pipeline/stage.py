@@ -2,8 +2,10 @@
 
 Read in this order: :class:`StageModule` (first parts, the stage's blocks in global order, last parts),
 its :meth:`StageModule.forward` (what crosses a stage boundary and how blocks are called), then
-:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs) and
-:func:`in_shape_inference` (blocks that keep statistics of their forwards skip that pass).
+:func:`guard_shape_inference` (torch's metadata pass, which runs a stage on uninitialised inputs),
+:func:`in_shape_inference` (blocks that keep statistics of their forwards skip that pass), and
+:class:`StageParts` / :class:`PipelineLoss`, the modules through which a stage calls ``pipeline_first``,
+``pipeline_last`` and ``pipeline_loss`` (so the profiler can time them like blocks: :func:`part_modules`).
 
 What crosses a stage boundary: the hidden state alone (the plain contract), or the tuple ``(hidden,
 *side_state)`` in the model's ``pipeline_side_state`` order. torch's ``PipelineStage`` sends every tensor
@@ -24,9 +26,17 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs
+from lightning_dynmo.pipeline.contract import HIDDEN, ModelSpec, block_inputs, check_loss
 
-__all__ = ["StageModule", "guard_shape_inference", "in_shape_inference", "run_block"]
+__all__ = [
+    "PipelineLoss",
+    "StageModule",
+    "StageParts",
+    "guard_shape_inference",
+    "in_shape_inference",
+    "part_modules",
+    "run_block",
+]
 
 State = dict[str, Tensor]
 
@@ -66,16 +76,26 @@ class StageModule(nn.Module):
         self._spec = spec
         self._is_first, self._is_last = first, last
         self._runs_first, self._runs_last = first and spec.runs_first, last and spec.runs_last
-        self.first = nn.ModuleDict(
-            {n: getattr(model, n) for n in spec.first_parts} if self._runs_first else {}
-        )
+        self.first = StageParts(model, spec.first_parts if self._runs_first else (), "pipeline_first")
         blocks = model.get_submodule("layers")
         self.layers = nn.ModuleDict({str(i): blocks.get_submodule(str(i)) for i in layer_ids})
-        self.last = nn.ModuleDict({n: getattr(model, n) for n in spec.last_parts} if self._runs_last else {})
+        self.last = StageParts(model, spec.last_parts if self._runs_last else (), "pipeline_last")
+        # What the schedule calls on the last stage's output (a module, so the profiler can time it).
+        self.loss = PipelineLoss(model) if last else None
         self._reads = {key: block_inputs(block) for key, block in self.layers.items()}
         # Side-state shapes and dtypes pipeline_first produced, by input shape (see _start).
         self._state_layout: dict[tuple[int, ...], dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
         self._inferring = False
+
+    @property
+    def runs_first(self) -> bool:
+        """Whether this stage calls ``pipeline_first`` (stage 0 of a model with first parts or side state)."""
+        return self._runs_first
+
+    @property
+    def runs_last(self) -> bool:
+        """Whether this stage calls ``pipeline_last`` (the last stage of a model with last parts)."""
+        return self._runs_last
 
     @property
     def model_name(self) -> str:
@@ -112,9 +132,7 @@ class StageModule(nn.Module):
         inputs = flat[0]
         if not self._runs_first:
             return {HIDDEN: inputs}
-        out = self._model.pipeline_first(
-            inputs, **_pick(side_inputs, self._spec.first_inputs, "pipeline_first")
-        )
+        out = self.first(inputs, **_pick(side_inputs, self._spec.first_inputs, "pipeline_first"))
         if not self._spec.side_state:
             if not isinstance(out, Tensor):
                 raise TypeError(
@@ -169,7 +187,7 @@ class StageModule(nn.Module):
             n: state[n] if n in state else _get(side_inputs, n, "pipeline_last")
             for n in self._spec.last_inputs
         }
-        out: Tensor = self._model.pipeline_last(state[HIDDEN], **kwargs)
+        out: Tensor = self.last(state[HIDDEN], **kwargs)
         return out
 
     # -- blocks ----------------------------------------------------------------------------------
@@ -263,6 +281,70 @@ def _check_update(
             f"{tuple(old.shape)} {old.dtype}) with {got}. Side state keeps its shape and dtype (torch's "
             "pipeline stages allocate their buffers once); pad or cast it."
         )
+
+
+class StageParts(nn.Module):
+    """The first-stage (or last-stage) parts of a stage, called through the model's own method.
+
+    The parts are registered under their attribute names (so a stage's state-dict keys read
+    ``first.tok_emb.weight``), and calling this module calls ``model.<method>``, which uses them. It lets
+    the profiler time and meter ``pipeline_first`` / ``pipeline_last`` like a block.
+
+    Args:
+        model: The contract-abiding model (held unregistered).
+        names: The part attribute names this stage holds.
+        method: ``"pipeline_first"`` or ``"pipeline_last"``.
+    """
+
+    _model: Any
+
+    def __init__(self, model: nn.Module, names: Sequence[str], method: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self._method = method
+        for name in names:
+            self.add_module(name, getattr(model, name))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._model, self._method)(*args, **kwargs)
+
+
+class PipelineLoss(nn.Module):
+    """``model.pipeline_loss``, checked to return a scalar on the gradient path (see ``check_loss``).
+
+    A module rather than a function so that the profiler can time the loss with the last-stage parts.
+    """
+
+    _model: Any
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+
+    def forward(self, output: Any, target: Any) -> Tensor:
+        name = type(self._model).__name__
+        return check_loss(name, self._model.pipeline_loss(output, target), needs_grad=torch.is_grad_enabled())
+
+
+def part_modules(stage_modules: Sequence[Any]) -> dict[str, list[nn.Module]]:
+    """The modules that run this rank's first-stage and last-stage parts, for the profiler.
+
+    Args:
+        stage_modules: This rank's :class:`StageModule` objects (torch ``PipelineStage.submod``).
+
+    Returns:
+        ``{"first": [the first parts]}`` on the rank that runs ``pipeline_first``, ``{"last": [the last
+        parts (if any), the loss]}`` on the rank of the last stage; empty elsewhere.
+    """
+    parts: dict[str, list[nn.Module]] = {}
+    for module in stage_modules:
+        if not isinstance(module, StageModule):
+            continue
+        if module.runs_first:
+            parts["first"] = [module.first]
+        if module.loss is not None:
+            parts["last"] = ([module.last] if module.runs_last else []) + [module.loss]
+    return parts
 
 
 def guard_shape_inference(stage: Any, module: StageModule) -> None:

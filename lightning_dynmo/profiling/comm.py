@@ -1,10 +1,13 @@
-"""Time to send one micro-batch's activation across each pipeline stage boundary.
+"""Time to send one micro-batch's activation across each pipeline stage boundary, link by link.
 
-Measured, not modelled: for boundary ``b`` (stage ``b`` -> stage ``b + 1``), the two ranks play
-ping-pong with a buffer of the boundary's activation size, and the one-way time is half the mean
-round trip. Boundaries are measured one after the other, so they do not compete for the link. The
-result is shared over the pipeline group so every rank holds the same list. Assumes one stage per
-rank, stage ``s`` being group rank ``s`` (how the strategy builds pipeline groups).
+Measured, not modelled: for boundary ``b`` (stage ``b`` -> stage ``b + 1``), stage ``b`` streams
+``repeats`` buffers of the boundary's activation size to stage ``b + 1`` back to back, which answers
+with one byte once it has them all; the one-way time is the sender's elapsed time over ``repeats``. A
+stream, not a ping-pong: a pipeline sends one activation per micro-batch in a row, so what it pays is the
+link's throughput in the forward direction, and a link that is slower one way (a congested uplink) is
+not averaged with its other direction. Boundaries are measured one after the other, so they do not
+compete. The result is shared over the pipeline group so every rank holds the same list. Assumes one
+stage per rank, stage ``s`` being group rank ``s`` (how the strategy builds pipeline groups).
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ def measure_boundary_comm_s(
     repeats: int = 5,
     warmup: int = 1,
 ) -> list[float]:
-    """One-way seconds to send each boundary's activation; a collective over the pipeline group.
+    """One-way seconds to send each boundary's activation downstream; a collective over the pipeline group.
 
     Args:
         boundary_bytes: Bytes crossing boundary ``b`` per micro-batch, for ``b = 0 .. num_stages - 2``
             (the same list on every rank).
         group: The pipeline group (stage ``s`` is group rank ``s``); ``None`` means the default group.
         device: Where the buffer lives (the stage's device).
-        repeats: Timed round trips per boundary.
-        warmup: Untimed round trips per boundary first (connection set-up, allocator).
+        repeats: Buffers streamed per boundary in the timed round.
+        warmup: Buffers streamed first, untimed (connection set-up, allocator).
 
     Returns:
-        One-way seconds per boundary, identical on every rank of the group.
+        One-way seconds per boundary (link ``b``: stage ``b`` -> ``b + 1``), identical on every rank.
     """
     num_stages = dist.get_world_size(group)
     if len(boundary_bytes) != num_stages - 1:
@@ -49,15 +52,18 @@ def measure_boundary_comm_s(
     for boundary, nbytes in enumerate(boundary_bytes):
         if me not in (boundary, boundary + 1):
             continue
-        peer = boundary + 1 if me == boundary else boundary
+        sender = me == boundary
+        peer = boundary + 1 if sender else boundary
         buf = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
-        _ping_pong(buf, peer, group, sender=me == boundary, rounds=warmup)
+        ack = torch.zeros(1, dtype=torch.uint8, device=device)
+        if warmup:
+            _stream(buf, ack, peer, group, sender, warmup)
         _sync(buf.device)
         t0 = time.perf_counter()
-        _ping_pong(buf, peer, group, sender=me == boundary, rounds=repeats)
+        _stream(buf, ack, peer, group, sender, repeats)
         _sync(buf.device)
-        if me == boundary:
-            measured[boundary] = (time.perf_counter() - t0) / (2 * repeats)
+        if sender:
+            measured[boundary] = (time.perf_counter() - t0) / repeats
     gathered: list[dict[int, float] | None] = [None] * num_stages
     dist.all_gather_object(gathered, measured, group=group)
     merged: dict[int, float] = {}
@@ -66,16 +72,24 @@ def measure_boundary_comm_s(
     return [merged[b] for b in range(num_stages - 1)]
 
 
-def _ping_pong(
-    buf: torch.Tensor, peer: int, group: dist.ProcessGroup | None, sender: bool, rounds: int
+def _stream(
+    buf: torch.Tensor,
+    ack: torch.Tensor,
+    peer: int,
+    group: dist.ProcessGroup | None,
+    sender: bool,
+    rounds: int,
 ) -> None:
+    """``rounds`` buffers from the sender to the peer, then one acknowledging byte back."""
     for _ in range(rounds):
         if sender:
             dist.send(buf, group=group, group_dst=peer)
-            dist.recv(buf, group=group, group_src=peer)
         else:
             dist.recv(buf, group=group, group_src=peer)
-            dist.send(buf, group=group, group_dst=peer)
+    if sender:
+        dist.recv(ack, group=group, group_src=peer)
+    else:
+        dist.send(ack, group=group, group_dst=peer)
 
 
 def _sync(device: torch.device) -> None:

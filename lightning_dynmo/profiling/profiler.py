@@ -4,10 +4,15 @@ Read :class:`LayerProfiler` first. It drives a :class:`~lightning_dynmo.profilin
 (times) and an :class:`~lightning_dynmo.profiling.memory.ActivationMeter` (saved activations) over a
 window of steps and turns them into :class:`LayerProfile` records, then into ``LayerCost`` records
 with :meth:`ProfileResult.layer_costs`. Hooks exist only while a window is open.
+
+The first-stage parts (``"first"``: embedding) and last-stage parts (``"last"``: final norm, head and the
+loss) are profiled the same way when given (:func:`~lightning_dynmo.pipeline.stage.part_modules`): a part
+made of several modules (the head, then the loss the schedule calls on its output) is their sum.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Mapping, Sequence
@@ -32,6 +37,9 @@ from lightning_dynmo.profiling.memory import (
 )
 
 log = logging.getLogger(__name__)
+
+#: A profiled unit: a block by global index, or a part by name (``"first"``, ``"last"``).
+Unit = int | str
 
 
 @dataclass(frozen=True)
@@ -75,13 +83,25 @@ class ProfileResult:
     step_time_s: float
     hook_time_s: float
     peak: PeakMemory
+    parts: Mapping[str, LayerProfile] = dataclasses.field(default_factory=dict)
 
-    def activations(self) -> dict[int, tuple[int, int]]:
-        """``(saved-activation bytes, output bytes)`` per micro-batch of each layer, for reuse."""
+    def activations(self) -> dict[Unit, tuple[int, int]]:
+        """``(saved-activation bytes, output bytes)`` per micro-batch of each layer and part, for reuse."""
+        profiles: dict[Unit, LayerProfile] = dict(self.layers)
+        profiles.update(self.parts)
         return {
-            i: (p.memory.activation_bytes_per_microbatch, p.memory.output_bytes_per_microbatch)
-            for i, p in self.layers.items()
+            key: (p.memory.activation_bytes_per_microbatch, p.memory.output_bytes_per_microbatch)
+            for key, p in profiles.items()
         }
+
+    def part_costs(self, inflight: Mapping[str, int]) -> dict[str, LayerCost]:
+        """``LayerCost`` records of the parts this rank ran (``"first"``, ``"last"``).
+
+        Args:
+            inflight: Micro-batches whose activations the part's stage holds at once, by part (the
+                first parts are always on stage 0, the last on the last stage).
+        """
+        return {name: _cost(p, inflight[name]) for name, p in self.parts.items()}
 
     def layer_costs(self, inflight_microbatches: int) -> dict[int, LayerCost]:
         """``LayerCost`` records of the owned layers.
@@ -91,18 +111,19 @@ class ProfileResult:
                 worst case over stages (stage 0: see ``inflight_microbatches``) so the figure stays
                 valid whichever stage the balancer puts the layer on.
         """
-        if inflight_microbatches < 1:
-            raise ValueError(f"inflight_microbatches={inflight_microbatches} must be >= 1.")
-        return {
-            i: LayerCost(
-                fwd_time_s=p.fwd_time_s,
-                bwd_time_s=p.bwd_time_s,
-                num_params=p.num_params,
-                memory_bytes=p.memory.total_bytes(inflight_microbatches),
-                activation_bytes=p.memory.output_bytes_per_microbatch,
-            )
-            for i, p in self.layers.items()
-        }
+        return {i: _cost(p, inflight_microbatches) for i, p in self.layers.items()}
+
+
+def _cost(profile: LayerProfile, inflight_microbatches: int) -> LayerCost:
+    if inflight_microbatches < 1:
+        raise ValueError(f"inflight_microbatches={inflight_microbatches} must be >= 1.")
+    return LayerCost(
+        fwd_time_s=profile.fwd_time_s,
+        bwd_time_s=profile.bwd_time_s,
+        num_params=profile.num_params,
+        memory_bytes=profile.memory.total_bytes(inflight_microbatches),
+        activation_bytes=profile.memory.output_bytes_per_microbatch,
+    )
 
 
 class LayerProfiler:
@@ -122,9 +143,13 @@ class LayerProfiler:
         microbatches_per_step: If given, a step in which a layer ran more forward calls than this
             (the first step of a freshly built pipeline also runs shape inference on micro-batch 0)
             has its times scaled down to this many calls.
-        known_activations: ``(saved-activation bytes, output bytes)`` per micro-batch of layers metered
-            in an earlier window (:meth:`ProfileResult.activations`). Those layers are not metered again:
-            windows that follow each other (every-step profiling) then carry no meter hook at all.
+        known_activations: ``(saved-activation bytes, output bytes)`` per micro-batch of layers (and
+            parts) metered in an earlier window (:meth:`ProfileResult.activations`). Those are not
+            metered again: windows that follow each other (every-step profiling) then carry no meter
+            hook at all.
+        parts: The modules that run this rank's first-stage and last-stage parts, by part name
+            (:func:`~lightning_dynmo.pipeline.stage.part_modules`); each part is profiled as the sum of
+            its modules.
 
     Example::
 
@@ -145,17 +170,24 @@ class LayerProfiler:
         optimizer: torch.optim.Optimizer | None = None,
         stages: Sequence[Any] = (),
         microbatches_per_step: int | None = None,
-        known_activations: Mapping[int, tuple[int, int]] | None = None,
+        known_activations: Mapping[Unit, tuple[int, int]] | None = None,
+        parts: Mapping[str, Sequence[nn.Module]] | None = None,
     ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps} must be >= 0 (0 disables warm-up).")
         if profile_steps < 1:
             raise ValueError(f"profile_steps={profile_steps} must be >= 1 to measure anything.")
-        if not layers:
+        if not layers and not parts:
             raise ValueError("layers is empty; pass the layers this rank owns, by global index.")
         if microbatches_per_step is not None and microbatches_per_step < 1:
             raise ValueError(f"microbatches_per_step={microbatches_per_step} must be >= 1 or None.")
         self._layers = dict(layers)
+        # Every timed module by key: layers by index, part modules as (part name, position).
+        parts = parts or {}
+        self._part_keys = {name: [(name, k) for k in range(len(mods))] for name, mods in parts.items()}
+        self._units: dict[Any, nn.Module] = dict(self._layers)
+        for name, mods in parts.items():
+            self._units.update({(name, k): m for k, m in enumerate(mods)})
         self.warmup_steps = warmup_steps
         self.profile_steps = profile_steps
         self._device = torch.device(device)
@@ -163,9 +195,11 @@ class LayerProfiler:
         self._stages = tuple(stages)
         self._microbatches = microbatches_per_step
         self._clock = StepClock(self._device)
-        self._timer = LayerTimer(self._layers, self._clock)
-        self._known = {i: a for i, a in (known_activations or {}).items() if i in self._layers}
-        self._meter = ActivationMeter({i: m for i, m in self._layers.items() if i not in self._known})
+        self._timer = LayerTimer(self._units, self._clock)
+        known = known_activations or {}
+        self._known = {key: a for key, a in known.items() if key in self._layers or key in self._part_keys}
+        metered = [k for k in self._units if (k[0] if isinstance(k, tuple) else k) not in self._known]
+        self._meter = ActivationMeter({k: self._units[k] for k in metered})
         self._steps_seen = 0
         self._recorded: list[dict[int, StepLayerTime]] = []
         self._step_times_s: list[float] = []
@@ -180,7 +214,7 @@ class LayerProfiler:
         return self._timer.attached
 
     @property
-    def known_activations(self) -> dict[int, tuple[int, int]]:
+    def known_activations(self) -> dict[Unit, tuple[int, int]]:
         """The activation sizes this window was given rather than metered (see the constructor)."""
         return dict(self._known)
 
@@ -191,7 +225,7 @@ class LayerProfiler:
 
     def start(self) -> None:
         """Attach the hooks and open the window."""
-        if len(self._known) < len(self._layers):
+        if len(self._known) < len(self._layers) + len(self._part_keys):
             self._meter.attach()
         self._timer.attach(self._stages)
         reset_peak_memory(self._device)
@@ -248,6 +282,7 @@ class LayerProfiler:
             )
         n = len(self._recorded)
         layers = {i: self._layer_profile(i, n) for i in self._layers}
+        parts = {name: self._part_profile(name, keys, n) for name, keys in self._part_keys.items()}
         assert self._peak is not None
         result = ProfileResult(
             layers=layers,
@@ -255,6 +290,7 @@ class LayerProfiler:
             step_time_s=sum(self._step_times_s) / n,
             hook_time_s=sum(self._hook_times_s) / n,
             peak=self._peak,
+            parts=parts,
         )
         log.debug("profiled %d layers over %d steps: %s", len(layers), n, result)
         return result
@@ -266,16 +302,40 @@ class LayerProfiler:
         scale = m / t.num_calls
         return StepLayerTime(t.fwd_time_s * scale, t.bwd_time_s * scale, t.bwd_weight_time_s * scale, m)
 
-    def _layer_profile(self, index: int, n: int) -> LayerProfile:
+    def _part_profile(self, name: str, keys: Sequence[Any], n: int) -> LayerProfile:
+        """A part's profile: the sum of its modules' (the head, then the loss), per step and medians."""
+        profiles = [self._layer_profile(key, n, self._known.get(name)) for key in keys]
+        saved = sum(p.memory.activation_bytes_per_microbatch for p in profiles)
+        output = profiles[-1].memory.output_bytes_per_microbatch
+        if name in self._known:  # the part's known figures are its totals, not its modules'
+            saved, output = self._known[name]
+        return LayerProfile(
+            fwd_time_s=sum(p.fwd_time_s for p in profiles),
+            bwd_time_s=sum(p.bwd_time_s for p in profiles),
+            bwd_weight_time_s=sum(p.bwd_weight_time_s for p in profiles),
+            microbatches_per_step=profiles[0].microbatches_per_step,
+            num_params=sum(p.num_params for p in profiles),
+            memory=LayerMemory(
+                param_bytes=sum(p.memory.param_bytes for p in profiles),
+                grad_bytes=sum(p.memory.grad_bytes for p in profiles),
+                optimizer_state_bytes=sum(p.memory.optimizer_state_bytes for p in profiles),
+                activation_bytes_per_microbatch=saved,
+                output_bytes_per_microbatch=output,
+            ),
+        )
+
+    def _layer_profile(self, index: Any, n: int, known: tuple[int, int] | None = None) -> LayerProfile:
         steps = [self._normalised(r[index]) for r in self._recorded]
-        params, grads, optim = static_memory(self._layers[index], self._optimizer)
-        saved, output = self._known[index] if index in self._known else self._meter.per_microbatch(index)
+        params, grads, optim = static_memory(self._units[index], self._optimizer)
+        if known is None and index in self._known:
+            known = self._known[index]
+        saved, output = known if known is not None else self._meter.per_microbatch(index)
         return LayerProfile(
             fwd_time_s=statistics.median(s.fwd_time_s for s in steps),
             bwd_time_s=statistics.median(s.bwd_time_s for s in steps),
             bwd_weight_time_s=statistics.median(s.bwd_weight_time_s for s in steps),
             microbatches_per_step=sum(s.num_calls for s in steps) / n,
-            num_params=count_nonzero_params(self._layers[index]),
+            num_params=count_nonzero_params(self._units[index]),
             memory=LayerMemory(
                 param_bytes=params,
                 grad_bytes=grads,

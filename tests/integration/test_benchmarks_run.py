@@ -127,6 +127,46 @@ def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
     assert "| early_exit |" in text and "4.52x |" in text
 
 
+def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import head_cost
+
+    out = tmp_path / "head_cost.md"
+    head_cost.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    for label in ("| fixed `0-0|1-3` |", "| fixed `0-1|2-3` |", "| fixed `0-2|3-3` |", "| DynMoCallback("):
+        assert label in text
+    assert "head + loss = nan" not in text  # the callback profiled a window and reported the parts
+    assert text.count("fastest candidate") >= 1 and "DynMo's choice" in text and "block-only optimum" in text
+    assert "python -m benchmarks.head_cost --quick" in text
+
+
+@pytest.mark.timeout(600)  # 8 two-rank jobs
+def test_heterogeneous_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import heterogeneous
+
+    out = tmp_path / "heterogeneous.md"
+    heterogeneous.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    for heading in ("### 1a. Rank 1 an emulated worker", "### 1b. Rank 0 -> rank 1", "### 2. GPT"):
+        assert heading in text
+    assert text.count("| static (uniform) |") == 2 and text.count("| DynMoCallback |") == 2
+    assert text.count("(best candidate)") == 2
+    assert "| re-pack, micro-batches kept |" in text and "| re-pack + re-tune |" in text
+    assert "python -m benchmarks.heterogeneous --quick" in text
+
+
+def test_a_dated_results_file_is_kept_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.results_path("x", None, force=False)
+    path.write_text("committed figures\n")
+    with pytest.raises(FileExistsError, match=r"exists; pass --out PATH to write elsewhere or --force"):
+        common.results_path("x", None, force=False)
+    assert common.results_path("x", None, force=True) == path
+    assert common.results_path("x", tmp_path / "y.md", force=False) == tmp_path / "y.md"
+
+
 def test_freezing_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import freezing
 

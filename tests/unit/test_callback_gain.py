@@ -7,6 +7,7 @@ dynamism events and rebalances.
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -76,6 +77,8 @@ def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
 
     strategy.apply_placement = apply_placement
     strategy.broadcast = lambda obj, src=0: obj
+    strategy.guard = lambda what: contextlib.nullcontext()
+    strategy.active_group = None
     trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=0, optimizers=[], loggers=[])
     callback = ScriptedDecision(profile_warmup_steps=1, profile_steps=3, measure_comm=False, clock=clock)
     callback._busy = StageBusyTimer(StepClock(torch.device("cpu")))

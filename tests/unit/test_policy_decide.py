@@ -122,7 +122,7 @@ def test_unknown_schedule_is_rejected():
 def test_costs_must_match_the_placement():
     with pytest.raises(ValueError, match=r"costs has 8 records but current=0-2\|3-5 covers 6 layers"):
         decide(CHANGED, Placement.from_string("0-2|3-5"), BalanceConfig(), 4, "1F1B")
-    with pytest.raises(ValueError, match=r"comm_time_s has 2 entries; give one per layer \(8\)"):
+    with pytest.raises(ValueError, match=r"comm_time_s has 2 entries but there are 8 layers"):
         decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", comm_time_s=[0.1, 0.1])
 
 

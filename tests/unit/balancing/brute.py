@@ -21,9 +21,14 @@ def direct_loads(
     by: str = "time",
     first: LayerCost | None = None,
     last: LayerCost | None = None,
-    comm: Sequence[float] | None = None,
+    comm: Sequence[float] | Sequence[Sequence[float]] | None = None,
+    slowdown: Sequence[float] | None = None,
 ) -> list[float]:
-    """Stage loads summed directly from the records (independent of the library's prefix sums)."""
+    """Stage loads summed directly from the records (independent of the library's prefix sums).
+
+    ``comm`` is one send time per layer (every link alike) or one row per link; ``slowdown`` multiplies
+    each stage's layers and extras.
+    """
 
     def weight(c: LayerCost) -> float:
         return c.fwd_time_s + c.bwd_time_s if by == "time" else float(c.num_params)
@@ -32,13 +37,15 @@ def direct_loads(
     loads = []
     for s in range(stages):
         layers = placement.layers_of(s)
-        load = sum(weight(costs[i]) for i in layers)
-        if comm is not None and s < stages - 1:
-            load += comm[layers[-1]]
+        work = sum(weight(costs[i]) for i in layers)
         if s == 0 and first is not None:
-            load += weight(first)
+            work += weight(first)
         if s == stages - 1 and last is not None:
-            load += weight(last)
+            work += weight(last)
+        load = work * (slowdown[s] if slowdown is not None else 1.0)
+        if comm is not None and s < stages - 1:
+            row = comm[s] if isinstance(comm[0], Sequence) else comm
+            load += row[layers[-1]]  # type: ignore[index]
         loads.append(load)
     return loads
 
@@ -77,7 +84,8 @@ def brute_optimum(
     caps: float | Sequence[float] | None = None,
     first: LayerCost | None = None,
     last: LayerCost | None = None,
-    comm: Sequence[float] | None = None,
+    comm: Sequence[float] | Sequence[Sequence[float]] | None = None,
+    slowdown: Sequence[float] | None = None,
 ) -> float | None:
     """The smallest bottleneck over all placements that fit memory (``None`` if none fits)."""
     limits = caps_list(caps, num_stages)
@@ -85,7 +93,7 @@ def brute_optimum(
     for p in all_placements(len(costs), num_stages):
         if any(m > c for m, c in zip(direct_memory(costs, p, first, last), limits, strict=True)):
             continue
-        value = max(direct_loads(costs, p, by, first, last, comm))
+        value = max(direct_loads(costs, p, by, first, last, comm, slowdown))
         best = value if best is None else min(best, value)
     return best
 

@@ -15,8 +15,8 @@ from lightning_dynmo.balancing import (
     uniform,
 )
 
-from .brute import assert_fits, assert_valid, direct_loads
-from .strategies import problems
+from .brute import assert_fits, assert_valid, direct_loads, direct_memory
+from .strategies import layer, problems
 
 
 @st.composite
@@ -126,21 +126,23 @@ def test_diffuse_rejects_bad_input(kwargs, match):
         diffuse(costs, **args)
 
 
-def _brute_best_chain(costs, bounds, caps, src, eps):
+def _brute_best_chain(costs, bounds, caps, src, eps, extras=None):
     """Smallest sum-of-squares change below ``-eps * squares`` over every valid chain from ``src``.
 
-    By direct enumeration of the chains and direct sums of the records.
+    By direct enumeration of the chains and direct sums of the records (``extras``: the keyword
+    arguments of ``direct_loads`` for first/last extras, links and slowdowns).
     """
     stages = len(bounds) - 1
-    weight = [c.time_s for c in costs]
+    extras = extras or {}
+    mem_extras = {k: v for k, v in extras.items() if k in ("first", "last")}
 
-    def load(b, s):
-        return sum(weight[b[s] : b[s + 1]])
+    def loads(b):
+        return direct_loads(costs, Placement(tuple(b)), "time", **extras)
 
-    def mem(b, s):
-        return sum(c.memory_bytes for c in costs[b[s] : b[s + 1]])
+    def mems(b):
+        return direct_memory(costs, Placement(tuple(b)), **mem_extras)
 
-    old = [load(bounds, s) for s in range(stages)]
+    old, old_mem = loads(bounds), mems(bounds)
     peak, squares = max(old), sum(x * x for x in old)
     best = None
     if bounds[src + 1] - bounds[src] < 2:
@@ -152,12 +154,13 @@ def _brute_best_chain(costs, bounds, caps, src, eps):
         new = list(bounds)
         for boundary in range(min(src, dst) + 1, max(src, dst) + 1):
             new[boundary] -= step
+        new_loads, new_mem = loads(new), mems(new)
         ok = True
         for s in range(src + step, dst, step):  # intermediate stages pass a layer on
-            within_cap = mem(new, s) <= caps[s] or mem(new, s) <= mem(bounds, s)
-            ok &= load(new, s) <= peak and within_cap
-        ok &= load(new, dst) <= peak and mem(new, dst) <= caps[dst]
-        delta = sum(load(new, s) ** 2 for s in range(stages)) - squares
+            within_cap = new_mem[s] <= caps[s] or new_mem[s] <= old_mem[s]
+            ok &= new_loads[s] <= peak and within_cap
+        ok &= new_loads[dst] <= peak and new_mem[dst] <= caps[dst]
+        delta = sum(x**2 for x in new_loads) - squares
         if ok and delta < -eps * max(1.0, squares) and (best is None or delta < best):
             best = delta
     return best
@@ -199,3 +202,89 @@ def test_chain_scoring_tables_match_brute_force_after_every_move(problem, moves)
         src, (direction, dst) = chosen
         state._apply(src, direction, dst)
         assert_valid(Placement(tuple(state.bounds)), len(costs), stages)
+
+
+# -- heterogeneous workers and links, pinned extras ---------------------------------------------------
+
+
+@st.composite
+def heterogeneous_problems(draw: st.DrawFn):
+    costs, current, _ = draw(diffusion_problems())
+    stages = current.num_stages
+    extras = {
+        "first": draw(st.none() | layer),
+        "last": draw(st.none() | layer),
+        "slowdown": draw(st.lists(st.floats(0.25, 4.0), min_size=stages, max_size=stages)),
+        "comm": None,
+    }
+    if stages > 1 and draw(st.booleans()):
+        row = st.lists(st.floats(0.0, 5.0), min_size=len(costs), max_size=len(costs))
+        extras["comm"] = draw(st.lists(row, min_size=stages - 1, max_size=stages - 1))
+    caps = None
+    if draw(st.booleans()):  # capacities the current placement meets, extras included
+        mem = direct_memory(costs, current, extras["first"], extras["last"])
+        caps = [m + draw(st.integers(0, 15)) for m in mem]
+    return costs, current, caps, extras
+
+
+def _diffuse_kwargs(extras):
+    return {
+        "first_stage_extra": extras["first"],
+        "last_stage_extra": extras["last"],
+        "comm_time_s": extras["comm"],
+        "stage_slowdown": extras["slowdown"],
+    }
+
+
+@settings(max_examples=150, deadline=None)
+@given(heterogeneous_problems(), st.booleans())
+def test_diffuse_with_slow_workers_links_and_extras_never_worsens_the_bottleneck(problem, refine):
+    costs, current, caps, extras = problem
+    result = diffuse(
+        costs, current, memory_capacity_bytes=caps, refine_bottleneck=refine, **_diffuse_kwargs(extras)
+    )
+    assert_valid(result.placement, len(costs), current.num_stages)
+    memory = direct_memory(costs, result.placement, extras["first"], extras["last"])
+    assert caps is None or all(m <= c for m, c in zip(memory, caps, strict=True))
+    before = direct_loads(costs, current, "time", **extras)
+    after = direct_loads(costs, result.placement, "time", **extras)
+    assert max(after) <= max(before) + 1e-9
+    assert result.stage_loads == pytest.approx(after)
+
+
+@settings(max_examples=100, deadline=None)
+@given(heterogeneous_problems())
+def test_chain_scoring_with_slow_workers_links_and_extras_matches_brute_force(problem):
+    from lightning_dynmo.balancing.diffusion import _State
+    from lightning_dynmo.balancing.partition import build_model
+
+    costs, current, caps, extras = problem
+    stages = current.num_stages
+    cap_list = [math.inf] * stages if caps is None else [float(c) for c in caps]
+    model = build_model(
+        costs, stages, "time", cap_list, extras["first"], extras["last"], extras["comm"], extras["slowdown"]
+    )
+    state = _State(model, list(current.boundaries))
+    for src in range(stages):
+        strict = _brute_best_chain(costs, state.bounds, cap_list, src, 2e-12, extras)
+        loose = _brute_best_chain(costs, state.bounds, cap_list, src, 0.5e-12, extras)
+        chain = state._best_chain(src)
+        if chain is None:
+            assert strict is None, (src, state.bounds)
+            continue
+        assert loose is not None, (src, state.bounds)
+        found = state._chain_deltas(src, chain[0])
+        assert found is not None and found[1] == chain[1]
+        assert found[0] >= loose - 1e-6 * (1 + abs(loose))
+        if strict is not None:
+            assert found[0] <= strict + 1e-6 * (1 + abs(strict))
+
+
+def test_diffusion_moves_work_off_a_slow_worker_and_a_heavy_head():
+    costs = [LayerCost(fwd_time_s=1.0)] * 8
+    slow = diffuse(costs, "0-3|4-7", stage_slowdown=[1.0, 3.0])
+    assert slow.placement.sizes == (6, 2)  # 6 | 2 * 3
+    head = diffuse(costs, "0-3|4-7", last_stage_extra=LayerCost(fwd_time_s=2.0))
+    assert head.placement.sizes == (5, 3)  # 5 | 3 + 2
+    link = diffuse(costs, "0-3|4-7", comm_time_s=[[2.0] * 8])
+    assert link.placement.sizes == (3, 5)  # 3 + 2 | 5

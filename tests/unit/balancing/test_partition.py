@@ -160,3 +160,91 @@ def test_partition_returns_a_placement_and_is_deterministic():
     assert str(placement) == "0-1|2-3"  # the only optimum
     costs = [LayerCost(fwd_time_s=w) for w in [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]]
     assert partition(costs, 3) == partition(list(costs), 3)
+
+
+# -- heterogeneous workers and links -----------------------------------------------------------------
+
+slowdowns = st.one_of(st.sampled_from([1.0, 0.5, 2.0, 3.0]), st.floats(0.25, 4.0))
+
+
+@SETTINGS
+@given(problems(), st.data())
+def test_partition_with_slow_workers_and_links_is_exactly_optimal(problem, data):
+    costs, stages = problem
+    slowdown = data.draw(st.lists(slowdowns, min_size=stages, max_size=stages))
+    links = data.draw(
+        st.lists(
+            st.lists(st.floats(0.0, 5.0), min_size=len(costs), max_size=len(costs)),
+            min_size=stages - 1,
+            max_size=stages - 1,
+        )
+    )
+    comm = links if stages > 1 and data.draw(st.booleans()) else None
+    first, last = data.draw(st.none() | layer), data.draw(st.none() | layer)
+    cap = data.draw(st.none() | st.integers(0, 80))
+    kwargs = dict(first=first, last=last, comm=comm, slowdown=slowdown)
+    expected = brute_optimum(costs, stages, caps=cap, **kwargs)
+    args = dict(
+        memory_capacity_bytes=cap,
+        first_stage_extra=first,
+        last_stage_extra=last,
+        comm_time_s=comm,
+        stage_slowdown=slowdown,
+    )
+    if expected is None:
+        with pytest.raises(ValueError, match="cannot be met"):
+            partition(costs, stages, **args)
+        return
+    result = solve_partition(costs, stages, **args)
+    assert_valid(result.placement, len(costs), stages)
+    assert _close(result.bottleneck, expected)
+    assert _close(result.bottleneck, max(direct_loads(costs, result.placement, "time", **kwargs)))
+
+
+def test_a_slow_worker_gets_fewer_layers_in_proportion():
+    costs = [LayerCost(fwd_time_s=1.0)] * 9
+    assert partition(costs, 2).sizes == (5, 4) or partition(costs, 2).sizes == (4, 5)
+    # Stage 1 twice as slow: 6 layers on stage 0 and 3 on stage 1 cost 6 each.
+    assert partition(costs, 2, stage_slowdown=[1.0, 2.0]).sizes == (6, 3)
+    assert partition(costs, 2, stage_slowdown=[2.0, 1.0]).sizes == (3, 6)
+
+
+def test_a_slow_link_moves_work_off_its_sender():
+    costs = [LayerCost(fwd_time_s=1.0)] * 8
+    # Links of a 3-stage pipeline: 0 -> 1 costs 2 s per send, 1 -> 2 is free.
+    result = solve_partition(costs, 3, comm_time_s=[[2.0] * 8, [0.0] * 8])
+    assert result.bottleneck == 4.0  # 2 | 3 | 3 -> (2 + 2, 3, 3): stage 0 sends over the slow link
+    assert result.placement.sizes[0] == 2
+
+
+def test_slow_workers_scale_the_pinned_extras_too():
+    costs = [LayerCost(fwd_time_s=1.0)] * 6
+    head = LayerCost(fwd_time_s=2.0)
+    # Last stage twice as slow and holding a head of 2: 4 layers | 2 layers + head -> 4 | 2 * 4 = 8;
+    # 5 | 1 + head -> 5 | 6: the optimum.
+    result = solve_partition(costs, 2, last_stage_extra=head, stage_slowdown=[1.0, 2.0])
+    assert result.placement.sizes == (5, 1)
+    assert result.stage_loads == (5.0, 6.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"stage_slowdown": [1.0]}, r"stage_slowdown has 1 entries but there are 2 stages"),
+        ({"stage_slowdown": [1.0, 0.0]}, r"stage_slowdown\[1\]=0.0 must be a finite number > 0"),
+        ({"stage_slowdown": [1.0, math.inf]}, r"stage_slowdown\[1\]=inf must be a finite number > 0"),
+        ({"stage_slowdown": 2.0}, r"stage_slowdown=2.0 must be None or one factor per stage"),
+        ({"comm_time_s": [[1.0] * 4, [1.0] * 4]}, r"comm_time_s has 2 rows but 2 stages have 1 links"),
+        ({"comm_time_s": [[1.0] * 3]}, r"comm_time_s\[0\] has 3 entries but there are 4 layers"),
+        ({"comm_time_s": [[1.0, -1.0, 0.0, 0.0]]}, r"comm_time_s\[0\] contains -1.0"),
+    ],
+)
+def test_bad_heterogeneity_input_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        partition([LayerCost(fwd_time_s=1.0)] * 4, 2, **kwargs)
+
+
+def test_greedy_probe_is_kept_for_reference_workers_only():
+    costs = [LayerCost(fwd_time_s=1.0)] * 6
+    assert use_greedy(build_model(costs, 3, stage_slowdown=[1.0, 1.0, 1.0]))
+    assert not use_greedy(build_model(costs, 3, stage_slowdown=[1.0, 2.0, 1.0]))

@@ -137,3 +137,79 @@ def test_capacity_of_the_wrong_kind_and_stage_count_mismatch_are_rejected():
         partition_workers(_costs([1, 2, 3, 4]), [0, 1, 0, 1], memory_capacity_bytes="lots")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"stage_workers has 2 entries for 4 stages"):
         worker_loads(_costs([1, 2, 3, 4]), Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1])
+
+
+# -- heterogeneous workers and links, pinned extras ---------------------------------------------------
+
+
+def _direct_worker_loads(costs, placement, workers, first, last, comm, slowdown):
+    """Per worker: its stages' loads summed directly (the stage model of brute.direct_loads)."""
+    per_stage = direct_loads(
+        costs, placement, "time", first, last, comm, [slowdown[w] for w in workers] if slowdown else None
+    )
+    loads: dict[int, float] = {}
+    for stage, load in enumerate(per_stage):
+        loads[workers[stage]] = loads.get(workers[stage], 0.0) + load
+    return loads
+
+
+@st.composite
+def heterogeneous_worker_problems(draw):
+    costs, workers = draw(worker_problems())
+    num_workers = max(workers) + 1
+    slowdown = draw(
+        st.lists(st.sampled_from([1.0, 0.5, 2.0, 3.0]), min_size=num_workers, max_size=num_workers)
+    )
+    first = draw(st.none() | st.builds(LayerCost, fwd_time_s=st.integers(0, 30).map(float)))
+    last = draw(st.none() | st.builds(LayerCost, fwd_time_s=st.integers(0, 30).map(float)))
+    comm = None
+    if draw(st.booleans()):
+        row = st.lists(st.integers(0, 5).map(float), min_size=len(costs), max_size=len(costs))
+        comm = draw(st.lists(row, min_size=len(workers) - 1, max_size=len(workers) - 1))
+    return costs, workers, first, last, comm, slowdown
+
+
+@SETTINGS
+@given(heterogeneous_worker_problems(), st.data())
+def test_slow_workers_links_and_extras_are_counted_and_never_worse_than_the_starts(problem, data):
+    costs, workers, first, last, comm, slowdown = problem
+    kwargs = dict(first_stage_extra=first, last_stage_extra=last, comm_time_s=comm, worker_slowdown=slowdown)
+    current = data.draw(st.sampled_from(list(all_placements(len(costs), len(workers)))))
+    result = partition_workers(costs, workers, current=current, **kwargs)
+
+    def heaviest(placement):
+        return max(_direct_worker_loads(costs, placement, workers, first, last, comm, slowdown).values())
+
+    assert result.bottleneck == pytest.approx(heaviest(result.placement))
+    assert dict(result.worker_loads) == pytest.approx(
+        _direct_worker_loads(costs, result.placement, workers, first, last, comm, slowdown)
+    )
+    assert worker_loads(
+        costs, result.placement, workers, "time", first, last, comm, slowdown
+    ) == pytest.approx(dict(result.worker_loads))
+    assert result.bottleneck <= heaviest(current) + 1e-9
+    assert result.bottleneck >= min(heaviest(p) for p in all_placements(len(costs), len(workers))) - 1e-9
+
+
+def test_a_slow_worker_and_a_heavy_head_get_less_work():
+    costs = _costs([1] * 8)
+    plain = partition_workers(costs, LAYOUTS["loop"])
+    assert plain.bottleneck == 4.0
+    slow = partition_workers(costs, LAYOUTS["loop"], worker_slowdown=[1.0, 3.0])
+    assert dict(slow.worker_loads) == {0: 6.0, 1: 6.0}  # worker 1 keeps 2 layers, 3 times slower
+    head = partition_workers(costs, LAYOUTS["v"], last_stage_extra=LayerCost(fwd_time_s=4.0))
+    assert dict(head.worker_loads) == {0: 6.0, 1: 6.0}  # V: the head is on worker 0 with stage 0
+
+
+@pytest.mark.parametrize(
+    ("slowdown", "match"),
+    [
+        ([1.0], r"worker_slowdown has 1 entries but worker ids go up to 1"),
+        ({0: 1.0}, r"worker_slowdown has no entry for workers \[1\]"),
+        ([1.0, -2.0], r"worker_slowdown\[1\]=-2.0 must be a finite number > 0"),
+        (2.0, r"worker_slowdown=2.0 must be None, or one factor per worker"),
+    ],
+)
+def test_bad_worker_slowdown_is_rejected(slowdown, match):
+    with pytest.raises(ValueError, match=match):
+        partition_workers(_costs([1, 2, 3, 4]), [0, 1, 0, 1], worker_slowdown=slowdown)

@@ -37,3 +37,25 @@ def test_layer_owned_twice_is_named():
     table[:, -1] = torch.tensor([1.0, 2.0])  # what the all-reduce gives when two ranks sent layer 1
     with pytest.raises(ValueError, match=r"layers \[1\] were profiled by more than one rank"):
         _records(table)
+
+
+def test_parts_travel_with_the_layers():
+    from lightning_dynmo.profiling.gather import gather_costs
+
+    gathered = gather_costs({0: _cost(0.1), 1: _cost(0.2)}, 2, local_parts={"last": _cost(0.7)})
+    assert gathered.layers == [_cost(0.1), _cost(0.2)]
+    assert gathered.first is None  # no rank ran first-stage parts
+    assert gathered.last == _cost(0.7)
+
+
+def test_a_bad_part_name_or_a_part_owned_twice_is_named():
+    from lightning_dynmo.profiling.gather import _part, gather_costs
+
+    with pytest.raises(
+        ValueError, match=r"local_parts has \['head'\]; the parts are named \('first', 'last'\)"
+    ):
+        gather_costs({0: _cost(0.1)}, 1, local_parts={"head": _cost(0.7)})
+    row = torch.zeros(6, dtype=torch.float64)
+    row[-1] = 2.0
+    with pytest.raises(ValueError, match=r"the last parts were profiled by 2 ranks"):
+        _part(row, "last")

@@ -1,0 +1,251 @@
+"""Balancing what the head and loss cost: every 2-stage placement of a large-vocabulary GPT, measured.
+
+The GPT of :mod:`lightning_dynmo.models` with a vocabulary large enough that its last-stage parts (final
+LayerNorm, vocabulary head and cross-entropy) cost two blocks of work or more trains on a real 2-stage
+CPU pipeline (2 gloo ranks, 1F1B, real compute, one torch thread per rank). Runs, each one job started by
+torch's elastic launcher, interleaved over ``--rounds`` rounds:
+
+- every fixed contiguous split of the blocks (the candidates; the embedding always sits on stage 0, the
+  head and loss on stage 1);
+- ``DynMoCallback(every_n_steps=steps // 2 + 1)`` from the uniform split: it profiles the blocks and the
+  first/last-stage parts in its one window, decides with both, migrates, and trains on at the placement
+  it chose.
+
+A run's step time is the median of its steps after ``--skip`` (past the DynMo run's profiling window
+and rebalance); each configuration's figure is the median over rounds. The report gives every
+candidate's step time and its ratio to the fastest candidate, marks the callback's choice and the
+block-only optimum (the exact partition of the same measured block costs without the parts, which is
+what a head-blind balancer picks), and the callback's own run. The head's measured cost in blocks comes
+from the callback's last window.
+
+    python -m benchmarks.head_cost            # ~10 minutes on 2 quiet cores
+    python -m benchmarks.head_cost --quick    # a smoke run (tiny sizes, one round): checks it works
+
+The report goes to ``benchmarks/results/head_cost-<date>.md`` with the command (``--out`` elsewhere;
+an existing dated file is kept unless ``--force``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from lightning_dynmo.balancing import partition
+from lightning_dynmo.balancing.placement import Placement
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model and batch sizes of one benchmark mode."""
+
+    d_model: int
+    num_heads: int
+    seq_len: int
+    vocab_size: int
+    num_layers: int
+    batch_size: int
+    microbatches: int
+
+    def gpt(self) -> Any:
+        from lightning_dynmo.models import GPTConfig
+
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+        )
+
+
+# A block costs ~28 d^2 flops per token forward at seq_len = d (24 d^2 of matmuls, 4 T d of attention),
+# the head 2 d V: V = 3072 at d = 64 is ~3.4 blocks of matmul (the profiler measured head + loss at ~1.9
+# blocks with V = 2304 on the 2-core VM, so ~2.6 here). Blocks alone balance at 3 | 3; with the head on
+# the last stage 4 | 2 (4 vs ~4.6 blocks) should be fastest.
+FULL = Sizes(d_model=64, num_heads=2, seq_len=64, vocab_size=3072, num_layers=6, batch_size=8, microbatches=4)
+QUICK = Sizes(
+    d_model=32, num_heads=2, seq_len=16, vocab_size=1536, num_layers=4, batch_size=4, microbatches=2
+)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One 2-rank training job."""
+
+    label: str
+    sizes: Sizes
+    steps: int
+    placement: str
+    window_at: int = 0  # the DynMo run profiles from this step (every_n_steps: once in the run)
+    dynmo: bool = False
+
+
+def train(job: Job) -> dict[str, Any]:
+    """Body of one rank (started by the elastic launcher): fit, report rank 0's step times and choice."""
+    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.demos import RandomTokenDataModule
+    from lightning_dynmo.models import GPT
+    from lightning_dynmo.strategy import DynMoStrategy
+
+    torch.set_num_threads(1)
+    sizes, timer = job.sizes, StepTimer()
+    dynmo = DynMoCallback(every_n_steps=job.window_at) if job.dynmo else None
+    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=job.placement)
+    trainer = benchmark_trainer(strategy, [timer] + ([dynmo] if dynmo else []), job.steps)
+    data = RandomTokenDataModule(
+        batch_size=sizes.batch_size,
+        num_samples=sizes.batch_size * job.steps,
+        seq_len=sizes.seq_len,
+        vocab_size=sizes.vocab_size,
+    )
+    trainer.fit(GPT(sizes.gpt()), data)
+    out: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
+    if dynmo is not None and dynmo.last_costs is not None and dynmo.last_hardware is not None:
+        costs, hardware = dynmo.last_costs, dynmo.last_hardware
+        block_s = statistics.fmean(c.time_s for c in costs)
+        last = hardware.last_stage_extra
+        first = hardware.first_stage_extra
+        out["block_only"] = str(partition(costs, 2))
+        out["head_blocks"] = last.time_s / block_s if last is not None else float("nan")
+        out["embedding_blocks"] = first.time_s / block_s if first is not None else float("nan")
+        out["decisions"] = [
+            f"{r['new']} ({'applied' if r['applied'] else 'not applied'}: {r['why']})"
+            for r in dynmo.rebalances
+        ]
+    return out
+
+
+def candidates(num_layers: int) -> list[str]:
+    """Every contiguous 2-stage split of ``num_layers`` blocks (at least one block per stage)."""
+    return [str(Placement.from_sizes([n, num_layers - n])) for n in range(1, num_layers)]
+
+
+def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) -> dict[str, Any]:
+    """Interleaved rounds of every candidate and the DynMo run; per configuration the median over rounds."""
+    half = sizes.num_layers // 2
+    uniform = str(Placement.from_sizes([half, sizes.num_layers - half]))
+    jobs = [Job(f"fixed {p}", sizes, steps, p) for p in candidates(sizes.num_layers)]
+    label = f"DynMoCallback(every_n_steps={window_at}) from {uniform}"
+    jobs.append(Job(label, sizes, steps, uniform, window_at=window_at, dynmo=True))
+    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
+    dynmo_reports: list[dict[str, Any]] = []
+    for k in range(rounds):
+        for job in jobs:
+            print(f"[head_cost] round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr, flush=True)
+            report = launch(train, job)
+            medians[job.label].append(statistics.median(report["step_s"][skip:]))
+            if job.dynmo:
+                dynmo_reports.append(report)
+    ms = {label: 1e3 * statistics.median(values) for label, values in medians.items()}
+    fixed = {j.placement: ms[j.label] for j in jobs if not j.dynmo}
+    best = min(fixed, key=lambda p: fixed[p])
+    chosen = [r["placement"] for r in dynmo_reports]
+    return {
+        "fixed": fixed,
+        "best": best,
+        "dynmo_label": jobs[-1].label,
+        "dynmo_ms": ms[jobs[-1].label],
+        "chosen": chosen,
+        "block_only": [r.get("block_only", "?") for r in dynmo_reports],
+        "head_blocks": [r.get("head_blocks", float("nan")) for r in dynmo_reports],
+        "embedding_blocks": [r.get("embedding_blocks", float("nan")) for r in dynmo_reports],
+        "decisions": [d for r in dynmo_reports for d in r.get("decisions", [])],
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    fixed, best = result["fixed"], result["best"]
+    chosen, block_only = set(result["chosen"]), set(result["block_only"])
+    lines = ["| run | step (ms) | best / this | note |", "|---|---:|---:|---|"]
+    for placement, ms in fixed.items():
+        notes = [
+            note
+            for note, hit in (
+                ("fastest candidate", placement == best),
+                ("DynMo's choice", placement in chosen),
+                ("block-only optimum", placement in block_only),
+            )
+            if hit
+        ]
+        lines.append(f"| fixed `{placement}` | {ms:.1f} | {fixed[best] / ms:.3f} | {', '.join(notes)} |")
+    dyn = result["dynmo_ms"]
+    lines.append(
+        f"| {result['dynmo_label']} | {dyn:.1f} | {fixed[best] / dyn:.3f} | ended at "
+        f"{', '.join(f'`{p}`' for p in result['chosen'])} |"
+    )
+    head = ", ".join(f"{h:.2f}" for h in result["head_blocks"])
+    emb = ", ".join(f"{e:.2f}" for e in result["embedding_blocks"])
+    picks = sorted(chosen)
+    verdict = (
+        "DynMo's choice is the fastest candidate."
+        if picks == [best]
+        else f"DynMo chose {picks}; the fastest candidate is `{best}`."
+    )
+    lines += [
+        "",
+        f"Measured by the callback (per round): head + loss = {head} blocks, embedding = {emb} blocks. "
+        f"Block-only optimum of the same costs: {sorted(block_only)}. {verdict} "
+        f"Block-only optimum / fastest: "
+        + ", ".join(f"{fixed[best] / fixed[p]:.3f}" for p in sorted(block_only) if p in fixed)
+        + ".",
+        "",
+        "Decisions of the DynMo runs: " + ("; ".join(result["decisions"]) or "none") + ".",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run")
+    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    steps = args.steps or (18 if args.quick else 40)
+    # One profiling window in the DynMo run (from steps // 2 + 1: every_n_steps then fires once), then
+    # its decision and the gain window: the measured steps all run at the placement it chose.
+    window_at = steps // 2 + 1
+    skip = args.skip if args.skip is not None else window_at + 6
+    rounds = args.rounds or (1 if args.quick else 3)
+    if skip + 2 > steps or window_at < 2:
+        parser.error("--steps must leave at least 2 measured steps after --skip, and be >= 2")
+    out = results_path("head_cost", args.out, args.force)
+    started = time.perf_counter()
+    result = compare(sizes, steps, skip, rounds, window_at)
+    command = "python -m benchmarks.head_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
+    setup = (
+        f"GPT: {sizes.num_layers} blocks, d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len "
+        f"{sizes.seq_len}, vocabulary {sizes.vocab_size}; batch {sizes.batch_size}, {sizes.microbatches} "
+        "micro-batches, 1F1B on 2 CPU ranks (gloo, one thread each)."
+    )
+    report = "\n\n".join(
+        [
+            f"## Head- and embedding-aware balancing ({dt.date.today().isoformat()})",
+            f"Command: `{command.strip()}`  ",
+            setup,
+            f"### Every 2-stage placement, measured ({rounds} interleaved rounds, {steps} steps per run, "
+            f"medians of steps {skip}+)",
+            table(result),
+            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
+        ]
+    )
+    write_report(report, "head_cost", out)
+
+
+if __name__ == "__main__":
+    main()

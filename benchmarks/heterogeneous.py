@@ -1,0 +1,276 @@
+"""Heterogeneous workers and links, and re-tuning micro-batches after a re-pack: measured on 2 CPU ranks.
+
+1. **An emulated slow worker and an emulated slow link.** :class:`~lightning_dynmo.demos.DemoGPT`, whose
+   blocks sleep a fixed time (:class:`~lightning_dynmo.demos.EmulatedCost`: no CPU used, so 2 shared
+   cores give clean ratios), trains on 2 gloo ranks (1F1B, batches of 8, 4 micro-batches). Slow worker:
+   rank 1's sleeps, and the reference workload the callback times there, are ``--slowdown`` times longer
+   (:func:`~lightning_dynmo.demos.hardware.set_emulated_slowdown`). Slow link: every send of rank 0 to
+   rank 1 waits ``--link-ms`` (:func:`~lightning_dynmo.demos.hardware.emulate_slow_link`). Per scenario,
+   runs interleaved over ``--rounds`` rounds: the static uniform split, ``DynMoCallback`` from it (slow
+   worker: ``measure_speed=True`` with the emulated probe; slow link: the default link measurement), and
+   every fixed contiguous split (the candidates: the best of them is the placement that knows the
+   slowdown, found by measuring). A run's figure is the median of its steps after ``--skip``; each
+   configuration's the median over rounds.
+2. **Step time after a re-pack, with and without the re-tune.** The GPT of :mod:`lightning_dynmo.models`
+   (real compute) trains on 2 ranks; ``DynMoCallback(repack=True, target_num_stages=1, ...)`` re-packs it
+   onto rank 0 after its first window (rank 1 leaves), once with ``retune_microbatches=True`` (the
+   callback picks the micro-batch count of the 1-stage pipeline with the simulator and the measured
+   fixed cost per op) and once without (the count stays). Step times of rank 0 after the re-pack,
+   interleaved rounds, medians.
+
+    python -m benchmarks.heterogeneous            # ~10 minutes on 2 quiet cores
+    python -m benchmarks.heterogeneous --quick    # a smoke run (tiny sizes, one round): checks it works
+
+The report goes to ``benchmarks/results/heterogeneous-<date>.md`` with the command (``--out`` elsewhere;
+an existing dated file is kept unless ``--force``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import StepTimer, benchmark_trainer, fit_demo_gpt, launch, results_path, write_report
+from lightning_dynmo.balancing.placement import Placement
+
+BLOCK_MS = 5.0  # forward sleep of every DemoGPT block per micro-batch (backward: twice that)
+MICROBATCHES = 4
+
+
+@dataclass(frozen=True)
+class Job:
+    """One 2-rank training job of part 1."""
+
+    label: str
+    scenario: str  # "slow_worker" or "slow_link"
+    num_layers: int
+    steps: int
+    placement: str
+    slowdown: float
+    link_ms: float
+    window_at: int
+    dynmo: bool = False
+
+
+def train_emulated(job: Job) -> dict[str, Any]:
+    """Body of one rank of part 1: emulate the scenario on this rank, fit, report rank 0's step times."""
+    import os
+
+    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
+    from lightning_dynmo.strategy import DynMoStrategy
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    if job.scenario == "slow_worker" and rank == 1:
+        set_emulated_slowdown(job.slowdown)
+    if job.scenario == "slow_link" and rank == 0:
+        emulate_slow_link(to_rank=1, s_per_byte=0.0, latency_s=job.link_ms / 1e3)
+    timer = StepTimer()
+    callbacks: list[Any] = [timer]
+    dynmo = None
+    if job.dynmo:
+        speed = {"measure_speed": True, "speed_probe": emulated_speed_probe, "measure_comm": False}
+        extra = speed if job.scenario == "slow_worker" else {}
+        dynmo = DynMoCallback(every_n_steps=job.window_at, **extra)
+        callbacks.append(dynmo)
+    strategy = DynMoStrategy(num_microbatches=MICROBATCHES, schedule="1F1B", placement=job.placement)
+    fit_demo_gpt(strategy, callbacks, job.steps, [BLOCK_MS] * job.num_layers)
+    return {"step_s": timer.step_s, "placement": str(strategy.placement)}
+
+
+def candidates(num_layers: int) -> list[str]:
+    """Every contiguous 2-stage split of ``num_layers`` blocks (at least one block per stage)."""
+    return [str(Placement.from_sizes([n, num_layers - n])) for n in range(1, num_layers)]
+
+
+def compare_scenario(base: Job, skip: int, rounds: int) -> dict[str, Any]:
+    """Static, DynMo and every candidate of one scenario, interleaved; medians over rounds."""
+    # The static run is the uniform candidate: one job, reported on both rows.
+    jobs = [replace(base, label="DynMoCallback", dynmo=True)]
+    jobs += [replace(base, label=f"fixed {p}", placement=p) for p in candidates(base.num_layers)]
+    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
+    ended: dict[str, list[str]] = {j.label: [] for j in jobs}
+    for k in range(rounds):
+        for job in jobs:
+            print(f"[heterogeneous] {base.scenario} round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
+            report = launch(train_emulated, job)
+            medians[job.label].append(statistics.median(report["step_s"][skip:]))
+            ended[job.label].append(report["placement"])
+    ms = {label: 1e3 * statistics.median(v) for label, v in medians.items()}
+    fixed = {j.placement: ms[j.label] for j in jobs[1:]}
+    best = min(fixed, key=lambda p: fixed[p])
+    static = f"fixed {base.placement}"
+    ms = {"static (uniform)": ms[static], **ms}
+    ended["static (uniform)"] = ended[static]
+    return {"ms": ms, "ended": ended, "best": best, "best_ms": fixed[best], "static": ms[static]}
+
+
+def scenario_table(result: dict[str, Any]) -> str:
+    ms, best_ms, static = result["ms"], result["best_ms"], result["static"]
+    lines = [
+        "| run | step (ms) | static / this | best / this | placement at the end |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for label, value in ms.items():
+        mark = " (best candidate)" if label == f"fixed {result['best']}" else ""
+        ended = ", ".join(f"`{p}`" for p in sorted(set(result["ended"][label])))
+        lines.append(
+            f"| {label}{mark} | {value:.1f} | {static / value:.3f}x | {best_ms / value:.3f} | {ended} |"
+        )
+    return "\n".join(lines)
+
+
+# -- 2. re-tune after a re-pack ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetuneJob:
+    """One 2-rank job of part 2: re-packed onto rank 0 after the first window, re-tuned or not."""
+
+    label: str
+    steps: int
+    d_model: int
+    seq_len: int
+    num_layers: int
+    window_at: int
+    retune: bool
+
+
+def train_repacked(job: RetuneJob) -> dict[str, Any]:
+    """Body of one rank of part 2; rank 0 (the one kept) reports its step times and micro-batch count."""
+    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.demos import RandomTokenDataModule
+    from lightning_dynmo.models import GPT, GPTConfig
+    from lightning_dynmo.strategy import DynMoStrategy
+
+    torch.set_num_threads(1)
+    timer = StepTimer()
+    dynmo = DynMoCallback(
+        every_n_steps=job.window_at,
+        repack=True,
+        target_num_stages=1,
+        max_slowdown=10.0,  # re-pack whatever it costs: the point is the step after it
+        memory_capacity_bytes=2**40,  # CPU: no cap (a re-pack needs one)
+        retune_microbatches=job.retune,
+    )
+    strategy = DynMoStrategy(num_microbatches=MICROBATCHES, schedule="1F1B", placement="uniform")
+    trainer = benchmark_trainer(strategy, [timer, dynmo], job.steps)
+    config = GPTConfig(seq_len=job.seq_len, num_layers=job.num_layers, d_model=job.d_model, num_heads=2)
+    data = RandomTokenDataModule(batch_size=8, num_samples=8 * job.steps, seq_len=job.seq_len, vocab_size=256)
+    trainer.fit(GPT(config), data)
+    applied = [r for r in dynmo.rebalances if r["applied"]]
+    return {
+        "step_s": timer.step_s,
+        "placement": str(strategy.placement),
+        "num_microbatches": strategy.num_microbatches,
+        "repacked_at": applied[0]["step"] if applied else None,
+    }
+
+
+def compare_retune(base: RetuneJob, skip: int, rounds: int) -> list[dict[str, Any]]:
+    jobs = [
+        replace(base, label="re-pack, micro-batches kept"),
+        replace(base, label="re-pack + re-tune", retune=True),
+    ]
+    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
+    last: dict[str, dict[str, Any]] = {}
+    for k in range(rounds):
+        for job in jobs:
+            print(f"[heterogeneous] re-tune round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
+            report = launch(train_repacked, job)
+            medians[job.label].append(statistics.median(report["step_s"][skip:]))
+            last[job.label] = report
+    kept = 1e3 * statistics.median(medians[jobs[0].label])
+    rows = []
+    for job in jobs:
+        value = 1e3 * statistics.median(medians[job.label])
+        rows.append({"label": job.label, "ms": value, "vs_kept": kept / value, **last[job.label]})
+    return rows
+
+
+def retune_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | step after the re-pack (ms) | kept / this | placement | micro-batches | re-packed at step |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['ms']:.1f} | {r['vs_kept']:.3f}x | `{r['placement']}` | "
+            f"{r['num_microbatches']} | {r['repacked_at']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run")
+    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--slowdown", type=float, default=3.0, help="part 1: the slow worker's factor")
+    parser.add_argument("--link-ms", type=float, default=30.0, help="part 1: delay of each slow-link send")
+    parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    steps = args.steps or (15 if quick else 40)
+    # One profiling window in a DynMo run (every_n_steps fires once), then its decision and the gain
+    # window: the measured steps all run at the placement it chose.
+    window_at = steps // 2 + 1
+    skip = args.skip if args.skip is not None else window_at + 5
+    rounds = args.rounds or (1 if quick else 3)
+    num_layers = 3 if quick else 8  # quick: 2 candidates, so 8 jobs in all
+    if skip + 2 > steps or window_at < 2:
+        parser.error("--steps must leave at least 2 measured steps after --skip, and be >= 2")
+    out = results_path("heterogeneous", args.out, args.force)
+    started = time.perf_counter()
+    uniform = str(Placement.from_sizes([num_layers // 2, num_layers - num_layers // 2]))
+    base = Job("", "slow_worker", num_layers, steps, uniform, args.slowdown, args.link_ms, window_at)
+    worker = scenario_table(compare_scenario(base, skip, rounds))
+    link = scenario_table(compare_scenario(replace(base, scenario="slow_link"), skip, rounds))
+    retune_base = RetuneJob(
+        "",
+        steps,
+        d_model=32 if quick else 64,
+        seq_len=16 if quick else 64,
+        num_layers=num_layers,
+        window_at=window_at,
+        retune=False,
+    )
+    retune = retune_table(compare_retune(retune_base, skip, rounds))
+    command = "python -m benchmarks.heterogeneous " + shlex.join(argv if argv is not None else sys.argv[1:])
+    measured = f"{rounds} interleaved rounds, {steps} steps per run, medians of steps {skip}+"
+    report = "\n\n".join(
+        [
+            f"## Heterogeneous workers and links; re-tune after a re-pack ({dt.date.today().isoformat()})",
+            f"Command: `{command.strip()}`  ",
+            f"DemoGPT: {num_layers} blocks sleeping {BLOCK_MS:g} ms forward / {2 * BLOCK_MS:g} ms backward "
+            f"per micro-batch; batches of 8, {MICROBATCHES} micro-batches, 1F1B on 2 CPU ranks.",
+            f"### 1a. Rank 1 an emulated worker {args.slowdown:g}x slower ({measured})",
+            worker,
+            f"### 1b. Rank 0 -> rank 1 an emulated slow link, {args.link_ms:g} ms per send ({measured})",
+            link,
+            f"### 2. GPT ({num_layers} blocks, d_model {retune_base.d_model}, seq_len {retune_base.seq_len}) "
+            f"re-packed from 2 ranks onto 1 after the first window, {MICROBATCHES} micro-batches before "
+            f"({measured})",
+            retune,
+            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
+        ]
+    )
+    write_report(report, "heterogeneous", out)
+
+
+if __name__ == "__main__":
+    main()

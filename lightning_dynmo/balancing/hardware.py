@@ -1,0 +1,202 @@
+"""What a model runs on besides its blocks: pinned parts, worker speeds, links (pure Python).
+
+Read in this order: :class:`Hardware` (what :func:`~lightning_dynmo.balancing.policy.decide` takes),
+:func:`stage_times` (what each stage of a placement then costs, the input of the pipeline simulator), then
+the two helpers that turn measurements into a :class:`Hardware`: :func:`worker_slowdown` (per-rank times
+of one reference workload -> slowdown factors) and :func:`to_reference` (costs measured on their owners'
+workers -> costs on the reference worker, which is what the balancers weigh).
+
+A layer moved to a slower worker costs more there: the balancers take costs on a *reference* worker and
+each stage's slowdown factor (see :mod:`lightning_dynmo.balancing.stage_model`). The profiler measures a
+layer on the worker that owns it, so its time is divided by that worker's factor first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing._checks import CommTime, comm_rows
+from lightning_dynmo.balancing.costs import LayerCost, layer_weights
+from lightning_dynmo.balancing.placement import Placement
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the model runs on, beyond the layer costs: pinned parts, worker speeds and links.
+
+    Attributes:
+        first_stage_extra: The first-stage parts (embedding), always on stage 0.
+        last_stage_extra: The last-stage parts (final norm, head, loss), always on the last stage.
+        worker_slowdown: Per pipeline rank (worker), how many times longer it takes than the
+            reference worker the costs are expressed in; ``None``: every worker is the reference.
+        comm_time_s: Activation send times: one per layer (every link alike) or one row per link
+            (row ``r``: pipeline rank ``r`` -> ``r + 1``) of one per layer; ``None``: free links.
+    """
+
+    first_stage_extra: LayerCost | None = None
+    last_stage_extra: LayerCost | None = None
+    worker_slowdown: Sequence[float] | None = None
+    comm_time_s: CommTime = None
+
+    def stage_slowdown(self, num_stages: int, stage_workers: Sequence[int] | None) -> list[float] | None:
+        """Per stage, the slowdown of its worker (stage ``s`` on worker ``s`` unless ``stage_workers``)."""
+        if self.worker_slowdown is None:
+            return None
+        workers = list(stage_workers) if stage_workers is not None else list(range(num_stages))
+        if max(workers) >= len(self.worker_slowdown):
+            raise ValueError(
+                f"worker_slowdown has {len(self.worker_slowdown)} entries but the pipeline has workers up "
+                f"to {max(workers)}; give one factor per pipeline rank."
+            )
+        return [float(self.worker_slowdown[w]) for w in workers]
+
+    def links(self, num_layers: int, num_stages: int, by: str) -> list[list[float]] | None:
+        """Send times as one row per link of a pipeline of ``num_stages`` (``None`` outside ``time``).
+
+        Per-link rows describe the current links: a smaller pipeline keeps the first ones.
+        """
+        if self.comm_time_s is None or by != "time" or num_stages < 2:
+            return None
+        comm = self.comm_time_s
+        if isinstance(comm, Sequence) and comm and isinstance(comm[0], Sequence):
+            return comm_rows(comm[: num_stages - 1], num_layers, num_stages, by)
+        return comm_rows(comm, num_layers, num_stages, by)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """What each stage of a placement costs on its worker.
+
+    Attributes:
+        fwd_s: Per stage, forward seconds of a whole step (all micro-batches): layers and pinned parts,
+            times the worker's slowdown.
+        bwd_s: The same for backward.
+        send_s: Per stage, seconds to send one micro-batch's boundary activation over its link (0 for
+            the last stage), at the micro-batch size the costs were measured with.
+    """
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    send_s: tuple[float, ...]
+
+    def per_microbatch(
+        self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
+    ) -> tuple[list[float], list[float]]:
+        """Forward and backward seconds of one micro-batch on each stage, for the simulator.
+
+        Work splits evenly over the micro-batches (equal sizes). A send keeps its sender busy (a
+        synchronous transfer, as the balancers assume), so it lengthens the stage's forward op.
+
+        Args:
+            num_microbatches: Micro-batches per step.
+            measured_with: The count the costs were measured with (``None``: ``num_microbatches``); a
+                micro-batch that is ``k`` times larger sends ``k`` times the bytes.
+            per_op_s: Fixed seconds every forward and backward op costs on top of its work (launch,
+                schedule bookkeeping): what makes many small micro-batches slower than a few large ones.
+        """
+        scale = (measured_with or num_microbatches) / num_microbatches
+        fwd = [
+            f / num_microbatches + c * scale + per_op_s for f, c in zip(self.fwd_s, self.send_s, strict=True)
+        ]
+        bwd = [b / num_microbatches + per_op_s for b in self.bwd_s]
+        return fwd, bwd
+
+
+def stage_times(
+    costs: Sequence[LayerCost],
+    placement: Placement,
+    by: str,
+    hardware: Hardware,
+    stage_workers: Sequence[int] | None = None,
+) -> StageTimes:
+    """Per stage of ``placement``: step forward and backward seconds, and the send of its activation.
+
+    With ``by="params"`` parameter counts stand in for seconds, split 1:2 between forward and backward.
+    """
+    stages = placement.num_stages
+    fwd, bwd = _split(costs, by)
+    first, last = hardware.first_stage_extra, hardware.last_stage_extra
+    extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
+    slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
+    links = hardware.links(placement.num_layers, stages, by)
+    stage_fwd, stage_bwd, send = [], [], []
+    for s in range(stages):
+        layers = placement.layers_of(s)
+        f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
+        if s == 0 and first is not None:
+            f, b = f + extra_f[0], b + extra_b[0]
+        if s == stages - 1 and last is not None:
+            f, b = f + extra_f[-1], b + extra_b[-1]
+        stage_fwd.append(slowdown[s] * f)
+        stage_bwd.append(slowdown[s] * b)
+        send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
+    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send))
+
+
+def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:
+    """Forward and backward weights of each record (``params``: 1:2 of the parameter count)."""
+    if by == "time":
+        return [c.fwd_time_s for c in costs], [c.bwd_time_s for c in costs]
+    weights = layer_weights(costs, by)
+    return [w / 3 for w in weights], [2 * w / 3 for w in weights]
+
+
+def worker_slowdown(
+    probe_s: Sequence[float], pipeline_ranks: Sequence[int], tolerance: float = 0.05
+) -> list[float] | None:
+    """Per pipeline rank, how many times longer it took than the fastest for the same work.
+
+    Args:
+        probe_s: A fixed reference workload's seconds on each active rank
+            (:func:`lightning_dynmo.profiling.speed.time_reference_workload`).
+        pipeline_ranks: The pipeline position of each of those ranks. Data-parallel replicas at one
+            position count as their slowest: they share the placement, and the slowest sets the pace.
+        tolerance: Workers within this fraction of the fastest are taken as equal to it, so timing
+            noise does not move layers; ``None`` is returned when every worker is within it.
+
+    Returns:
+        One factor per pipeline rank (the fastest 1.0), or ``None`` when the workers are alike.
+    """
+    if len(probe_s) != len(pipeline_ranks) or not probe_s:
+        raise ValueError(
+            f"probe_s has {len(probe_s)} entries and pipeline_ranks {len(pipeline_ranks)}; give one "
+            "probe time and one pipeline position per active rank."
+        )
+    if any(not t > 0 for t in probe_s):
+        raise ValueError(f"probe_s={list(probe_s)} must all be > 0 seconds.")
+    slowest: dict[int, float] = {}
+    for seconds, position in zip(probe_s, pipeline_ranks, strict=True):
+        slowest[position] = max(slowest.get(position, 0.0), float(seconds))
+    missing = [p for p in range(max(slowest) + 1) if p not in slowest]
+    if missing:
+        raise ValueError(f"no probe time for pipeline ranks {missing}; every position needs one.")
+    fastest = min(slowest.values())
+    factors = [slowest[p] / fastest for p in range(len(slowest))]
+    factors = [1.0 if f <= 1.0 + tolerance else f for f in factors]
+    return None if all(f == 1.0 for f in factors) else factors
+
+
+def to_reference(
+    costs: Sequence[LayerCost], placement: Placement, stage_workers: Sequence[int], slowdown: Sequence[float]
+) -> list[LayerCost]:
+    """Costs measured on the workers that own the layers, expressed on the reference worker.
+
+    Args:
+        costs: One record per layer, each timed on its owner.
+        placement: The placement the costs were measured under.
+        stage_workers: The worker of each stage of ``placement``.
+        slowdown: Per worker, its slowdown factor.
+
+    Returns:
+        The records with their times divided by their owner's factor (sizes unchanged).
+    """
+    return [
+        scaled(cost, 1.0 / slowdown[stage_workers[placement.stage_of(i)]]) for i, cost in enumerate(costs)
+    ]
+
+
+def scaled(cost: LayerCost, factor: float) -> LayerCost:
+    """``cost`` with its forward and backward times multiplied by ``factor``."""
+    return dataclasses.replace(cost, fwd_time_s=cost.fwd_time_s * factor, bwd_time_s=cost.bwd_time_s * factor)

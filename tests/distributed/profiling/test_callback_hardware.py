@@ -1,0 +1,161 @@
+"""DynMoCallback balances what a real model and cluster cost: a heavy head, a slow worker, a slow link.
+
+Costs are emulated (``EmulatedCost`` sleeps, using no CPU), so the expected placements are known. 8
+blocks sleep 5 ms forward / 10 ms backward per micro-batch (4 micro-batches, 2 ranks, 1F1B):
+
+- heavy head: the head sleeps 12.5 / 25 ms (2.5 blocks). Blocks alone balance at ``0-3|4-7``; with the
+  head on the last stage the optimum is ``0-4|5-7`` (5 | 3 + 2.5 blocks).
+- slow worker: rank 1 is an emulated worker 3 times slower (its blocks sleep 3x, and so does the
+  reference workload the callback times there). Optimum ``0-5|6-7`` (6 | 2 x 3 blocks).
+- slow link: rank 0's sends to rank 1 wait 60 ms each (one per micro-batch: 240 ms a step, 4 blocks of
+  work on the sender). Optimum ``0-1|2-7`` (2 + 4 | 6 blocks), and stays so for a link of 3 to 5 blocks.
+
+Each scenario's expected placement stays optimal when the measured costs drift by a block (under load a
+block's real compute grows next to its sleep), and the bounds on measured times are as loose.
+
+Training through the resulting migrations equals the single-process reference (float64).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_dynmo.balancing import partition
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.demos import DemoGPT, EmulatedCost
+from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
+from lightning_dynmo.profiling import module_has_hooks
+from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy
+from tests.distributed.harness import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+RUN = Run(num_layers=8, steps=8)
+SLEEP_MS = 5.0
+CALLBACK = {
+    "balancer": "partition",
+    "cost": "time",
+    "every_n_steps": 2,
+    "profile_steps": 2,
+    "on_events": False,
+}
+
+
+class HeavyHeadGPT(DemoGPT):
+    """DemoGPT whose head sleeps ``head_ms`` forward (twice that backward) after its projection."""
+
+    def __init__(self, head_ms: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.head = nn.Sequential(self.head, EmulatedCost(head_ms))
+
+
+def _model(head_ms: float) -> DemoGPT:
+    kwargs = {"num_layers": RUN.num_layers, "lr_gamma": RUN.lr_gamma, "sleep_ms": [SLEEP_MS] * RUN.num_layers}
+    return HeavyHeadGPT(head_ms, **kwargs) if head_ms else DemoGPT(**kwargs)
+
+
+def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    if scenario == "slow_worker" and rank == 1:
+        set_emulated_slowdown(3.0)
+    if scenario == "slow_link" and rank == 0:
+        emulate_slow_link(to_rank=1, s_per_byte=0.0, latency_s=0.060)
+    recorder, dynmo = LossRecorder(), DynMoCallback(**callback_kwargs)
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=make_strategy(RUN),
+        use_distributed_sampler=False,
+        callbacks=[recorder, dynmo],
+        **RUN.trainer_kwargs(),
+    )
+    model = _model(12.5 if scenario == "heavy_head" else 0.0)
+    trainer.fit(model, RUN.datamodule())
+    hardware = dynmo.last_hardware
+    return {
+        "losses": recorder.losses,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "placement": str(trainer.strategy.placement),
+        "rebalances": dynmo.rebalances,
+        "costs": dynmo.last_costs,
+        "hardware": hardware,
+        "hooks_left": any(module_has_hooks(m) for m in [model, *trainer.strategy.local_layers.values()]),
+    }
+
+
+def _single_process_reference(scenario: str) -> dict[str, Any]:
+    recorder = LossRecorder()
+    trainer = pl.Trainer(devices=1, callbacks=[recorder], **RUN.trainer_kwargs())
+    model = _model(12.5 if scenario == "heavy_head" else 0.0)
+    trainer.fit(model, RUN.datamodule().train_dataloader())
+    return {"losses": recorder.losses, "state": model.state_dict()}
+
+
+def _assert_equals_reference(results: list[dict[str, Any]], scenario: str) -> None:
+    ref = _single_process_reference(scenario)
+    for r in results:
+        diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+        assert diff < TOL, f"losses differ from the reference by {diff:.3e}"
+    merged = {**results[0]["state"], **results[1]["state"]}
+    worst = max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    assert worst < TOL
+
+
+def _run(tmp_path: Any, scenario: str, **extra: Any) -> list[dict[str, Any]]:
+    kwargs = {**CALLBACK, **extra}
+    return run_distributed(fit_worker, 2, tmp_path, timeout_s=180, args=(scenario, kwargs))
+
+
+def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: Any) -> None:
+    results = _run(tmp_path, "heavy_head", measure_comm=False)
+    first = results[0]
+    costs, hardware = first["costs"], first["hardware"]
+    assert all(r["costs"] == costs and r["hardware"] == hardware for r in results)
+    block = sum(c.time_s for c in costs) / len(costs)
+    head = hardware.last_stage_extra
+    assert head is not None and hardware.first_stage_extra is not None
+    # 2.5 blocks of sleep plus the real projection and loss; 0-4|5-7 stays optimal for 1 to 3 blocks.
+    assert 1.8 * block < head.time_s < 3.5 * block
+    assert head.memory_bytes > 0 and hardware.first_stage_extra.memory_bytes > 0
+    assert str(partition(costs, 2)) == "0-3|4-7"  # what a block-only balancer keeps
+    for r in results:
+        assert r["placement"] == "0-4|5-7"
+        assert r["rebalances"][0]["applied"] and r["rebalances"][0]["new"] == "0-4|5-7"
+        assert not r["hooks_left"]
+    _assert_equals_reference(results, "heavy_head")
+
+
+def test_a_slow_worker_is_measured_and_given_fewer_blocks(tmp_path: Any) -> None:
+    results = _run(
+        tmp_path, "slow_worker", measure_comm=False, measure_speed=True, speed_probe=emulated_speed_probe
+    )
+    hardware = results[0]["hardware"]
+    assert hardware.worker_slowdown == pytest.approx([1.0, 3.0], rel=0.15)
+    costs = results[0]["costs"]  # on the reference worker: every block costs the same wherever it ran
+    block_s = [c.time_s for c in costs]
+    assert max(block_s) < 1.3 * min(block_s)
+    for r in results:
+        assert r["placement"] == "0-5|6-7"
+
+
+def test_a_slow_link_is_measured_and_its_sender_relieved(tmp_path: Any) -> None:
+    results = _run(tmp_path, "slow_link")
+    hardware = results[0]["hardware"]
+    send_s = hardware.comm_time_s[0][3]  # link 0, the boundary block's output
+    assert 0.055 < send_s < 0.090
+    for r in results:
+        assert r["placement"] == "0-1|2-7"
+
+
+def test_speed_probe_is_a_positive_time_on_this_rank() -> None:
+    from lightning_dynmo.profiling.speed import time_reference_workload
+
+    assert time_reference_workload("cpu", torch.float64, width=16, repeats=2) > 0
+    with pytest.raises(ValueError, match=r"repeats=0, warmup=1: need repeats >= 1"):
+        time_reference_workload("cpu", repeats=0)

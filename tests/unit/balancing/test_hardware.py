@@ -1,0 +1,39 @@
+"""Measurements -> Hardware: worker slowdowns from reference-workload times, costs on the reference worker."""
+
+import pytest
+
+from lightning_dynmo.balancing import LayerCost, Placement
+from lightning_dynmo.balancing.hardware import to_reference, worker_slowdown
+
+
+def test_slowdowns_are_relative_to_the_fastest_and_noise_is_ignored():
+    assert worker_slowdown([0.010, 0.030], [0, 1]) == pytest.approx([1.0, 3.0])
+    assert worker_slowdown([0.020, 0.010, 0.0104], [0, 1, 2]) == pytest.approx([2.0, 1.0, 1.0])
+    assert worker_slowdown([0.010, 0.0104], [0, 1]) is None  # within 5%: alike
+    assert worker_slowdown([0.010, 0.0104], [0, 1], tolerance=0.01) == pytest.approx([1.0, 1.04])
+
+
+def test_replicas_at_one_position_count_as_their_slowest():
+    # 2 replicas x 2 pipeline ranks: active ranks at positions 0, 1, 0, 1.
+    assert worker_slowdown([0.01, 0.01, 0.01, 0.02], [0, 1, 0, 1]) == pytest.approx([1.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    ("probe", "positions", "match"),
+    [
+        ([0.01], [0, 1], r"probe_s has 1 entries and pipeline_ranks 2"),
+        ([0.01, 0.0], [0, 1], r"must all be > 0 seconds"),
+        ([0.01, 0.02], [0, 2], r"no probe time for pipeline ranks \[1\]"),
+    ],
+)
+def test_bad_probe_times_are_rejected(probe, positions, match):
+    with pytest.raises(ValueError, match=match):
+        worker_slowdown(probe, positions)
+
+
+def test_costs_measured_on_slow_workers_are_brought_to_the_reference():
+    measured = [LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, memory_bytes=7)] * 2 + [
+        LayerCost(fwd_time_s=3.0, bwd_time_s=6.0, memory_bytes=7)
+    ] * 2
+    reference = to_reference(measured, Placement.from_string("0-1|2-3"), [0, 1], [1.0, 3.0])
+    assert reference == [LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, memory_bytes=7)] * 4
