@@ -47,11 +47,15 @@ def results_path(name: str, out: Path | None, force: bool) -> Path:
     return path
 
 
-def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[str, Any]:
+def launch(
+    fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2, start_method: str = "spawn"
+) -> dict[str, Any]:
     """Run ``fn(spec)`` on ``nproc`` local ranks with torch's elastic launcher; return rank 0's result.
 
     This is what ``torchrun --standalone`` does, driven from Python so one script can run many jobs.
-    ``fn`` must be importable (a module-level function) because ranks are spawned.
+    With ``"spawn"`` ``fn`` must be importable (a module-level function); ``"fork"`` starts the ranks
+    without importing torch and Lightning again (seconds per job on a small machine), which needs a parent
+    that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first).
     """
     config = LaunchConfig(
         min_nodes=1,
@@ -62,7 +66,7 @@ def launch(fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2) -> dict[s
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method,
     )
     return elastic_launch(config, fn)(spec)[0]
 
@@ -77,14 +81,16 @@ def fit_demo_gpt(
     return trainer
 
 
-def benchmark_trainer(strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int) -> pl.Trainer:
-    """The Trainer the end-to-end benchmarks share: 2 CPU ranks, ``steps`` steps, nothing but training.
+def benchmark_trainer(
+    strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, devices: int = 2
+) -> pl.Trainer:
+    """The Trainer the end-to-end benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
 
     No logger, checkpoints, progress bar or distributed sampler (every rank reads the same batches).
     """
     return pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         callbacks=callbacks,

@@ -20,7 +20,7 @@ them which tokens exit or are routed, should not drift during the measurement.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,15 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
 
-__all__ = ["JobSpec", "PlacementSweep", "median_ms", "random_tokens", "run_job", "sweep_schedule"]
+__all__ = [
+    "JobSpec",
+    "PlacementSweep",
+    "median_ms",
+    "random_tokens",
+    "run_job",
+    "sweep_schedule",
+    "visit_schedule",
+]
 
 JOB_KINDS = ("dynmo", "sweep")
 
@@ -51,7 +59,10 @@ class JobSpec:
         num_microbatches: Micro-batches per step.
         placement: Where a ``dynmo`` job starts.
         callback: ``DynMoCallback`` keyword arguments (``dynmo``).
+        callbacks: Factories of the case's own callbacks (a dynamism such as pruning), called in each rank;
+            they must pickle (module-level callables or ``functools.partial`` of them).
         candidates: The placements a ``sweep`` visits.
+        lead_steps: Untimed steps of a sweep before its first visit (a dynamism that settles first).
         warm_steps: Untimed steps at the start of each sweep visit.
         measure_steps: Timed steps of each sweep visit.
         repeats: Visits to each candidate.
@@ -66,7 +77,9 @@ class JobSpec:
     num_microbatches: int
     placement: str = "uniform"
     callback: dict[str, Any] = field(default_factory=dict)
+    callbacks: tuple[Callable[[], pl.Callback], ...] = ()
     candidates: tuple[str, ...] = ()
+    lead_steps: int = 1
     warm_steps: int = 1
     measure_steps: int = 2
     repeats: int = 2
@@ -82,10 +95,21 @@ class JobSpec:
 
 def sweep_schedule(spec: JobSpec) -> list[tuple[str, bool]]:
     """Per step of a sweep: ``(placement, timed)``; step 0 (shape inference) is never timed."""
-    visit = [(False, spec.warm_steps), (True, spec.measure_steps)]
-    steps = [(spec.candidates[0], False)]
-    for _ in range(spec.repeats):
-        for placement in spec.candidates:
+    return visit_schedule(spec.candidates, spec.warm_steps, spec.measure_steps, spec.repeats, spec.lead_steps)
+
+
+def visit_schedule(
+    candidates: Sequence[str], warm_steps: int, measure_steps: int, repeats: int, lead_steps: int = 1
+) -> list[tuple[str, bool]]:
+    """Per step: ``(placement, timed)``: ``lead_steps`` untimed, then ``repeats`` rounds of visits.
+
+    Each visit of a candidate is ``warm_steps`` untimed steps (the migration, warm caches) then
+    ``measure_steps`` timed ones; candidates are visited in turn, so a drift of a shared machine hits all.
+    """
+    visit = [(False, warm_steps), (True, measure_steps)]
+    steps = [(candidates[0], False)] * max(1, lead_steps)
+    for _ in range(repeats):
+        for placement in candidates:
             steps += [(placement, timed) for timed, n in visit for _ in range(n)]
     return steps
 
@@ -116,7 +140,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     """Body of one rank: fit ``spec`` and report step times (rank 0's report is what ``launch`` returns)."""
     torch.set_num_threads(1)
     timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
+    callbacks: list[pl.Callback] = [timer, *(make() for make in spec.callbacks)]
     dynmo: DynMoCallback | None = None
     schedule = sweep_schedule(spec) if spec.kind == "sweep" else []
     if spec.kind == "dynmo":
@@ -133,10 +157,13 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
         report["decisions"] = len(dynmo.rebalances)
+        report["why"] = [f"step {r['step']}: {r['old']} -> {r['new']}: {r['why']}" for r in dynmo.rebalances]
         report["rebalances"] = [r["new"] for r in dynmo.rebalances if r["applied"]]
         report["overhead_s"] = dynmo.overhead_s
         costs = dynmo.last_costs or []
         report["layer_ms"] = [1e3 * (c.fwd_time_s + c.bwd_time_s) for c in costs]
+        report["layer_fwd_ms"] = [1e3 * c.fwd_time_s for c in costs]
+        report["layer_bwd_ms"] = [1e3 * c.bwd_time_s for c in costs]
     if schedule:
         timed: dict[str, list[float]] = {}
         for (placement_text, is_timed), step_s in zip(schedule, timer.step_s, strict=True):

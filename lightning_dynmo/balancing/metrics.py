@@ -1,7 +1,8 @@
 """Balance metrics and an event-driven pipeline simulator.
 
 Read in this order: :func:`imbalance` (paper section 2.2), then :func:`simulate_pipeline` and its result
-:class:`PipelineSimulation`, then the per-schedule op orders (``_order_*``) and the event loop ``_run``.
+:class:`PipelineSimulation` (:func:`pipeline_timeline`: the same step op by op), then the per-schedule
+op orders (``_order_*``) and the event loop ``_run``.
 
 The simulator does not use closed formulas: every stage executes its ops in the schedule's order, and an
 op starts when the stage is free and the op it depends on (same micro-batch, neighbouring stage) has
@@ -90,6 +91,45 @@ def simulate_pipeline(
     Raises:
         ValueError: on mismatched lengths, negative/NaN times, a bad schedule name or micro-batch count.
     """
+    finish, durations = _simulate(stage_fwd_s, stage_bwd_s, num_microbatches, schedule, comm_s)
+    stages = len(durations)
+    step = max(finish.values(), default=0.0)
+    busy = [0.0] * stages
+    for s, (kind, _) in finish:
+        busy[s] += durations[s][kind]
+    idle = tuple(step - b for b in busy)
+    ratio = sum(idle) / (stages * step) if step > 0 else 0.0
+    return PipelineSimulation(step, idle, ratio)
+
+
+def pipeline_timeline(
+    stage_fwd_s: Sequence[float],
+    stage_bwd_s: Sequence[float],
+    num_microbatches: int,
+    schedule: str = "1f1b",
+    comm_s: float | Sequence[float] = 0.0,
+) -> list[tuple[int, str, int, float, float]]:
+    """Every op of the step :func:`simulate_pipeline` simulates, for a Gantt chart.
+
+    Takes the same arguments (and raises the same errors) as :func:`simulate_pipeline`.
+
+    Returns:
+        ``(stage, kind, micro_batch, start_s, end_s)`` per op (``kind``: ``"F"``, ``"B"`` or ``"W"``),
+        sorted by start time; the last ``end_s`` is the simulated step time.
+    """
+    finish, durations = _simulate(stage_fwd_s, stage_bwd_s, num_microbatches, schedule, comm_s)
+    ops = [(s, kind, i, end - durations[s][kind], end) for (s, (kind, i)), end in finish.items()]
+    return sorted(ops, key=lambda op: (op[3], op[0]))
+
+
+def _simulate(
+    stage_fwd_s: Sequence[float],
+    stage_bwd_s: Sequence[float],
+    num_microbatches: int,
+    schedule: str,
+    comm_s: float | Sequence[float],
+) -> tuple[dict[tuple[int, Op], float], list[dict[str, float]]]:
+    """Validate the arguments and run the schedule: each op's finish time, and the op durations."""
     fwd = _check_loads(stage_fwd_s, "stage_fwd_s")
     bwd = _check_loads(stage_bwd_s, "stage_bwd_s")
     if len(fwd) != len(bwd):
@@ -102,16 +142,8 @@ def simulate_pipeline(
         raise ValueError(f"schedule={schedule!r} is not supported; use one of {SCHEDULES}.")
     comm = _comm_per_boundary(comm_s, len(fwd))
     durations = _durations(fwd, bwd, schedule)
-    stages = len(fwd)
-    orders = [_ORDERS[schedule](s, stages, num_microbatches) for s in range(stages)]
-    finish = _run(orders, durations, comm)
-    step = max(finish.values(), default=0.0)
-    busy = [0.0] * stages
-    for s, (kind, _) in finish:
-        busy[s] += durations[s][kind]
-    idle = tuple(step - b for b in busy)
-    ratio = sum(idle) / (stages * step) if step > 0 else 0.0
-    return PipelineSimulation(step, idle, ratio)
+    orders = [_ORDERS[schedule](s, len(fwd), num_microbatches) for s in range(len(fwd))]
+    return _run(orders, durations, comm), durations
 
 
 def _check_loads(values: Sequence[float], name: str) -> list[float]:

@@ -113,6 +113,20 @@ def test_pruning_benchmark_runs(tmp_path: Path) -> None:
     assert "python -m benchmarks.pruning --quick" in text
 
 
+def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
+    from benchmarks import e2e
+
+    out = tmp_path / "e2e.md"
+    e2e.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    assert "python -m benchmarks.e2e --quick" in text and "load average at start" in text
+    assert "**Real compute**, 2 stages:" in text and "**Emulated cost**, 8 blocks on 2 stages" in text
+    assert text.count("| 24 x 8 |") == text.count("| 48 x 16 |") == text.count("| 48 x 24 |") == 1
+    for label in ("| static uniform |", "| static params |", "| DynMo partition/time |", "| ideal |"):
+        assert text.count("\n" + label) == 2  # rows of the real and the emulated tables
+    assert "| early_exit |" in text and "4.52x |" in text
+
+
 def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import head_cost
 

@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -86,3 +87,26 @@ def test_simulator_rejects_bad_input(kwargs, match):
     args = {"stage_fwd_s": [1.0, 1.0], "stage_bwd_s": [1.0, 1.0], "num_microbatches": 2, **kwargs}
     with pytest.raises(ValueError, match=match):
         simulate_pipeline(**args)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+def test_the_timeline_is_the_simulated_step_op_by_op(schedule: str) -> None:
+    from lightning_dynmo.balancing.metrics import pipeline_timeline
+
+    fwd, bwd = [1.0, 3.0, 2.0], [2.0, 5.0, 4.0]
+    ops = pipeline_timeline(fwd, bwd, 4, schedule, comm_s=0.5)
+    assert max(op[4] for op in ops) == simulate_pipeline(fwd, bwd, 4, schedule, comm_s=0.5).step_time_s
+    for stage in range(3):
+        mine = sorted((start, end) for s, _, _, start, end in ops if s == stage)
+        assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(mine)), "a stage runs one op at once"
+        assert len([op for op in ops if op[0] == stage and op[1] == "F"]) == 4
+    # F of micro-batch 0 on stage 1 starts after stage 0's forward plus the link.
+    f01 = next(op for op in ops if op[:3] == (1, "F", 0))
+    assert f01[3] == pytest.approx(1.0 + 0.5)
+
+
+def test_the_timeline_rejects_what_the_simulator_rejects() -> None:
+    from lightning_dynmo.balancing.metrics import pipeline_timeline
+
+    with pytest.raises(ValueError, match=r"stage_fwd_s has 2 stages but stage_bwd_s has 1"):
+        pipeline_timeline([1.0, 1.0], [1.0], 2)

@@ -1,0 +1,92 @@
+"""The end-to-end benchmark's pure parts: stretching a profile, the projection, the verdict, its guards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import e2e
+from lightning_dynmo.balancing import LayerCost, Placement
+
+
+def _costs(times_ms: list[float], params: list[int] | None = None) -> list[LayerCost]:
+    params = params or [100] * len(times_ms)
+    return [
+        LayerCost(fwd_time_s=t / 3e3, bwd_time_s=2 * t / 3e3, num_params=n)
+        for t, n in zip(times_ms, params, strict=True)
+    ]
+
+
+def test_stretch_keeps_the_profile_shape() -> None:
+    costs = _costs([1.0, 2.0, 3.0, 4.0])
+    stretched = e2e.stretch(costs, 8)
+    assert [c.fwd_time_s for c in stretched] == [c.fwd_time_s for c in costs for _ in range(2)]
+    assert e2e.stretch(costs, 4) == costs
+
+
+def test_the_projection_balances_a_profile_that_falls_with_depth() -> None:
+    # Early exit's shape: late layers are cheap, so the uniform split overloads the first stages.
+    costs = _costs([4.0, 4.0, 2.0, 1.0, 0.5, 0.5, 0.25, 0.25])
+    result = e2e.project_case(costs, num_layers=24, num_stages=8)
+    rows = result["rows"]
+    assert rows["static uniform"]["placement"] == "0-2|3-5|6-8|9-11|12-14|15-17|18-20|21-23"
+    assert rows["static params"]["placement"] == rows["static uniform"]["placement"]  # equal parameters
+    assert rows["DynMo partition/time"]["placement"] == rows["ideal"]["placement"]
+    assert rows["static uniform"]["ms"] / rows["DynMo partition/time"]["ms"] > 1.5
+    assert rows["DynMo partition/params"]["ms"] == pytest.approx(rows["static uniform"]["ms"])
+    sizes = Placement.from_string(rows["ideal"]["placement"]).sizes
+    assert sizes[0] < sizes[-1]
+
+
+def test_static_params_split_follows_parameter_counts() -> None:
+    placements = e2e.static_placements([400, 100, 100, 100, 100], 2)
+    assert str(placements["static uniform"]) == "0-2|3-4"
+    assert str(placements["static params"]) == "0-0|1-4"
+
+
+def _rows(uniform: float, params: float, dynmo: float, ideal: float) -> dict[str, dict[str, object]]:
+    return {
+        "static uniform": {"ms": uniform, "placement": "0-1|2-3"},
+        "static params": {"ms": params, "placement": "0-1|2-3"},
+        "DynMo partition/time": {"ms": dynmo, "placement": "0-2|3-3"},
+        "ideal": {"ms": ideal, "placement": "0-2|3-3"},
+    }
+
+
+def test_the_verdict_passes_a_balanced_run_and_fails_a_slow_one() -> None:
+    lines, ok = e2e.verdict(_rows(uniform=100.0, params=120.0, dynmo=85.0, ideal=80.0))
+    assert ok is True and "**1.18x** the better static split" in lines[0]
+    lines, ok = e2e.verdict(_rows(uniform=100.0, params=120.0, dynmo=95.0, ideal=80.0))
+    assert ok is False and lines[1].endswith("**NO**.")  # 1.05x static but only 84% of the ideal
+
+
+def test_the_verdict_says_when_a_case_is_not_imbalanced() -> None:
+    lines, ok = e2e.verdict(_rows(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0))
+    assert ok is None and lines[1].startswith("Not imbalanced here")
+
+
+def test_a_committed_results_file_is_not_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.md"
+    out.write_text("kept")
+    with pytest.raises(SystemExit, match=r"e2e\.md exists: pass --force to overwrite it"):
+        e2e.main(["--mode", "projection", "--out", str(out)])
+    assert out.read_text() == "kept"
+    assert e2e.output_path(out, force=True) == out
+
+
+def test_bad_options_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        e2e.main(["--stages", "1", "--mode", "emulated"])
+    assert "every emulated pipeline needs at least 2 stages" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.main(["--variants", "partition/params"])
+    assert "include a time variant" in capsys.readouterr().err
+
+
+def test_every_case_has_a_model_and_a_trigger() -> None:
+    assert set(e2e.CASES) == {"moe", "pruning", "freezing", "sparse_attention", "early_exit", "mod"}
+    for case in e2e.CASES.values():
+        config = case.model(e2e.QUICK)
+        assert config.num_layers == e2e.QUICK.num_layers
+        assert case.lead_steps(e2e.QUICK) >= 1
