@@ -569,7 +569,9 @@ class DynMoStrategy(ParallelStrategy):
         target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
         with self.guard("apply_placement (the check that every rank applies the same placement)"):
             what = "apply_placement was called with different placements (or micro-batch counts)"
-            agreed = str(target) if num_microbatches is None else f"{target} num_microbatches={num_microbatches}"
+            agreed = f"{target}" + (
+                "" if num_microbatches is None else f" num_microbatches={num_microbatches}"
+            )
             check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
         if target.num_stages > self.placement.num_stages:
             raise ValueError(

@@ -98,7 +98,8 @@ def test_model_without_the_contract(tmp_path: Any) -> None:
 def test_apply_placement_with_different_placements_per_rank(tmp_path: Any) -> None:
     case = {"per_rank": ["0-0|1-3", "0-1|2-3"]}
     with pytest.raises(
-        ValueError, match=r"different placements \(or micro-batch counts\) on different ranks \(rank 0: '0-0\|1-3', rank 1"
+        ValueError,
+        match=r"different placements \(or micro-batch counts\) on different ranks \(rank 0: '0-0\|1-3', rank 1",
     ):
         _raise_as_on_every_rank(case, tmp_path)
 
