@@ -99,7 +99,7 @@ def test_apply_placement_with_different_placements_per_rank(tmp_path: Any) -> No
     case = {"per_rank": ["0-0|1-3", "0-1|2-3"]}
     with pytest.raises(
         ValueError,
-        match=r"different placements \(or micro-batch counts\) on different ranks \(rank 0: '0-0\|1-3', rank 1",
+        match=r"different placements \(or micro-batch counts\) on different ranks \(rank 0: '0-0\|1-3'",
     ):
         _raise_as_on_every_rank(case, tmp_path)
 
