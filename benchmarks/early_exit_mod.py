@@ -294,7 +294,7 @@ def pipeline_comparison(config: GPTConfig, callback: dict[str, Any], setup: Setu
     for r in range(setup.rounds):
         for name, spec in (("dynmo", dynmo), ("sweep", sweep)):
             print(f"  round {r + 1}/{setup.rounds}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(launch(run_job, spec))
+            runs[name].append(launch(run_job, spec, start_method="fork"))
     dynmo_ms = statistics.median(median_ms(run["step_s"][setup.settle :]) for run in runs["dynmo"])
     sweep_ms = {
         p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs["sweep"]) for p in candidates
@@ -593,6 +593,7 @@ def mod_section(setup: Setup, projection: Projection, capacities: Sequence[float
 
 
 def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

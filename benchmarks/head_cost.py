@@ -142,7 +142,7 @@ def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) ->
     for k in range(rounds):
         for job in jobs:
             print(f"[head_cost] round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr, flush=True)
-            report = launch(train, job)
+            report = launch(train, job, start_method="fork")
             medians[job.label].append(statistics.median(report["step_s"][skip:]))
             if job.dynmo:
                 dynmo_reports.append(report)
@@ -205,6 +205,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

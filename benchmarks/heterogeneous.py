@@ -103,7 +103,7 @@ def compare_scenario(base: Job, skip: int, rounds: int) -> dict[str, Any]:
     for k in range(rounds):
         for job in jobs:
             print(f"[heterogeneous] {base.scenario} round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
-            report = launch(train_emulated, job)
+            report = launch(train_emulated, job, start_method="fork")
             medians[job.label].append(statistics.median(report["step_s"][skip:]))
             ended[job.label].append(report["placement"])
     ms = {label: 1e3 * statistics.median(v) for label, v in medians.items()}
@@ -187,7 +187,7 @@ def compare_retune(base: RetuneJob, skip: int, rounds: int) -> list[dict[str, An
     for k in range(rounds):
         for job in jobs:
             print(f"[heterogeneous] re-tune round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
-            report = launch(train_repacked, job)
+            report = launch(train_repacked, job, start_method="fork")
             medians[job.label].append(statistics.median(report["step_s"][skip:]))
             last[job.label] = report
     kept = 1e3 * statistics.median(medians[jobs[0].label])
@@ -212,6 +212,7 @@ def retune_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

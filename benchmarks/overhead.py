@@ -83,6 +83,7 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for spec in specs:
         print(f"running {spec.label} with and without DynMoCallback ...", file=sys.stderr, flush=True)
-        r = launch(train, spec)
-        static = launch(train, replace(spec, with_dynmo=False))
+        r = launch(train, spec, start_method="fork")
+        static = launch(train, replace(spec, with_dynmo=False), start_method="fork")
         frac = r["overhead_s"] / r["fit_s"]
         rows.append(
             f"| {spec.label} | {steps} | {r['decisions']} | {r['migrations']} | {r['fit_s']:.2f} "

@@ -144,7 +144,7 @@ def compare(scenario: Scenario, args: argparse.Namespace) -> list[dict[str, Any]
     rows = []
     for spec in specs:
         print(f"[{scenario.name}] running {spec.label} ...", file=sys.stderr, flush=True)
-        rows.append(summarize(spec, launch(train, spec), args.settle))
+        rows.append(summarize(spec, launch(train, spec, start_method="fork"), args.settle))
     static_ms, ideal_ms = rows[0]["after_ms"], rows[-1]["after_ms"]
     for row in rows:
         row["speedup"] = static_ms / row["after_ms"]
@@ -174,6 +174,7 @@ def table(scenario: str, rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
