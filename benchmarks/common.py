@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -86,13 +88,15 @@ def benchmark_trainer(
 ) -> pl.Trainer:
     """The Trainer the end-to-end benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
 
-    No logger, checkpoints, progress bar or distributed sampler (every rank reads the same batches).
+    No validation, logger, checkpoints, progress bar or distributed sampler (every rank reads the same
+    batches).
     """
     return pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=steps,
+        limit_val_batches=0,
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -100,6 +104,22 @@ def benchmark_trainer(
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
+
+
+def corpus_data(seq_len: int, batch_size: int, cache_dir: str, max_bytes: int = 2**20) -> TextDataModule:
+    """The offline standard-library corpus (its first ``max_bytes``) as token rows cached in ``cache_dir``."""
+    corpus = StdlibCorpus(max_bytes=max_bytes)
+    return TextDataModule(corpus=corpus, seq_len=seq_len, batch_size=batch_size, cache_dir=cache_dir)
+
+
+def job_report(timer: StepTimer, strategy: DynMoStrategy, dynmo: DynMoCallback | None) -> dict[str, Any]:
+    """What one pipeline job reports: its step times, its last placement and what DynMo applied and cost."""
+    return {
+        "step_s": timer.step_s,
+        "placement": str(strategy.placement),
+        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
+        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
+    }
 
 
 class StepTimer(pl.Callback):

@@ -50,7 +50,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from benchmarks.common import StepTimer, benchmark_trainer, launch, write_report
+from benchmarks.common import StepTimer, benchmark_trainer, job_report, launch, write_report
 from benchmarks.pruning import fastest, fwd_bwd_s
 from lightning_dynmo.balancing import LayerCost, Placement, imbalance, partition, simulate_pipeline, uniform
 from lightning_dynmo.callback import DynMoCallback
@@ -279,12 +279,7 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
         vocab_size=256,
     )
     trainer.fit(model, data)
-    return {
-        "step_s": timer.step_s,
-        "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
-        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
-    }
+    return job_report(timer, strategy, dynmo)
 
 
 def candidates(num_layers: int, spread: int) -> list[str]:

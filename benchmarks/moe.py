@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, launch, write_report
+from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
 from lightning_dynmo.balancing import LayerCost, partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
@@ -208,35 +208,10 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
     dynmo = DynMoCallback(every_step=True) if run.dynmo else None
     callbacks += [dynmo] if dynmo is not None else []
     strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=run.placement)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=run.steps,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), _data(sizes, run.cache_dir))
-    return {
-        "step_s": timer.step_s,
-        "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
-        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
-    }
-
-
-def _data(sizes: Sizes, cache_dir: str) -> Any:
-    from lightning_dynmo.data import StdlibCorpus, TextDataModule
-
-    corpus = StdlibCorpus(max_bytes=2**20)
-    return TextDataModule(
-        corpus=corpus, seq_len=sizes.seq_len, batch_size=sizes.batch_size, cache_dir=cache_dir
-    )
+    trainer = benchmark_trainer(strategy, callbacks, run.steps)
+    data = corpus_data(sizes.seq_len, sizes.batch_size, run.cache_dir)
+    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), data)
+    return job_report(timer, strategy, dynmo)
 
 
 def candidates(num_layers: int, spread: int) -> list[str]:
@@ -249,7 +224,8 @@ def candidates(num_layers: int, spread: int) -> list[str]:
 def compare_pipeline(sizes: Sizes, steps: int, skip: int, rounds: int, spread: int) -> list[dict[str, Any]]:
     """Interleaved rounds of every configuration; per configuration the median over rounds."""
     cache = tempfile.mkdtemp(prefix="dynmo-moe-bench-")
-    _data(sizes, cache).prepare_data()  # the ranks then start from a warm token cache
+    # The ranks then start from a warm token cache.
+    corpus_data(sizes.seq_len, sizes.batch_size, cache).prepare_data()
     uniform = str(
         Placement.from_sizes([sizes.layers_pipeline // 2, sizes.layers_pipeline - sizes.layers_pipeline // 2])
     )

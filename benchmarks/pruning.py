@@ -54,10 +54,10 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from benchmarks.common import StepTimer, launch, write_report
+from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
 from lightning_dynmo.balancing import LayerCost, Placement, imbalance, partition, simulate_pipeline, uniform
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.data import StdlibCorpus, TextDataModule
+from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.dynamism.pruning import (
     GlobalMagnitudePruner,
     PruningConfig,
@@ -104,10 +104,7 @@ QUICK = Sizes(num_layers=4, d_model=32, num_heads=2, seq_len=16, batch_size=4, m
 
 
 def datamodule(sizes: Sizes, cache_dir: str) -> TextDataModule:
-    corpus = StdlibCorpus(max_bytes=CORPUS_BYTES)
-    return TextDataModule(
-        corpus=corpus, seq_len=sizes.seq_len, batch_size=sizes.batch_size, cache_dir=cache_dir
-    )
+    return corpus_data(sizes.seq_len, sizes.batch_size, cache_dir, max_bytes=CORPUS_BYTES)
 
 
 def optimizer_config() -> OptimizerConfig:
@@ -367,25 +364,9 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
     strategy = DynMoStrategy(
         num_microbatches=run.sizes.microbatches, schedule="1F1B", placement=run.placement
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=run.steps,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = benchmark_trainer(strategy, callbacks, run.steps)
     trainer.fit(model, datamodule(run.sizes, run.cache_dir))
-    return {
-        "step_s": timer.step_s,
-        "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
-        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
-    }
+    return job_report(timer, strategy, dynmo)
 
 
 def candidates(num_layers: int, spread: int) -> list[str]:

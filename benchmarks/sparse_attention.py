@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, launch, write_report
+from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
 from benchmarks.moe import candidates, linear_fit
 from lightning_dynmo.balancing import LayerCost, by_parameters, imbalance, partition, uniform
 from lightning_dynmo.balancing.placement import Placement
@@ -205,7 +205,7 @@ def measure_layers(sizes: Sizes, steps: int, cache_dir: str) -> Measured:
     blocks = {int(k): b for k, b in model.layers.items()}
     params = {i: sum(p.numel() for p in b.parameters()) for i, b in blocks.items()}
     timer = LayerTimer(blocks, StepClock("cpu"))
-    data = _data(sizes, cache_dir)
+    data = corpus_data(sizes.seq_len, sizes.batch_size, cache_dir)
     data.prepare_data()
     data.setup("fit")
     batches = iter(data.train_dataloader())
@@ -402,35 +402,10 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
         dynmo = DynMoCallback(every_step=True)
     callbacks += [dynmo] if dynmo is not None else []
     strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=run.placement)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=run.steps,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), _data(sizes, run.cache_dir))
-    return {
-        "step_s": timer.step_s,
-        "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
-        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
-    }
-
-
-def _data(sizes: Sizes, cache_dir: str) -> Any:
-    from lightning_dynmo.data import StdlibCorpus, TextDataModule
-
-    corpus = StdlibCorpus(max_bytes=2**20)
-    return TextDataModule(
-        corpus=corpus, seq_len=sizes.seq_len, batch_size=sizes.batch_size, cache_dir=cache_dir
-    )
+    trainer = benchmark_trainer(strategy, callbacks, run.steps)
+    data = corpus_data(sizes.seq_len, sizes.batch_size, run.cache_dir)
+    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), data)
+    return job_report(timer, strategy, dynmo)
 
 
 def compare_pipeline(
