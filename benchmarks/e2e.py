@@ -326,6 +326,8 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
                 f"    {median_ms(run['step_s'][-measured:]):.1f} ms, ends at {run['placement']}",
                 file=sys.stderr,
             )
+            for why in run.get("why", []):  # each DynMo decision, applied or not, and its reason
+                print(f"      {why}", file=sys.stderr)
     sweep_ms = {p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]) for p in candidates}
     ideal = min(sweep_ms, key=lambda p: sweep_ms[p])
     rows: dict[str, dict[str, Any]] = {
