@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sys
 import time
 import uuid
@@ -58,7 +59,14 @@ def launch(
     With ``"spawn"`` ``fn`` must be importable (a module-level function); ``"fork"`` starts the ranks
     without importing torch and Lightning again (seconds per job on a small machine), which needs a parent
     that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first).
+
+    With no more ranks than CPU cores each rank is pinned to its own core (local rank ``r`` to core ``r``):
+    on the 2-core VM the spread of one fixed split's median step over 5 jobs was 30% and 48% unpinned, 17%
+    and 23% pinned (still large: compare placements over interleaved rounds). Jobs with more ranks than
+    cores (emulated costs) are not pinned.
     """
+    if nproc <= (os.cpu_count() or 1):
+        fn = _PinnedToCore(fn)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -71,6 +79,21 @@ def launch(
         start_method=start_method,
     )
     return elastic_launch(config, fn)(spec)[0]
+
+
+class _PinnedToCore:
+    """``fn`` run on the core of this process's local rank (picklable: the ranks may be spawned)."""
+
+    def __init__(self, fn: Callable[[T], dict[str, Any]]) -> None:
+        self.fn = fn
+        # The launcher names the job and its processes by these.
+        self.__name__ = getattr(fn, "__name__", type(self).__name__)
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, spec: T) -> dict[str, Any]:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
+        return self.fn(spec)
 
 
 def fit_demo_gpt(

@@ -18,8 +18,12 @@ block-only optimum (the exact partition of the same measured block costs without
 what a head-blind balancer picks), and the callback's own run. The head's measured cost in blocks comes
 from the callback's last window.
 
-    python -m benchmarks.head_cost            # ~10 minutes on 2 quiet cores
-    python -m benchmarks.head_cost --quick    # a smoke run (tiny sizes, one round): checks it works
+    python -m benchmarks.head_cost                # vocabularies 3072 and 6144: ~5 minutes, 2 quiet cores
+    python -m benchmarks.head_cost --vocab 3072   # one vocabulary
+    python -m benchmarks.head_cost --quick        # a smoke run (tiny sizes, one round): checks it works
+
+Each vocabulary is its own section of the report (the head grows with it: ~2.5 blocks of measured work at
+3072, about twice that at 6144).
 
 The report goes to ``benchmarks/results/head_cost-<date>.md`` with the command (``--out`` elsewhere;
 an existing dated file is kept unless ``--force``).
@@ -33,7 +37,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run")
     parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument(
+        "--vocab", type=int, nargs="+", default=None, help="vocabulary sizes, one section each (full mode)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
     parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
     args = parser.parse_args(argv)
@@ -222,29 +229,34 @@ def main(argv: list[str] | None = None) -> None:
     # its decision and the gain window: the measured steps all run at the placement it chose.
     window_at = steps // 2 + 1
     skip = args.skip if args.skip is not None else window_at + 6
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
+    vocabs = [QUICK.vocab_size] if args.quick else (args.vocab or [FULL.vocab_size, 2 * FULL.vocab_size])
+    if any(v < 2 for v in vocabs):
+        parser.error(f"--vocab {vocabs}: every vocabulary size must be at least 2")
     if skip + 2 > steps or window_at < 2:
         parser.error("--steps must leave at least 2 measured steps after --skip, and be >= 2")
     out = results_path("head_cost", args.out, args.force)
     started = time.perf_counter()
-    result = compare(sizes, steps, skip, rounds, window_at)
     command = "python -m benchmarks.head_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
     setup = (
         f"GPT: {sizes.num_layers} blocks, d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len "
-        f"{sizes.seq_len}, vocabulary {sizes.vocab_size}; batch {sizes.batch_size}, {sizes.microbatches} "
-        "micro-batches, 1F1B on 2 CPU ranks (gloo, one thread each)."
+        f"{sizes.seq_len}; batch {sizes.batch_size}, {sizes.microbatches} micro-batches, 1F1B on 2 CPU "
+        "ranks (gloo, one thread each). Real compute."
     )
-    report = "\n\n".join(
-        [
-            f"## Head- and embedding-aware balancing ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
-            setup,
-            f"### Every 2-stage placement, measured ({rounds} interleaved rounds, {steps} steps per run, "
-            f"medians of steps {skip}+)",
+    sections = [
+        f"## Head- and embedding-aware balancing ({dt.date.today().isoformat()})",
+        f"Command: `{command.strip()}`  ",
+        setup,
+    ]
+    for vocab in vocabs:
+        result = compare(replace(sizes, vocab_size=vocab), steps, skip, rounds, window_at)
+        sections += [
+            f"### Vocabulary {vocab}: every 2-stage placement, measured ({rounds} interleaved rounds, "
+            f"{steps} steps per run, medians of steps {skip}+)",
             table(result),
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
         ]
-    )
+    sections.append(f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.")
+    report = "\n\n".join(sections)
     write_report(report, "head_cost", out)
 
 
