@@ -350,7 +350,12 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
         )
         for f, b, n in zip(profiled["layer_fwd_ms"], profiled["layer_bwd_ms"], params, strict=True)
     ]
-    return {"rows": rows, "sweep_ms": sweep_ms, "costs": costs}
+    # How far one fixed split's figure moves from round to round: the noise a ratio here must beat.
+    spread = statistics.median(
+        (max(per_round) - min(per_round)) / statistics.median(per_round)
+        for per_round in ([median_ms(run["sweep_s"][p]) for run in runs[p]] for p in candidates)
+    )
+    return {"rows": rows, "sweep_ms": sweep_ms, "costs": costs, "spread": spread, "rounds": sizes.rounds}
 
 
 def timed_costs(case: Case, sizes: Sizes, repeats: int) -> list[LayerCost]:
@@ -557,7 +562,14 @@ def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[s
     if "real" in results:
         verdict_lines, ok = verdict(results["real"]["rows"])
         summary["real"] = (results["real"]["rows"], ok)
-        lines += ["**Real compute**, 2 stages:", "", *table(results["real"]["rows"]), "", *verdict_lines, ""]
+        lines += ["**Real compute**, 2 stages:", "", *table(results["real"]["rows"]), "", *verdict_lines]
+        real = results["real"]
+        if real["rounds"] > 1:
+            lines.append(
+                f"Noise: a fixed split's step time moved by {real['spread']:.0%} from round to round (median "
+                f"over the fixed splits of (max - min) / median of their {real['rounds']} rounds)."
+            )
+        lines.append("")
     for emulated in results.get("emulated", []):
         verdict_lines, ok = verdict(emulated["rows"])
         summary.setdefault("emulated", []).append((emulated["stages"], emulated["rows"], ok))
@@ -576,9 +588,10 @@ def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[s
             "ideal: the exact partition by time). Paper's reported speedup over static Megatron-LM: "
             f"{case.paper:.2f}x.",
             "",
-            "| layers x stages | static uniform (ms) | static params / uniform | DynMo partition/time | "
-            "DynMo diffusion/time | DynMo partition/params | DynMo diffusion/params | best DynMo / ideal |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| layers x stages | static uniform (ms) | static params / uniform | "
+            + " | ".join(f"DynMo {b}/{c}" for b, c in VARIANTS)  # the columns' order below
+            + " | best DynMo / ideal |",
+            "|---|---:|---:|" + "---:|" * len(VARIANTS) + "---:|",
         ]
         for proj in results["projection"]:
             rows = proj["rows"]

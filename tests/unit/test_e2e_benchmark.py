@@ -90,3 +90,19 @@ def test_every_case_has_a_model_and_a_trigger() -> None:
         config = case.model(e2e.QUICK)
         assert config.num_layers == e2e.QUICK.num_layers
         assert case.lead_steps(e2e.QUICK) >= 1
+
+
+def test_each_projection_column_is_headed_by_the_variant_it_shows() -> None:
+    # Early exit's shape: by time both balancers move (faster than static), by params neither does.
+    costs = _costs([4.0, 4.0, 2.0, 1.0, 0.5, 0.5, 0.25, 0.25])
+    projection = e2e.project_case(costs, num_layers=24, num_stages=8)
+    lines, _ = e2e.case_section(e2e.CASES["early_exit"], {"projection": [projection]})
+    header = next(line for line in lines if line.startswith("| layers x stages"))
+    row = next(line for line in lines if line.startswith("| 24 x 8"))
+    cells = dict(zip(header.strip("|").split(" | "), row.strip("|").split(" | "), strict=True))
+    rows = projection["rows"]
+    static = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
+    for b, c in e2e.VARIANTS:
+        name = f"DynMo {b}/{c}"
+        assert cells[name.strip()] == f"{static / rows[name]['ms']:.2f}x", name
+    assert cells["DynMo diffusion/time"] != cells["DynMo partition/params"]  # the pair that was swapped
