@@ -191,3 +191,14 @@ def test_freezing_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert text.count("| 2 | uniform |") == 1 and "75% frozen" in text
     assert "python -m benchmarks.freezing --quick --spread 0" in text
+
+
+def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
+    from benchmarks import callback_cost
+
+    out = tmp_path / "callback_cost.md"
+    callback_cost.main(["--quick", "--out", str(out)])
+    text = out.read_text()
+    for label in ("no callback", "DynMo idle", "DynMo every step"):
+        assert f"| {label} |" in text
+    assert "python -m benchmarks.callback_cost --quick" in text
