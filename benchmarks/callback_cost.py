@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import launch, results_path, write_report
-from benchmarks.e2e import FULL, QUICK, interleaved
+from benchmarks.e2e import FULL, QUICK, Sizes, interleaved
 from benchmarks.gpt_pipeline import JobSpec, median_ms, run_job
 from lightning_dynmo.models import GPTConfig
 
@@ -44,7 +44,7 @@ PLACEMENT = "0-3|4-7"  # 8 blocks, the uniform split
 QUICK_PLACEMENT = "0-1|2-3"  # 4 blocks
 
 
-def jobs(config: GPTConfig, placement: str, steps: int, skip: int, sizes: Any) -> dict[str, JobSpec]:
+def jobs(config: GPTConfig, placement: str, steps: int, skip: int, sizes: Sizes) -> dict[str, JobSpec]:
     """The three configurations, each one job of ``steps`` steps at ``placement``."""
     base = JobSpec(
         kind="dynmo",

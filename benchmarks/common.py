@@ -60,12 +60,12 @@ def launch(
     without importing torch and Lightning again (seconds per job on a small machine), which needs a parent
     that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first).
 
-    With no more ranks than CPU cores each rank is pinned to its own core (local rank ``r`` to core ``r``):
-    on the 2-core VM the spread of one fixed split's median step over 5 jobs was 30% and 48% unpinned, 17%
-    and 23% pinned (still large: compare placements over interleaved rounds). Jobs with more ranks than
-    cores (emulated costs) are not pinned.
+    With no more ranks than usable CPU cores each rank is pinned to its own core (local rank ``r`` to the
+    ``r``-th core), so the OS does not move a rank mid-step. One split's step time still moves from job to
+    job on the 2-core VM (15-28% between rounds in ``benchmarks/results/e2e-2026-11-23.md``): compare
+    placements over interleaved rounds. Jobs with more ranks than cores (emulated costs) are not pinned.
     """
-    if nproc <= (os.cpu_count() or 1):
+    if nproc <= len(os.sched_getaffinity(0)):  # the cores this process may use, not the machine's
         fn = _PinnedToCore(fn)
     config = LaunchConfig(
         min_nodes=1,
