@@ -6,9 +6,12 @@ compute, three jobs per round, interleaved over ``--rounds`` rounds (order rever
 - ``no callback``: the placement alone;
 - ``DynMo idle``: ``DynMoCallback(every_n_steps=10_000)``: its always-on parts only (the busy timer, one
   small all-gather a step), no profiling window in the run;
-- ``DynMo every step``: ``DynMoCallback(every_step=True, cost="params")``: a profiling window and a
-  decision every step, as the MoE, MoD and sparse-attention cases run it; by parameters on equal blocks
-  it never moves, so what it adds is the profiling and the decision.
+- ``DynMo every step``: ``DynMoCallback(every_step=True, min_gain=0.1)``, by measured time as the MoE,
+  MoD and sparse-attention cases run it, with its default ``skip_balanced``: a step opens a profiling
+  window and decides only while the averaged stage loads leave ``min_gain`` to gain;
+- ``DynMo every step, no skipping``: the same with ``skip_balanced=False``: a profiling window and a
+  decision at every step, whatever the loads. ``min_gain`` 0.1 keeps both from moving a layer of the
+  balanced split on step-to-step noise, so what they add is the profiling and the decisions.
 
 A job's figure is the median of its steps after ``--skip``; a configuration's, the median over rounds. The
 report also gives the callback's own account (``overhead_s`` per measured step) beside the measured
@@ -41,11 +44,19 @@ from benchmarks.gpt_pipeline import JobSpec, median_ms, run_job
 from lightning_dynmo.models import GPTConfig
 
 PLACEMENT = "0-3|4-7"  # 8 blocks, the uniform split
+# By measured time, as the every-step cases run it; min_gain 0.1 so that step-to-step noise on a balanced
+# split never moves a layer (the comparison needs a fixed split).
+MIN_GAIN = 0.1
+EVERY_STEP: dict[str, Any] = {"every_step": True, "cost": "time", "min_gain": MIN_GAIN}
+QUICK_MIN_GAIN = 0.5  # the smoke run's tiny blocks are mostly fixed cost: a wide margin against moving
 QUICK_PLACEMENT = "0-1|2-3"  # 4 blocks
 
 
-def jobs(config: GPTConfig, placement: str, steps: int, skip: int, sizes: Sizes) -> dict[str, JobSpec]:
-    """The three configurations, each one job of ``steps`` steps at ``placement``."""
+def jobs(
+    config: GPTConfig, placement: str, steps: int, skip: int, sizes: Sizes, min_gain: float
+) -> dict[str, JobSpec]:
+    """The four configurations, each one job of ``steps`` steps at ``placement``."""
+    every_step = {**EVERY_STEP, "min_gain": min_gain}
     base = JobSpec(
         kind="dynmo",
         config=config,
@@ -65,7 +76,8 @@ def jobs(config: GPTConfig, placement: str, steps: int, skip: int, sizes: Sizes)
             repeats=1,
         ),
         "DynMo idle": replace(base, callback={"every_n_steps": 10_000}),
-        "DynMo every step": replace(base, callback={"every_step": True, "cost": "params"}),
+        "DynMo every step": replace(base, callback=every_step),
+        "DynMo every step, no skipping": replace(base, callback={**every_step, "skip_balanced": False}),
     }
 
 
@@ -73,6 +85,7 @@ def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -
     """Per configuration: the median step (ms) over rounds, each round's, and the callback's own account."""
     per_round: dict[str, list[float]] = {name: [] for name in specs}
     own_ms: dict[str, list[float]] = {name: [] for name in specs}
+    decisions: dict[str, list[int]] = {name: [] for name in specs}
     for r in range(rounds):
         for name in interleaved(list(specs), r):
             print(f"[callback_cost] round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
@@ -81,6 +94,7 @@ def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -
             per_round[name].append(median_ms(steps))
             if name != "no callback":  # the callback's overhead_s covers the whole run: per step
                 own_ms[name].append(1e3 * run["overhead_s"] / len(run["step_s"]))
+                decisions[name].append(run["decisions"])
             if run.get("rebalances"):
                 raise RuntimeError(
                     f"{name} moved layers ({run['rebalances']}): the comparison needs a fixed split"
@@ -90,6 +104,7 @@ def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -
             "ms": statistics.median(values),
             "rounds": values,
             "own_ms": statistics.median(own_ms[name]) if own_ms[name] else 0.0,
+            "decisions": statistics.median(decisions[name]) if decisions[name] else 0,
         }
         for name, values in per_round.items()
     }
@@ -98,13 +113,15 @@ def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -
 def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     base = rows["no callback"]["ms"]
     out = [
-        "| run | step (ms) | this / no callback | per round (ms) | the callback's own account (ms a step) |",
-        "|---|---:|---:|---|---:|",
+        "| run | step (ms) | this / no callback | per round (ms) | the callback's own account (ms a step) "
+        "| decisions a job |",
+        "|---|---:|---:|---|---:|---:|",
     ]
     for name, row in rows.items():
         rounds = ", ".join(f"{v:.1f}" for v in row["rounds"])
         own = "-" if name == "no callback" else f"{row['own_ms']:.2f}"
-        out.append(f"| {name} | {row['ms']:.1f} | {row['ms'] / base:.3f} | {rounds} | {own} |")
+        made = "-" if name == "no callback" else f"{row['decisions']:g}"
+        out.append(f"| {name} | {row['ms']:.1f} | {row['ms'] / base:.3f} | {rounds} | {own} | {made} |")
     return out
 
 
@@ -130,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     out = results_path("callback_cost", args.out, args.force)
     started = time.perf_counter()
     config = GPTConfig(vocab_size=256, blocks="dense", **sizes.shape)
-    rows = measure(jobs(config, placement, steps, skip, sizes), placement, skip, rounds)
+    min_gain = QUICK_MIN_GAIN if args.quick else MIN_GAIN
+    rows = measure(jobs(config, placement, steps, skip, sizes, min_gain), placement, skip, rounds)
     command = "python -m benchmarks.callback_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = "\n\n".join(
         [
@@ -140,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
             f"seq_len {sizes.seq_len}; batch {sizes.batch_size} in {sizes.microbatches} micro-batches; "
             f"fixed split `{placement}`, 1F1B on 2 CPU ranks (gloo, one thread each, pinned to their "
             f"cores). Real compute. {rounds} interleaved round(s) of {steps} steps per job, medians of "
-            f"steps {skip}+.",
+            f"steps {skip}+. The every-step jobs decide by measured time with min_gain {min_gain:g}.",
             "\n".join(table(rows)),
             f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
         ]

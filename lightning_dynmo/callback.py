@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
 from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
+from lightning_dynmo.balancing.headroom import StageLoadAverage
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.microbatches import RetuneOptions
 from lightning_dynmo.balancing.placement import Placement
@@ -93,6 +94,13 @@ class DynMoCallback(Callback):
             (:func:`lightning_dynmo.events.notify_dynamism` on any rank). ``None`` means on for
             ``partition``/``diffusion``, off for ``static``.
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
+        skip_balanced: With ``every_step`` and ``cost="time"`` (and without ``repack``), skip a step's
+            profiling window and decision while the measured per-stage busy times, averaged with the
+            ``cost_smoothing`` weight, leave less than ``min_gain`` to gain: no placement of the same
+            stages beats ``1 - mean / max`` of the stage loads
+            (:mod:`lightning_dynmo.balancing.headroom`), so a balanced pipeline pays only the always-on
+            busy timer. The average restarts at each new placement and dynamism event; the first step
+            after a restart always profiles.
         auto: Rebalance when the measured imbalance of per-stage busy times stays above
             ``auto_threshold`` for ``auto_patience_steps`` steps and the predicted saving over
             ``auto_horizon_steps`` steps exceeds the measured cost of a rebalance; then wait
@@ -147,7 +155,8 @@ class DynMoCallback(Callback):
     the running means cover every step, and decision metrics appear at the next written step):
     ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
     (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
-    ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``; after each decision
+    ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``, with ``every_step`` ``dynmo/skipped_windows``
+    (cumulative, see ``skip_balanced``); after each decision
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
     ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
     ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
@@ -164,6 +173,7 @@ class DynMoCallback(Callback):
         every_n_steps: int | None = None,
         on_events: bool | None = None,
         every_step: bool = False,
+        skip_balanced: bool = True,
         auto: bool = False,
         repack: bool = False,
         target_num_stages: int | None = None,
@@ -216,6 +226,11 @@ class DynMoCallback(Callback):
         validate_policy(self.balance, self.triggers)
         self.cost_smoothing = (0.8 if every_step else 0.0) if cost_smoothing is None else cost_smoothing
         smooth_costs(None, [], self.cost_smoothing)  # validates the weight now, not at the first window
+        if not isinstance(skip_balanced, bool):
+            raise ValueError(f"skip_balanced={skip_balanced!r} must be True or False.")
+        self.skip_balanced = skip_balanced
+        self._stage_loads = StageLoadAverage(self.cost_smoothing)
+        self.skipped_windows = 0  # every-step windows skipped by skip_balanced (this run)
         self.profile_warmup_steps = profile_warmup_steps
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
@@ -331,6 +346,9 @@ class DynMoCallback(Callback):
             self._last_checked_step = step
             reason = "resume" if self._resume_window else self._trigger.check(step)
             self._resume_window = False
+            if reason == "every_step" and self._nothing_to_gain():
+                reason = None
+                self.skipped_windows += 1
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
             # agree on its cost, at this step's end): its auto cooldown would not hold yet.
             if reason is not None and not (just_applied and reason == "auto"):
@@ -398,6 +416,16 @@ class DynMoCallback(Callback):
         self.dropped_history["rebalances"] += keep_recent(self.rebalances)
 
     # -- profiling window -----------------------------------------------------------------------------
+
+    def _nothing_to_gain(self) -> bool:
+        """Whether the averaged stage loads leave less than ``min_gain`` to gain (``skip_balanced``).
+
+        Every rank reads the same all-gathered loads, so every rank skips the same steps.
+        """
+        if not self.skip_balanced or self.balance.repack or self.balance.cost != "time":
+            return False  # a re-pack is judged on its slowdown, a split by params not on time
+        room = self._stage_loads.headroom
+        return room is not None and room < self.balance.min_gain
 
     def _open_window(self, trainer: pl.Trainer, reason: str) -> None:
         strategy = trainer.strategy
@@ -641,6 +669,7 @@ class DynMoCallback(Callback):
         strategy = trainer.strategy
         migration_s = 0.0
         if decision.apply:
+            self._stage_loads.restart()
             start = self._clock()
             count = decision.num_microbatches
             retuned = {} if count is None else {"num_microbatches": count}  # only a re-tune passes a count
@@ -718,6 +747,10 @@ class DynMoCallback(Callback):
             self._positions = self._positions or PositionIndex(strategy.pipeline_rank_of)
             positions = self._positions.of(strategy.active_ranks)
             stage_busy = busy_per_position(rows[:, _BUSY], positions, strategy.pipeline_size)
+            if rows[:, _EVENTS].any():
+                self._stage_loads.restart()  # the model changed in this step: its loads are stale
+            else:
+                self._stage_loads.update(stage_busy)
             if self.triggers.auto and self._profiler is None and self._pending is None:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, stage_busy, step_max)
@@ -771,6 +804,8 @@ class DynMoCallback(Callback):
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
         metrics["dynmo/active_workers"] = float(len(trainer.strategy.active_ranks))
         metrics["dynmo/overhead_s"] = self.overhead_s
+        if self.triggers.every_step:
+            metrics["dynmo/skipped_windows"] = float(self.skipped_windows)
         # Metrics of the decisions and windows since the last written step (the latest value of each).
         metrics.update(self._queued_metrics)
         self._queued_metrics.clear()

@@ -199,6 +199,6 @@ def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "callback_cost.md"
     callback_cost.main(["--quick", "--out", str(out)])
     text = out.read_text()
-    for label in ("no callback", "DynMo idle", "DynMo every step"):
+    for label in ("no callback", "DynMo idle", "DynMo every step", "DynMo every step, no skipping"):
         assert f"| {label} |" in text
     assert "python -m benchmarks.callback_cost --quick" in text

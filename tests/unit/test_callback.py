@@ -34,6 +34,7 @@ def test_static_defaults_to_no_triggers():
         ({"repack": True, "balancer": "static"}, r"repack=True with balancer='static' contradict"),
         ({"profile_steps": 0}, r"profile_steps=0 must be an integer >= 1"),
         ({"profile_warmup_steps": -1}, r"profile_warmup_steps=-1 must be an integer >= 0"),
+        ({"skip_balanced": "yes"}, r"skip_balanced='yes' must be True or False"),
     ],
 )
 def test_bad_options_are_rejected(kwargs, match):

@@ -79,6 +79,7 @@ def fit_with_callback(
         "rebalances": dynmo.rebalances,
         "events": dynmo.events,
         "costs": dynmo.last_costs,
+        "skipped": dynmo.skipped_windows,
         "state_dict": dynmo.state_dict(),
         "hooks_left": any(module_has_hooks(m) for m in trainer.strategy.local_layers.values()),
     }
@@ -113,6 +114,35 @@ def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
     merged = {**results[0]["state"], **results[1]["state"]}
     worst = max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
     assert worst < TOL
+
+
+def test_every_step_skips_windows_while_the_stages_are_balanced(tmp_path: Any) -> None:
+    # Balanced sleeps until the event, then 4 free blocks on rank 0: the event's window moves to
+    # 0-5|6-7, and balanced again. min_gain 0.2 keeps the test far from timing noise: the free first
+    # half leaves a headroom of 1 - mean / max = 0.5, equal sleeps about 0.
+    kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.2}
+    (tmp_path / "lazy").mkdir()
+    (tmp_path / "eager").mkdir()
+    lazy = run_distributed(fit_with_callback, 2, tmp_path / "lazy", timeout_s=150, args=(kwargs,))
+    eager = run_distributed(
+        fit_with_callback, 2, tmp_path / "eager", timeout_s=150, args=({**kwargs, "skip_balanced": False},)
+    )
+    for r in lazy:
+        assert r["placement"] == "0-5|6-7"
+        assert r["skipped"] == lazy[0]["skipped"]  # every rank skips the same steps
+        # Each step is profiled and decided, or skipped (the last step's decision may be left pending).
+        assert RUN.steps - 1 <= len(r["rebalances"]) + r["skipped"] <= RUN.steps
+        assert r["skipped"] >= RUN.steps // 2, [(rec["step"], rec["reason"]) for rec in r["rebalances"]]
+        applied = [rec for rec in r["rebalances"] if rec["applied"]]
+        moves = [(rec["reason"], rec["old"], rec["new"]) for rec in applied]
+        assert moves == [("event", "0-3|4-7", "0-5|6-7")]
+    # Negative control: without skip_balanced the same run profiles and decides at every step.
+    for r in eager:
+        assert r["placement"] == "0-5|6-7"
+        assert r["skipped"] == 0 and len(r["rebalances"]) >= RUN.steps - 1
+    # Skipping changes what is measured, not what is learned.
+    for a, b in zip(lazy[0]["losses"], eager[0]["losses"], strict=True):
+        assert abs(a - b) < TOL
 
 
 def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
