@@ -6,7 +6,8 @@ exhaustively and reused on its own. Reading order: ``costs`` and ``placement`` (
 ``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``workers``
 (several stages per worker: balance the workers), ``hardware`` (pinned first/last-stage parts, slow
 workers and links, which every balancer takes), ``moves`` (what migration executes), ``metrics``
-(imbalance and the pipeline simulator), ``gain`` (a rebalance's measured gain).
+(imbalance and the pipeline simulator), ``gain`` (a rebalance's measured gain), ``headroom`` (what any
+rebalance could still gain, bounded from measured stage loads).
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform
