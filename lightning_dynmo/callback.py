@@ -94,13 +94,14 @@ class DynMoCallback(Callback):
             (:func:`lightning_dynmo.events.notify_dynamism` on any rank). ``None`` means on for
             ``partition``/``diffusion``, off for ``static``.
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
-        skip_balanced: With ``every_step`` and ``cost="time"`` (and without ``repack``), skip a step's
-            profiling window and decision while the measured per-stage busy times, averaged with the
-            ``cost_smoothing`` weight, leave less than ``min_gain`` to gain: no placement of the same
-            stages beats ``1 - mean / max`` of the stage loads
-            (:mod:`lightning_dynmo.balancing.headroom`), so a balanced pipeline pays only the always-on
-            busy timer. The average restarts at each new placement and dynamism event; the first step
-            after a restart always profiles.
+        skip_balanced: With ``every_step`` (and without ``repack``), skip a step's profiling window and
+            decision when it cannot change the placement. By ``time``: while the measured per-stage busy
+            times, averaged with the ``cost_smoothing`` weight, leave less than ``min_gain`` to gain (no
+            placement of the same stages beats ``1 - mean / max`` of the stage loads,
+            :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
+            dynamism event. By ``params``: after a decision kept the placement, until the next dynamism
+            event (parameter counts change only with one). A skipped step costs only the always-on busy
+            timer.
         auto: Rebalance when the measured imbalance of per-stage busy times stays above
             ``auto_threshold`` for ``auto_patience_steps`` steps and the predicted saving over
             ``auto_horizon_steps`` steps exceeds the measured cost of a rebalance; then wait
@@ -231,6 +232,7 @@ class DynMoCallback(Callback):
         self.skip_balanced = skip_balanced
         self._stage_loads = StageLoadAverage(self.cost_smoothing)
         self.skipped_windows = 0  # every-step windows skipped by skip_balanced (this run)
+        self._params_settled = False  # by params: the last decision kept the placement, no event since
         self.profile_warmup_steps = profile_warmup_steps
         self.profile_steps = profile_steps
         self.measure_comm = measure_comm
@@ -418,12 +420,15 @@ class DynMoCallback(Callback):
     # -- profiling window -----------------------------------------------------------------------------
 
     def _nothing_to_gain(self) -> bool:
-        """Whether the averaged stage loads leave less than ``min_gain`` to gain (``skip_balanced``).
+        """Whether this step's every-step window cannot change the placement (``skip_balanced``).
 
-        Every rank reads the same all-gathered loads, so every rank skips the same steps.
+        Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
+        skips the same steps.
         """
-        if not self.skip_balanced or self.balance.repack or self.balance.cost != "time":
-            return False  # a re-pack is judged on its slowdown, a split by params not on time
+        if not self.skip_balanced or self.balance.repack:
+            return False  # a re-pack is judged on its slowdown, not on the imbalance
+        if self.balance.cost == "params":
+            return self._params_settled
         room = self._stage_loads.headroom
         return room is not None and room < self.balance.min_gain
 
@@ -694,6 +699,7 @@ class DynMoCallback(Callback):
         }
         self.rebalances.append(record)
         self.dropped_history["rebalances"] += keep_recent(self.rebalances)
+        self._params_settled = not decision.apply  # read only by params (skip_balanced)
         self._log_decision(trainer, decision, record)
         if decision.apply and self._gain.rebalanced():
             self._gain_record = record
@@ -739,6 +745,7 @@ class DynMoCallback(Callback):
         if rows[:, _EVENTS].any():
             self._exchange_events(strategy)
             self._trigger.notify_event()
+            self._params_settled = False  # a dynamism event may change what the balancer reads
         if rows[:, _COST].max() > 0:
             self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
         step_max = float(rows[:, _STEP].max())

@@ -121,7 +121,7 @@ def test_every_step_skips_windows_while_the_stages_are_balanced(tmp_path: Any) -
     # 0-5|6-7, and balanced again. min_gain 0.2 keeps the test far from timing noise: the free first
     # half leaves a headroom of 1 - mean / max = 0.5, equal sleeps about 0.
     kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.2}
-    (tmp_path / "lazy").mkdir()
+    (tmp_path / "lazy").mkdir()  # one directory per run: each needs its own file store
     (tmp_path / "eager").mkdir()
     lazy = run_distributed(fit_with_callback, 2, tmp_path / "lazy", timeout_s=150, args=(kwargs,))
     eager = run_distributed(
@@ -140,6 +140,17 @@ def test_every_step_skips_windows_while_the_stages_are_balanced(tmp_path: Any) -
     for r in eager:
         assert r["placement"] == "0-5|6-7"
         assert r["skipped"] == 0 and len(r["rebalances"]) >= RUN.steps - 1
+    # By params, the balancer reads nothing new until an event: a window at step 0 and one after the
+    # event (equal blocks: it never moves), every other step skipped. A record carries the step its
+    # decision took effect at: the one after its window.
+    (tmp_path / "params").mkdir()
+    by_params = run_distributed(
+        fit_with_callback, 2, tmp_path / "params", timeout_s=150, args=({**kwargs, "cost": "params"},)
+    )
+    for r in by_params:
+        assert r["placement"] == "0-3|4-7"
+        assert [(rec["step"], rec["reason"]) for rec in r["rebalances"]] == [(1, "every_step"), (4, "event")]
+        assert r["skipped"] == RUN.steps - 2
     # Skipping changes what is measured, not what is learned.
     for a, b in zip(lazy[0]["losses"], eager[0]["losses"], strict=True):
         assert abs(a - b) < TOL
