@@ -95,9 +95,9 @@ def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -
             if name != "no callback":  # the callback's overhead_s covers the whole run: per step
                 own_ms[name].append(1e3 * run["overhead_s"] / len(run["step_s"]))
                 decisions[name].append(run["decisions"])
-            if run.get("rebalances"):
+            if run.get("moved_to"):
                 raise RuntimeError(
-                    f"{name} moved layers ({run['rebalances']}): the comparison needs a fixed split"
+                    f"{name} moved layers (to {run['moved_to']}): the comparison needs a fixed split"
                 )
     return {
         name: {

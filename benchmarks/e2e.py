@@ -15,6 +15,13 @@ For each case it compares, as ratios measured in the same run:
   stages the exact min-max partition of the measured per-layer costs, itself run (emulated) or
   simulated (projection) like the others.
 
+How the measured modes judge (:mod:`benchmarks.paired`): every ratio is taken between jobs of the same
+round and reported as its median over rounds; at 2 stages each round's ideal is the candidate fastest in
+the *other* rounds (the in-sample winner of noisy candidates is biased fast); a case is *imbalanced* only
+if its better static split is slower than that ideal in every round and by more than ``IMBALANCE_GAP`` at
+the median, and DynMo is *slower beyond noise* only if it is slower than the better static split in every
+one of at least 4 rounds.
+
 Three modes (``--mode``, any of them; default all):
 
 - ``real``: the case's real GPT blocks on a 2-rank gloo CPU pipeline (1F1B). Per round: one job per
@@ -65,6 +72,7 @@ import lightning.pytorch as pl
 import torch
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds
+from benchmarks import paired
 from benchmarks.common import RESULTS, StepTimer, benchmark_trainer, launch, write_report
 from benchmarks.early_exit_mod import Setup, calibrate_exit_threshold, layer_times, step_time_s
 from benchmarks.gpt_pipeline import JobSpec, PlacementSweep, median_ms, run_job, visit_schedule
@@ -328,21 +336,31 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
             )
             for why in run.get("why", []):  # each DynMo decision, applied or not, and its reason
                 print(f"      {why}", file=sys.stderr)
-    sweep_ms = {p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]) for p in candidates}
+    per_round = {p: [median_ms(run["sweep_s"][p]) for run in runs[p]] for p in candidates}
+    skip = sizes.settle + lead
+    dynmo = [name for name in jobs if name.startswith("DynMo")]
+    per_round |= {name: [median_ms(run["step_s"][skip:]) for run in runs[name]] for name in dynmo}
+    sweep_ms = {p: statistics.median(per_round[p]) for p in candidates}
     ideal = min(sweep_ms, key=lambda p: sweep_ms[p])
     rows: dict[str, dict[str, Any]] = {
-        name: {"ms": sweep_ms[p], "placement": p} for name, p in statics.items()
+        name: {"ms": sweep_ms[p], "placement": p, "per_round": per_round[p]} for name, p in statics.items()
     }
-    skip = sizes.settle + lead
-    for name in jobs:
-        if name.startswith("DynMo"):
-            rows[name] = {
-                "ms": statistics.median(median_ms(run["step_s"][skip:]) for run in runs[name]),
-                "placement": ", ".join(run["placement"] for run in runs[name]),
-                "rebalances": [len(run["rebalances"]) for run in runs[name]],
-                "overhead_s": [run["overhead_s"] for run in runs[name]],
-            }
-    rows["ideal"] = {"ms": sweep_ms[ideal], "placement": ideal}
+    for name in dynmo:
+        rows[name] = {
+            "ms": statistics.median(per_round[name]),
+            "per_round": per_round[name],
+            "placement": ", ".join(run["placement"] for run in runs[name]),
+            "rebalances": [len(run["moved_to"]) for run in runs[name]],
+            "overhead_s": [run["overhead_s"] for run in runs[name]],
+        }
+    rows["ideal"] = {"ms": sweep_ms[ideal], "placement": ideal, "per_round": per_round[ideal]}
+    # The ideal of each round is the candidate fastest in the *other* rounds (no winner's curse).
+    comparison = paired.compare(
+        statics={name: per_round[p] for name, p in statics.items()},
+        dynmo={name: per_round[name] for name in dynmo},
+        candidates={p: per_round[p] for p in candidates},
+        gap=IMBALANCE_GAP,
+    )
     profiled = next(runs[f"DynMo {b}/{c}"][-1] for b, c in variants if c == "time")
     costs = [
         LayerCost(
@@ -355,7 +373,14 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
         (max(per_round) - min(per_round)) / statistics.median(per_round)
         for per_round in ([median_ms(run["sweep_s"][p]) for run in runs[p]] for p in candidates)
     )
-    return {"rows": rows, "sweep_ms": sweep_ms, "costs": costs, "spread": spread, "rounds": sizes.rounds}
+    return {
+        "rows": rows,
+        "comparison": comparison,
+        "sweep_ms": sweep_ms,
+        "costs": costs,
+        "spread": spread,
+        "rounds": sizes.rounds,
+    }
 
 
 def timed_costs(case: Case, sizes: Sizes, repeats: int) -> list[LayerCost]:
@@ -464,17 +489,32 @@ def emulated_case(
                 f"  emulated {stages} stages, round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True
             )
             runs[name].append(launch(run_emulated, jobs[name], nproc=stages, start_method=START))
+    per_round = {name: [median_ms(run["sweep_s"][p]) for run in runs[p]] for name, p in fixed.items()}
+    per_round |= {
+        name: [median_ms(run["step_s"][steps // 2 :]) for run in runs[name]]
+        for name in jobs
+        if name.startswith("DynMo")
+    }
     rows = {
-        name: {"ms": statistics.median(median_ms(run["sweep_s"][p]) for run in runs[p]), "placement": p}
+        name: {"ms": statistics.median(per_round[name]), "placement": p, "per_round": per_round[name]}
         for name, p in fixed.items()
     }
     for name in (k for k in jobs if k.startswith("DynMo")):
         rows[name] = {
-            "ms": statistics.median(median_ms(run["step_s"][steps // 2 :]) for run in runs[name]),
+            "ms": statistics.median(per_round[name]),
+            "per_round": per_round[name],
             "placement": ", ".join(run["placement"] for run in runs[name]),
             "rebalances": [run["rebalances"] for run in runs[name]],
         }
-    return {"rows": rows, "stages": stages, "layers": len(layers)}
+    # The ideal here is computed from the emulated costs, not picked by measurement: nothing to hold out.
+    comparison = paired.compare(
+        statics={k: per_round[k] for k in ("static uniform", "static params")},
+        dynmo={k: v for k, v in per_round.items() if k.startswith("DynMo")},
+        candidates={fixed["ideal"]: per_round["ideal"]},
+        gap=IMBALANCE_GAP,
+        held_out=False,
+    )
+    return {"rows": rows, "comparison": comparison, "stages": stages, "layers": len(layers)}
 
 
 # -- mode 3: projection at the paper's scales ------------------------------------------------------
@@ -516,33 +556,66 @@ def project_case(costs: Sequence[LayerCost], num_layers: int, num_stages: int) -
 # -- report -----------------------------------------------------------------------------------------
 
 
-def verdict(rows: dict[str, dict[str, Any]]) -> tuple[list[str], bool | None]:
-    """Ratios against the better static split and the ideal; ``None`` when the case is not imbalanced."""
-    static = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
-    ideal = rows["ideal"]["ms"]
-    dynmo = {k: v["ms"] for k, v in rows.items() if k.startswith("DynMo")}
-    best = min(dynmo, key=lambda k: dynmo[k])
-    gap = static / ideal - 1.0
-    line = (
-        f"Better static split / ideal: {static / ideal:.2f}x. Best DynMo variant ({best}): "
-        f"**{static / dynmo[best]:.2f}x** the better static split, "
-        f"**{ideal / dynmo[best]:.0%}** of the ideal."
+def _ratios(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def verdict(comparison: paired.PairedComparison) -> tuple[list[str], bool | None]:
+    """Paired ratios against the better static split and the ideal; ``None`` when not imbalanced.
+
+    Every ratio is a median over rounds of a ratio taken within one round (see :mod:`benchmarks.paired`).
+    """
+    c = comparison
+    ideal = "the ideal held out of each round" if c.held_out else "the ideal"
+    lines = [
+        f"Better static split ({c.static}) / ideal: {statistics.median(c.imbalance):.2f}x. "
+        f"Best DynMo variant ({c.best}): **{c.median_speedup():.2f}x** the better static split, "
+        f"**{c.median_of_ideal():.0%}** of the ideal (medians over {c.rounds} round(s) of ratios "
+        "taken within a round).",
+    ]
+    if c.rounds > 1:
+        lines += [
+            f"Per round: better static / ideal {_ratios(c.imbalance)}; better static / {c.best} "
+            f"{_ratios(c.speedup[c.best])}; ideal / {c.best} {_ratios(c.of_ideal[c.best])}; "
+            f"{ideal}: {', '.join(f'`{p}`' for p in c.ideal)}.",
+        ]
+    slower = (
+        f" DynMo ({c.best}) is slower than the better static split in every one of {c.rounds} rounds: "
+        "**slower beyond noise**."
+        if c.slower_beyond_noise()
+        else ""
     )
-    if gap < IMBALANCE_GAP:
+    if not c.imbalanced:
         return [
-            line,
-            f"Not imbalanced here: the better static split is within {IMBALANCE_GAP:.0%} of the ideal.",
+            *lines,
+            f"Not imbalanced here: the better static split is not slower than {ideal} in every round by "
+            f"more than {IMBALANCE_GAP:.0%} at the median.{slower}",
         ], None
-    ok = static / dynmo[best] >= 1.0 and ideal / dynmo[best] >= 0.9
+    ok = c.meets_target()
     return [
-        line,
-        f"Imbalanced; DynMo >= 1.0x the better static and >= 90% of the ideal: **{'yes' if ok else 'NO'}**.",
+        *lines,
+        f"Imbalanced (slower than {ideal} in every round); DynMo >= 1.0x the better static and >= 90% "
+        f"of the ideal: **{'yes' if ok else 'NO'}**.{slower}",
     ], ok
 
 
-def table(rows: dict[str, dict[str, Any]]) -> list[str]:
-    static = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
-    ideal = rows["ideal"]["ms"]
+def table(rows: dict[str, dict[str, Any]], comparison: paired.PairedComparison | None = None) -> list[str]:
+    """Medians of each run, and its ratios to the better static and the ideal.
+
+    With a comparison (the measured modes), the ratio columns are medians of per-round ratios against the
+    better static run and the (held-out) ideal of the same round; without one (the projection), ratios of
+    the single figures.
+    """
+
+    def ratio(base: Sequence[float] | float, row: dict[str, Any]) -> float:
+        if isinstance(base, float):
+            return base / row["ms"]
+        return statistics.median(b / t for b, t in zip(base, row["per_round"], strict=True))
+
+    static: Sequence[float] | float = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
+    ideal: Sequence[float] | float = rows["ideal"]["ms"]
+    if comparison is not None:
+        static, ideal = comparison.static_ms, comparison.ideal_ms
     out = [
         "| run | step (ms) | better static / run | run achieves of ideal | placement | rebalances |",
         "|---|---:|---:|---:|---|---|",
@@ -550,7 +623,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     for name, row in rows.items():
         rebalances = ", ".join(str(n) for n in row.get("rebalances", [])) or "-"
         out.append(
-            f"| {name} | {row['ms']:.1f} | {static / row['ms']:.2f} | {ideal / row['ms']:.0%} "
+            f"| {name} | {row['ms']:.1f} | {ratio(static, row):.2f} | {ratio(ideal, row):.0%} "
             f"| `{row['placement']}` | {rebalances} |"
         )
     return out
@@ -560,10 +633,17 @@ def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[s
     lines = [f"### {case.name}", ""]
     summary: dict[str, Any] = {"case": case.name}
     if "real" in results:
-        verdict_lines, ok = verdict(results["real"]["rows"])
-        summary["real"] = (results["real"]["rows"], ok)
-        lines += ["**Real compute**, 2 stages:", "", *table(results["real"]["rows"]), "", *verdict_lines]
         real = results["real"]
+        verdict_lines, _ = verdict(real["comparison"])
+        summary["real"] = real["comparison"]
+        lines += [
+            "**Real compute**, 2 stages (the `ideal` row: the candidate fastest at the median; the ratio "
+            "columns compare each round with the candidate fastest in the other rounds):",
+            "",
+            *table(real["rows"], real["comparison"]),
+            "",
+            *verdict_lines,
+        ]
         if real["rounds"] > 1:
             lines.append(
                 f"Noise: a fixed split's step time moved by {real['spread']:.0%} from round to round (median "
@@ -571,13 +651,13 @@ def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[s
             )
         lines.append("")
     for emulated in results.get("emulated", []):
-        verdict_lines, ok = verdict(emulated["rows"])
-        summary.setdefault("emulated", []).append((emulated["stages"], emulated["rows"], ok))
+        verdict_lines, _ = verdict(emulated["comparison"])
+        summary.setdefault("emulated", []).append(emulated["comparison"])
         lines += [
             f"**Emulated cost**, {emulated['layers']} blocks on {emulated['stages']} stages "
             "(ideal: the exact partition of the emulated costs, run as a fixed placement):",
             "",
-            *table(emulated["rows"]),
+            *table(emulated["rows"], emulated["comparison"]),
             "",
             *verdict_lines,
             "",
@@ -616,17 +696,17 @@ def summary_table(summaries: list[dict[str, Any]]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
 
-    def cells(rows: dict[str, dict[str, Any]] | None, ok: bool | None) -> str:
-        if rows is None:
+    def cells(c: paired.PairedComparison | None) -> str:
+        if c is None:
             return "- | -"
-        static = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
-        best = min(v["ms"] for k, v in rows.items() if k.startswith("DynMo"))
-        mark = " (not imbalanced)" if ok is None else ""
-        return f"{static / best:.2f}x{mark} | {rows['ideal']['ms'] / best:.0%}"
+        mark = "" if c.imbalanced else " (not imbalanced)"
+        if c.slower_beyond_noise():
+            mark += " (slower beyond noise)"
+        return f"{c.median_speedup():.2f}x{mark} | {c.median_of_ideal():.0%}"
 
     for s in summaries:
-        real = s.get("real", (None, None))
-        emulated = s.get("emulated", [(0, None, None)])[0]
+        real = s.get("real")
+        emulated = s.get("emulated", [None])[0]
         proj = next((p for p in s.get("projection", []) if (p["layers"], p["stages"]) == (48, 16)), None)
         projected = "-"
         if proj is not None:
@@ -634,7 +714,7 @@ def summary_table(summaries: list[dict[str, Any]]) -> list[str]:
             static = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
             projected = f"{static / rows['DynMo partition/time']['ms']:.2f}x"
         out.append(
-            f"| {s['case']} | {cells(real[0], real[1])} | {cells(emulated[1], emulated[2])} | {projected} "
+            f"| {s['case']} | {cells(real)} | {cells(emulated)} | {projected} "
             f"| {CASES[s['case']].paper:.2f}x |"
         )
     return out

@@ -308,7 +308,7 @@ def pipeline_comparison(config: GPTConfig, callback: dict[str, Any], setup: Setu
         "ideal": min(sweep_ms, key=lambda p: sweep_ms[p]),
         "dynmo_placements": [run["placement"] for run in runs["dynmo"]],
         "decisions": [run["decisions"] for run in runs["dynmo"]],
-        "rebalances": [len(run["rebalances"]) for run in runs["dynmo"]],
+        "rebalances": [len(run["moved_to"]) for run in runs["dynmo"]],
         "overhead_s": [run["overhead_s"] for run in runs["dynmo"]],
         "profiled_layer_ms": runs["dynmo"][-1].get("layer_ms", []),
     }

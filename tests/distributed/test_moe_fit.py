@@ -37,7 +37,9 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-9
 LOGGED = ("train_loss", f"train_aux/{LOAD_BALANCE_LOSS}", f"train_aux/{Z_LOSS}")
-EVERY_STEP: tuple[tuple[str, Any], ...] = (("every_step", True),)
+# Every step decides again: these tests need a move off the lopsided start, and the busy times of such
+# tiny blocks on a shared 2-core machine can call it balanced (skip_balanced is tested with the callback).
+EVERY_STEP: tuple[tuple[str, Any], ...] = (("every_step", True), ("skip_balanced", False))
 
 
 @dataclass(frozen=True)

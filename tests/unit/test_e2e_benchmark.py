@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import e2e
+from benchmarks import e2e, paired
 from lightning_dynmo.balancing import LayerCost, Placement
 
 
@@ -45,25 +45,52 @@ def test_static_params_split_follows_parameter_counts() -> None:
     assert str(placements["static params"]) == "0-0|1-4"
 
 
-def _rows(uniform: float, params: float, dynmo: float, ideal: float) -> dict[str, dict[str, object]]:
-    return {
-        "static uniform": {"ms": uniform, "placement": "0-1|2-3"},
-        "static params": {"ms": params, "placement": "0-1|2-3"},
-        "DynMo partition/time": {"ms": dynmo, "placement": "0-2|3-3"},
-        "ideal": {"ms": ideal, "placement": "0-2|3-3"},
-    }
+def _comparison(uniform: float, params: float, dynmo: float, ideal: float, rounds: int = 3):
+    return paired.compare(
+        statics={"static uniform": [uniform] * rounds, "static params": [params] * rounds},
+        dynmo={"DynMo partition/time": [dynmo] * rounds},
+        candidates={"0-1|2-3": [uniform] * rounds, "0-2|3-3": [ideal] * rounds},
+        gap=e2e.IMBALANCE_GAP,
+    )
 
 
 def test_the_verdict_passes_a_balanced_run_and_fails_a_slow_one() -> None:
-    lines, ok = e2e.verdict(_rows(uniform=100.0, params=120.0, dynmo=85.0, ideal=80.0))
+    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=120.0, dynmo=85.0, ideal=80.0))
     assert ok is True and "**1.18x** the better static split" in lines[0]
-    lines, ok = e2e.verdict(_rows(uniform=100.0, params=120.0, dynmo=95.0, ideal=80.0))
-    assert ok is False and lines[1].endswith("**NO**.")  # 1.05x static but only 84% of the ideal
+    assert lines[1].startswith("Per round: better static / ideal 1.25, 1.25, 1.25")
+    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=120.0, dynmo=95.0, ideal=80.0))
+    assert ok is False and "**NO**." in lines[-1]  # 1.05x static but only 84% of the ideal
 
 
 def test_the_verdict_says_when_a_case_is_not_imbalanced() -> None:
-    lines, ok = e2e.verdict(_rows(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0))
-    assert ok is None and lines[1].startswith("Not imbalanced here")
+    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=100.0, dynmo=101.0, ideal=98.0))
+    assert ok is None and lines[-1].startswith("Not imbalanced here")
+    assert "slower beyond noise" not in lines[-1]  # 3 rounds are too few to call it
+    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0, rounds=4))
+    assert ok is None and lines[-1].endswith("**slower beyond noise**.")
+
+
+def test_the_table_pairs_rounds_and_the_summary_marks_the_verdict() -> None:
+    # Round 1 ran on a machine twice as slow: the paired ratios stay at 1.25, a ratio of medians would not.
+    rows = {
+        "static uniform": {"ms": 100.0, "placement": "0-1|2-3", "per_round": [100.0, 200.0, 100.0]},
+        "static params": {"ms": 100.0, "placement": "0-1|2-3", "per_round": [100.0, 200.0, 100.0]},
+        "DynMo partition/time": {"ms": 80.0, "placement": "0-2|3-3", "per_round": [80.0, 160.0, 80.0]},
+        "ideal": {"ms": 80.0, "placement": "0-2|3-3", "per_round": [80.0, 160.0, 80.0]},
+    }
+    c = paired.compare(
+        statics={k: rows[k]["per_round"] for k in ("static uniform", "static params")},
+        dynmo={"DynMo partition/time": rows["DynMo partition/time"]["per_round"]},
+        candidates={"0-1|2-3": [100.0, 200.0, 100.0], "0-2|3-3": [80.0, 160.0, 80.0]},
+        gap=e2e.IMBALANCE_GAP,
+    )
+    line = next(line for line in e2e.table(rows, c) if line.startswith("| DynMo"))
+    assert "| 80.0 | 1.25 | 100% |" in line
+    summary = e2e.summary_table([{"case": "moe", "real": c}])[-1]
+    assert summary.startswith("| moe | 1.25x | 100% | - | - |")
+    balanced = _comparison(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0, rounds=4)
+    row = e2e.summary_table([{"case": "moe", "real": balanced}])[-1]
+    assert row.startswith("| moe | 0.91x (not imbalanced) (slower beyond noise) | 89% |")
 
 
 def test_a_committed_results_file_is_not_overwritten(tmp_path: Path) -> None:
