@@ -78,6 +78,9 @@ _EVENTS, _BUSY, _STEP, _COST = range(4)
 ACTIVATION_REFRESH_STEPS = 100
 #: Workers whose reference workload runs within this fraction of the fastest count as equally fast.
 SPEED_TOLERANCE = 0.05
+#: skip_balanced by time: after a decision kept the placement, every-step windows are skipped while no
+#: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share.
+SKIP_DRIFT = 0.05
 
 
 class DynMoCallback(Callback):
@@ -99,9 +102,12 @@ class DynMoCallback(Callback):
             times, averaged with the ``cost_smoothing`` weight, leave less than ``min_gain`` to gain (no
             placement of the same stages beats ``1 - mean / max`` of the stage loads,
             :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
-            dynamism event. By ``params``: after a decision kept the placement, until the next dynamism
-            event (parameter counts change only with one). A skipped step costs only the always-on busy
-            timer.
+            dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
+            of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
+            since that decision (whole layers may leave more than ``min_gain`` of headroom that no
+            placement recovers; the same loads lead to the same decision). By ``params``: after a
+            decision kept the placement, until the next dynamism event (parameter counts change only
+            with one). A skipped step costs only the always-on busy timer.
         auto: Rebalance when the measured imbalance of per-stage busy times stays above
             ``auto_threshold`` for ``auto_patience_steps`` steps and the predicted saving over
             ``auto_horizon_steps`` steps exceeds the measured cost of a rebalance; then wait
@@ -430,7 +436,10 @@ class DynMoCallback(Callback):
         if self.balance.cost == "params":
             return self._params_settled
         room = self._stage_loads.headroom
-        return room is not None and room < self.balance.min_gain
+        if room is None:
+            return False
+        drift = self._stage_loads.drift  # set while the last decision kept the placement on these loads
+        return room < self.balance.min_gain or (drift is not None and drift < SKIP_DRIFT)
 
     def _open_window(self, trainer: pl.Trainer, reason: str) -> None:
         strategy = trainer.strategy
@@ -700,6 +709,8 @@ class DynMoCallback(Callback):
         self.rebalances.append(record)
         self.dropped_history["rebalances"] += keep_recent(self.rebalances)
         self._params_settled = not decision.apply  # read only by params (skip_balanced)
+        if not decision.apply:
+            self._stage_loads.mark()  # by time: skip while the loads stay where this decision saw them
         self._log_decision(trainer, decision, record)
         if decision.apply and self._gain.rebalanced():
             self._gain_record = record

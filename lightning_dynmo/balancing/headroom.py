@@ -9,13 +9,18 @@ running the balancer cannot lead anywhere, and an every-step callback may skip b
 One step's busy times are a noisy sample, so the bound reads a running mean of them
 (:class:`StageLoadAverage`), restarted whenever the loads stop describing the pipeline (a new placement,
 a dynamism event).
+
+The headroom is a bound for a continuum of work; layers are discrete, so a pipeline can keep some
+headroom that no placement of whole layers recovers. Once a decision on the profiled layers kept the
+placement, the same decision follows as long as the stages' shares of the load stay where they were:
+:attr:`StageLoadAverage.drift` measures how far they moved since that decision (:func:`share_drift`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StageLoadAverage", "headroom"]
+__all__ = ["StageLoadAverage", "headroom", "share_drift"]
 
 
 def headroom(loads: Sequence[float]) -> float:
@@ -30,6 +35,28 @@ def headroom(loads: Sequence[float]) -> float:
         raise ValueError(f"loads={list(loads)!r} must be one finite number >= 0 per stage.")
     peak = max(values)
     return 0.0 if peak == 0.0 else 1.0 - sum(values) / len(values) / peak
+
+
+def share_drift(before: Sequence[float], after: Sequence[float]) -> float:
+    """How far the stages' shares of the total load moved, relative to the busiest stage's share before.
+
+    ``max_s |after_s / sum(after) - before_s / sum(before)| / max_s (before_s / sum(before))``: 0 when
+    every stage keeps its share, whatever the total (a slower or faster step that scales every stage
+    alike does not count). All-zero loads count as equal shares.
+
+    Raises:
+        ValueError: Loads of different stage counts, or a load that :func:`headroom` refuses.
+    """
+    headroom(before), headroom(after)  # validates both
+    if len(before) != len(after):
+        raise ValueError(f"before has {len(before)} stages and after {len(after)}: compare one pipeline.")
+
+    def shares(loads: Sequence[float]) -> list[float]:
+        total = float(sum(loads))
+        return [1.0 / len(loads)] * len(loads) if total == 0.0 else [float(x) / total for x in loads]
+
+    old, new = shares(before), shares(after)
+    return max(abs(a - b) for a, b in zip(new, old, strict=True)) / max(old)
 
 
 class StageLoadAverage:
@@ -47,20 +74,28 @@ class StageLoadAverage:
             raise ValueError(f"weight={weight!r} must lie in [0, 1).")
         self.weight = weight
         self._loads: list[float] | None = None
+        self._marked: list[float] | None = None
 
     def update(self, loads: Sequence[float]) -> None:
         """Feed one step's per-stage busy seconds; a different stage count restarts the average."""
         values = [float(x) for x in loads]
         headroom(values)  # validates
         if self._loads is None or len(self._loads) != len(values):
+            if self._loads is not None:
+                self._marked = None  # another pipeline: the mark described the old one
             self._loads = values
             return
         w = self.weight
         self._loads = [w * old + (1.0 - w) * new for old, new in zip(self._loads, values, strict=True)]
 
     def restart(self) -> None:
-        """Forget the history: the loads no longer describe the pipeline."""
+        """Forget the history and the mark: the loads no longer describe the pipeline."""
         self._loads = None
+        self._marked = None
+
+    def mark(self) -> None:
+        """Remember the averaged loads as they are now (a decision on them kept the placement)."""
+        self._marked = self.loads
 
     @property
     def loads(self) -> list[float] | None:
@@ -71,3 +106,11 @@ class StageLoadAverage:
     def headroom(self) -> float | None:
         """:func:`headroom` of the averaged loads, or ``None`` when nothing was fed since the last restart."""
         return None if self._loads is None else headroom(self._loads)
+
+    @property
+    def drift(self) -> float | None:
+        """:func:`share_drift` from the marked loads to the averaged ones; ``None`` without both (or when
+        the stage count changed since the mark)."""
+        if self._marked is None or self._loads is None or len(self._marked) != len(self._loads):
+            return None
+        return share_drift(self._marked, self._loads)

@@ -6,7 +6,7 @@ import pytest
 
 from lightning_dynmo.balancing import Placement, partition
 from lightning_dynmo.balancing.costs import LayerCost
-from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom
+from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, share_drift
 
 
 def test_headroom_is_what_the_best_split_of_the_same_work_could_save() -> None:
@@ -59,3 +59,34 @@ def test_without_history_the_average_is_the_last_step() -> None:
 def test_the_average_refuses_a_weight_outside_its_range(weight: float) -> None:
     with pytest.raises(ValueError, match=r"must lie in \[0, 1\)"):
         StageLoadAverage(weight)
+
+
+def test_share_drift_ignores_a_step_that_scales_every_stage_alike() -> None:
+    assert share_drift([1.0, 3.0], [2.0, 6.0]) == 0.0
+    assert share_drift([0.0, 0.0], [1.0, 1.0]) == 0.0  # no load reads as equal shares
+    # Shares 0.25 / 0.75 -> 0.5 / 0.5: each moved 0.25, a third of the busiest share before.
+    assert share_drift([1.0, 3.0], [2.0, 2.0]) == pytest.approx(0.25 / 0.75)
+
+
+def test_share_drift_refuses_two_pipelines() -> None:
+    with pytest.raises(ValueError, match="compare one pipeline"):
+        share_drift([1.0, 1.0], [1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="one finite number >= 0 per stage"):
+        share_drift([1.0, -1.0], [1.0, 1.0])
+
+
+def test_the_drift_is_measured_from_the_mark_until_a_restart() -> None:
+    avg = StageLoadAverage(0.0)
+    avg.update([1.0, 3.0])
+    assert avg.drift is None  # nothing marked
+    avg.mark()
+    avg.update([1.1, 3.3])  # a slower step, same shares
+    assert avg.drift == pytest.approx(0.0)
+    avg.update([2.0, 2.0])
+    assert avg.drift == pytest.approx(1 / 3)
+    avg.restart()  # a new placement or an event: the mark described the old loads
+    avg.update([2.0, 2.0])
+    assert avg.drift is None
+    avg.mark()
+    avg.update([1.0, 1.0, 1.0])  # another stage count: another pipeline
+    assert avg.drift is None

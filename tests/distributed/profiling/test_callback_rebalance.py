@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
+from lightning_dynmo import callback as callback_module
 from lightning_dynmo.balancing import LayerCost, Placement, partition
 from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.callback import DynMoCallback
@@ -154,6 +155,31 @@ def test_every_step_skips_windows_while_the_stages_are_balanced(tmp_path: Any) -
     # Skipping changes what is measured, not what is learned.
     for a, b in zip(lazy[0]["losses"], eager[0]["losses"], strict=True):
         assert abs(a - b) < TOL
+
+
+def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement_fixes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two blocks on two stages, one three times the other: the busy times leave a headroom near 0.5, far
+    # above min_gain, yet the only placement is the current one. After the first decision kept it, the
+    # stage shares do not move (no event, equal sleeps every step), so every later window is skipped.
+    run = Run(num_layers=2, steps=8)
+    kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.2}
+    rest = (None, run, 0, [3.0, 9.0])  # no restore, the run, no pruning event, the blocks' sleeps
+    (tmp_path / "lazy").mkdir()
+    (tmp_path / "headroom_only").mkdir()
+    lazy = run_distributed(fit_with_callback, 2, tmp_path / "lazy", timeout_s=150, args=(kwargs, *rest))
+    for r in lazy:
+        assert r["placement"] == "0-0|1-1" and not r["events"]
+        assert len(r["rebalances"]) <= 2, [(rec["step"], rec["why"]) for rec in r["rebalances"]]
+        assert r["skipped"] >= run.steps - 3 and r["skipped"] == lazy[0]["skipped"]
+    # Negative control: with the drift rule off (SKIP_DRIFT 0, set before the ranks fork), the headroom
+    # alone does not skip these steps: every step is profiled and decided again.
+    monkeypatch.setattr(callback_module, "SKIP_DRIFT", 0.0)
+    control = tmp_path / "headroom_only"
+    headroom_only = run_distributed(fit_with_callback, 2, control, timeout_s=150, args=(kwargs, *rest))
+    for r in headroom_only:
+        assert r["skipped"] <= 2 and len(r["rebalances"]) >= run.steps - 3
 
 
 def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
