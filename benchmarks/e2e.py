@@ -32,7 +32,9 @@ Three modes (``--mode``, any of them; default all):
   sleeps what a block of the case measured inside the real pipeline (forward and backward apart; the
   profile stretched to ``4 * stages`` layers and scaled so the mean block costs ``--emulated-ms`` per
   micro-batch), so balance is measurable with more ranks than cores. One job per fixed placement
-  (static uniform, static params, the ideal) and per DynMo variant, as in ``real``. DynMo by params is
+  (static uniform, static params, the ideal) and per DynMo variant, as in ``real``; DynMo decides every
+  step and skips its window while nothing can be gained (``skip_balanced``): the emulated costs do
+  not change, so it settles within the untimed first half of the job. DynMo by params is
   left out: the emulated blocks all have the same parameters (static params uses the real model's counts).
   **Emulated cost.**
 - ``projection``: the pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`, 1F1B,
@@ -242,8 +244,10 @@ CASES: dict[str, Case] = {
             {"every_step": True},
             paper=4.02,
         ),
-        # Periodic: with the weights held still (lr 1e-8) the exit rates do not change, so no events come.
-        Case("early_exit", _early_exit, {"every_n_steps": 6}, paper=4.52),
+        # On the blocks' events: each exit layer announces its share of active tokens as its running mean
+        # moves from 1.0 to the steady share (lr 1e-8 holds the exit rates still after that), within the
+        # first steps; the lead steps let DynMo's windows for them end before the measured steps.
+        Case("early_exit", _early_exit, {}, paper=4.52, lead_steps=lambda s: 4),
         Case(
             "mod",
             lambda s: mod_config(**s.shape, capacity=0.125, routing="predictor"),
@@ -478,7 +482,7 @@ def emulated_case(
     jobs = {
         **{p: replace(base, candidates=(p,), warmup=steps // 2) for p in dict.fromkeys(fixed.values())},
         **{
-            f"DynMo {b}/time": replace(base, callback={"balancer": b, "cost": "time", "every_n_steps": 4})
+            f"DynMo {b}/time": replace(base, callback={"balancer": b, "cost": "time", "every_step": True})
             for b in balancers
         },
     }
