@@ -374,8 +374,7 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
     ]
     # How far one fixed split's figure moves from round to round: the noise a ratio here must beat.
     spread = statistics.median(
-        (max(per_round) - min(per_round)) / statistics.median(per_round)
-        for per_round in ([median_ms(run["sweep_s"][p]) for run in runs[p]] for p in candidates)
+        (max(times) - min(times)) / statistics.median(times) for times in (per_round[p] for p in candidates)
     )
     return {
         "rows": rows,
@@ -493,17 +492,14 @@ def emulated_case(
                 f"  emulated {stages} stages, round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True
             )
             runs[name].append(launch(run_emulated, jobs[name], nproc=stages, start_method=START))
+    dynmo = [name for name in jobs if name.startswith("DynMo")]
     per_round = {name: [median_ms(run["sweep_s"][p]) for run in runs[p]] for name, p in fixed.items()}
-    per_round |= {
-        name: [median_ms(run["step_s"][steps // 2 :]) for run in runs[name]]
-        for name in jobs
-        if name.startswith("DynMo")
-    }
+    per_round |= {name: [median_ms(run["step_s"][steps // 2 :]) for run in runs[name]] for name in dynmo}
     rows = {
         name: {"ms": statistics.median(per_round[name]), "placement": p, "per_round": per_round[name]}
         for name, p in fixed.items()
     }
-    for name in (k for k in jobs if k.startswith("DynMo")):
+    for name in dynmo:
         rows[name] = {
             "ms": statistics.median(per_round[name]),
             "per_round": per_round[name],
@@ -513,7 +509,7 @@ def emulated_case(
     # The ideal here is computed from the emulated costs, not picked by measurement: nothing to hold out.
     comparison = paired.compare(
         statics={k: per_round[k] for k in ("static uniform", "static params")},
-        dynmo={k: v for k, v in per_round.items() if k.startswith("DynMo")},
+        dynmo={name: per_round[name] for name in dynmo},
         candidates={fixed["ideal"]: per_round["ideal"]},
         gap=IMBALANCE_GAP,
         held_out=False,

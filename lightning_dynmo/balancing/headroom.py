@@ -109,8 +109,8 @@ class StageLoadAverage:
 
     @property
     def drift(self) -> float | None:
-        """:func:`share_drift` from the marked loads to the averaged ones; ``None`` without both (or when
-        the stage count changed since the mark)."""
-        if self._marked is None or self._loads is None or len(self._marked) != len(self._loads):
+        """:func:`share_drift` from the marked loads to the averaged ones; ``None`` without both (a restart
+        or another stage count clears the mark)."""
+        if self._marked is None or self._loads is None:
             return None
         return share_drift(self._marked, self._loads)
