@@ -15,7 +15,7 @@ import tempfile
 import torch
 from torch import nn
 
-from lightning_dynmo.pipeline.migration import UnitMove, migrate_units
+from lightning_dynmo.pipeline.migration.transport import UnitMove, migrate_units
 from tests.distributed.harness import run_distributed
 
 

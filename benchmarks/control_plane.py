@@ -13,7 +13,7 @@ over ``--rounds`` rounds (each after a barrier) of the slowest rank:
 - **decision**: the profile gather (one all-reduce of the layer table over the pipeline), the decision on
   the first rank and its broadcast (``_decide_once``), no migration;
 - **migration**: every replica moves one 16x16 linear layer from pipeline position 0 to 1 (back on the
-  next call) with :func:`~lightning_dynmo.pipeline.migration.migrate_units`: all replicas in one plan,
+  next call) with :func:`~lightning_dynmo.pipeline.migrate_units`: all replicas in one plan,
   and, beside it, one call per replica as the strategy did before issue #13.
 
 A second table counts the ``torch.distributed`` calls each of these makes (machine-independent). Each
@@ -57,11 +57,11 @@ from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.events import DynamismEvent, EventBus
-from lightning_dynmo.pipeline.faults import CommContext, communication_guard, describe_peers
-from lightning_dynmo.pipeline.groups import build_groups
-from lightning_dynmo.pipeline.layout import RankGrid
-from lightning_dynmo.pipeline.migration import UnitMove, migrate_units
-from lightning_dynmo.pipeline.shutdown import SigtermAgreement
+from lightning_dynmo.pipeline.faults.guard import CommContext, communication_guard, describe_peers
+from lightning_dynmo.pipeline.faults.shutdown import SigtermAgreement
+from lightning_dynmo.pipeline.migration.transport import UnitMove, migrate_units
+from lightning_dynmo.pipeline.placement.groups import build_groups
+from lightning_dynmo.pipeline.placement.layout import RankGrid
 from lightning_dynmo.profiling import gather_layer_costs
 
 PROJECT_TO = 720

@@ -51,7 +51,7 @@ from lightning_dynmo.dynamism.early_exit import EarlyExitBlock, early_exit_confi
 from lightning_dynmo.dynamism.mod import MoDBlock, MoDOptions, mod_config
 from lightning_dynmo.dynamism.tokens import token_counts
 from lightning_dynmo.models import GPT, GPTConfig
-from lightning_dynmo.pipeline.contract import HIDDEN, block_inputs
+from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
 
 CASES = ("early_exit", "mod")
 

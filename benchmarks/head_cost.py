@@ -96,10 +96,10 @@ class Job:
 
 def train(job: Job) -> dict[str, Any]:
     """Body of one rank (started by the elastic launcher): fit, report rank 0's step times and choice."""
-    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
     from lightning_dynmo.demos import RandomTokenDataModule
     from lightning_dynmo.models import GPT
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     torch.set_num_threads(1)
     sizes, timer = job.sizes, StepTimer()

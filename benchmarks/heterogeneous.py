@@ -65,9 +65,9 @@ def train_emulated(job: Job) -> dict[str, Any]:
     """Body of one rank of part 1: emulate the scenario on this rank, fit, report rank 0's step times."""
     import os
 
-    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
     from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -148,10 +148,10 @@ class RetuneJob:
 
 def train_repacked(job: RetuneJob) -> dict[str, Any]:
     """Body of one rank of part 2; rank 0 (the one kept) reports its step times and micro-batch count."""
-    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
     from lightning_dynmo.demos import RandomTokenDataModule
     from lightning_dynmo.models import GPT, GPTConfig
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     torch.set_num_threads(1)
     timer = StepTimer()

@@ -50,7 +50,7 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
 from lightning_dynmo.dynamism.moe import MoEBlock, MoEOptions, moe_gpt_config
 from lightning_dynmo.models import GPT, GPTConfig
-from lightning_dynmo.pipeline.aux import collect_aux_losses
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.profiling.layer_timer import LayerTimer
 
@@ -198,8 +198,8 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
     """Body of one rank (started by the elastic launcher): fit, report rank 0's step times."""
     import lightning.pytorch as pl
 
-    from lightning_dynmo.callback import DynMoCallback
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     torch.set_num_threads(1)
     sizes = run.sizes

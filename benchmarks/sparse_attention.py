@@ -388,8 +388,8 @@ def train_pipeline(run: PipelineRun) -> dict[str, Any]:
     """Body of one rank (started by the elastic launcher): fit, report rank 0's step times."""
     import lightning.pytorch as pl
 
-    from lightning_dynmo.callback import DynMoCallback
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     torch.set_num_threads(1)
     sizes = run.sizes

@@ -31,7 +31,7 @@ __all__ = ["FreezingCallback", "PruningCallback", "freezing_scope", "pruning_sco
 
 def pruning_scope(trainer: pl.Trainer, pl_module: pl.LightningModule) -> PruningScope | None:
     """This rank's blocks and groups now; ``None`` on a rank a re-pack released."""
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     strategy = trainer.strategy
     if isinstance(strategy, DynMoStrategy):
@@ -113,7 +113,7 @@ def freezing_scope(
     trainer: pl.Trainer, pl_module: pl.LightningModule, freeze_first_parts: bool = True
 ) -> FreezingScope | None:
     """This rank's blocks, first parts and groups now; ``None`` on a rank a re-pack released."""
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
     strategy = trainer.strategy
     parts = getattr(pl_module, "pipeline_first_parts", ()) if freeze_first_parts else ()
@@ -239,6 +239,6 @@ def _blocks(pl_module: pl.LightningModule, what: str = "PruningCallback prunes")
         raise TypeError(
             f"{what} the blocks of a model following DynMo's contract, but "
             f"{type(pl_module).__name__} has no `layers` (an nn.ModuleDict of blocks keyed by global index); "
-            "add one (see lightning_dynmo.pipeline.contract)."
+            "add one (see lightning_dynmo.pipeline.model.contract)."
         )
     return layers

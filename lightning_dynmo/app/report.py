@@ -288,7 +288,7 @@ def _static_vs_dynmo(
 
 
 def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    from lightning_dynmo.callback import DynMoCallback
+    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
 
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, DynMoCallback):

@@ -98,7 +98,7 @@ class Block(nn.Module):
 
 
 class DemoGPT(pl.LightningModule):
-    """A tiny GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.contract`).
+    """A tiny GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.model.contract`).
 
     Args:
         config: Model and optimizer settings; keyword ``overrides`` replace single fields.

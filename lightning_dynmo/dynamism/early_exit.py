@@ -66,7 +66,7 @@ from lightning_dynmo.events import notify_dynamism
 from lightning_dynmo.models.config import GPTConfig
 from lightning_dynmo.models.dense import DenseBlock
 from lightning_dynmo.models.registry import register_block
-from lightning_dynmo.pipeline.aux import add_aux_loss
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss
 
 __all__ = [
     "EXITED",

@@ -13,7 +13,7 @@ A frozen block
   carries ``requires_grad`` itself);
 * computes no weight gradient (``requires_grad=False`` on its parameters), so an optimizer skips it (it
   does not change, not even by weight decay) and the data-parallel gradient average and the clipping
-  norm skip it (:mod:`lightning_dynmo.pipeline.grads` only reduce parameters that require grad);
+  norm skip it (:mod:`lightning_dynmo.pipeline.step.grads` only reduce parameters that require grad);
 * has its optimizer state dropped (``FreezingConfig.keep_optimizer_state=False``, the default) or kept;
 * runs no backward when all layers before it are frozen too: the activation it produces needs no
   gradient, so autograd stops there, and a pipeline stage whose inputs need none sends none back, so
@@ -21,7 +21,7 @@ A frozen block
   0 (``freeze_first_parts``). Which inputs need a gradient is fixed when torch's pipeline stages are
   built, so every change of the frozen set rebuilds the pipeline (``FreezingScope.rebuild``), and the
   zero-bubble schedules keep weight gradients behind a frozen prefix thanks to
-  :mod:`lightning_dynmo.pipeline.gradless`.
+  :mod:`lightning_dynmo.pipeline.step.gradless`.
 
 When to freeze. ``criterion="autofreeze"`` (Liu et al., 2021): every ``check_every`` steps, the gradient
 norm of every trainable block summed over the interval is compared with the previous interval's,

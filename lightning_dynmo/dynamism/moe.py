@@ -27,7 +27,7 @@ over experts on exactly their tokens would do ``T * k`` rows every step on one d
 The stacked parameters also mean that an expert which receives no token still gets a (zero) gradient,
 never ``None``: data-parallel gradient averaging sees the same tensors on every replica.
 
-Auxiliary losses (:func:`~lightning_dynmo.pipeline.aux.add_aux_loss`, gradients applied on the stage
+Auxiliary losses (:func:`~lightning_dynmo.pipeline.add_aux_loss`, gradients applied on the stage
 where the block runs), per micro-batch of ``T`` tokens:
 
 - ``moe_load_balance`` (Switch / GShard): ``load_balance_coef * E * sum_i f_i * P_i`` with ``f_i`` the
@@ -70,8 +70,8 @@ from lightning_dynmo.events import notify_dynamism
 from lightning_dynmo.models.config import GPTConfig
 from lightning_dynmo.models.dense import CausalSelfAttention
 from lightning_dynmo.models.registry import register_block
-from lightning_dynmo.pipeline.aux import add_aux_loss
-from lightning_dynmo.pipeline.stage import in_shape_inference
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss
+from lightning_dynmo.pipeline.step.stage import in_shape_inference
 
 __all__ = [
     "LOAD_BALANCE_LOSS",

@@ -24,7 +24,7 @@ model's seed, ``hash_seed``, the layer's global index and the block's count of t
 (the persistent buffer ``hash_forwards``). They are drawn on the CPU in float64 and then moved, so every
 device and every rank draws the same ones. The count advances once per training forward (module in
 training mode, gradients enabled) and never in torch's shape-inference pass
-(:func:`~lightning_dynmo.pipeline.stage.in_shape_inference`) or in evaluation forwards (which use the
+(:func:`~lightning_dynmo.pipeline.in_shape_inference`) or in evaluation forwards (which use the
 current count without advancing it). A pipeline stage runs a block once per micro-batch in micro-batch
 order, as ``GPT(microbatches=n)`` does in one process, so both draw the same rotations for the same
 micro-batch; the count is a buffer, so it migrates with the block and is saved in checkpoints. Under
@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from lightning_dynmo.models.config import GPTConfig
 from lightning_dynmo.models.dense import MLP
 from lightning_dynmo.models.registry import register_block
-from lightning_dynmo.pipeline.stage import in_shape_inference
+from lightning_dynmo.pipeline.step.stage import in_shape_inference
 
 __all__ = [
     "HashedCausalSelfAttention",

@@ -183,7 +183,7 @@ class MaskedLinear(nn.Linear):
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialisation; the layer is unpruned again (mask all ``True``, dense kernel).
 
-        Local construction (:mod:`lightning_dynmo.pipeline.construction`) materialises a meta-declared
+        Local construction (:mod:`lightning_dynmo.pipeline.model.construction`) materialises a meta-declared
         unit by calling this, so the mask gets defined values there too.
         """
         super().reset_parameters()

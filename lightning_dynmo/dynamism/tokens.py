@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynmo.models.dense import CausalSelfAttention
-from lightning_dynmo.pipeline.stage import in_shape_inference
+from lightning_dynmo.pipeline.step.stage import in_shape_inference
 
 __all__ = [
     "TokenCounts",

@@ -15,7 +15,7 @@ Pipeline units: the first-stage parts ``tok_emb`` and ``pos_emb``, the blocks ``
 last-stage parts ``ln_f`` and ``head``. Each is built by :func:`build_unit` under its own seed, so a rank
 that builds only some units gets the weights a single process would.
 
-Stage interface (:mod:`lightning_dynmo.pipeline.contract`): the model declares what its blocks need,
+Stage interface (:mod:`lightning_dynmo.pipeline.model.contract`): the model declares what its blocks need,
 collected from the blocks when it is built (:func:`block_interface`):
 
 - side inputs: ``"labels"`` (the next-token targets, for per-layer losses such as early exit), given by
@@ -25,7 +25,7 @@ collected from the blocks when it is built (:func:`block_interface`):
 - auxiliary losses: every name a block's ``pipeline_aux_losses`` lists (e.g. a MoE balancing loss).
 
 The single-process path (:meth:`GPT.run_blocks`) calls blocks exactly as a pipeline stage does
-(:func:`~lightning_dynmo.pipeline.stage.run_block`), and :meth:`GPT.training_step` cuts each batch into
+(:func:`~lightning_dynmo.pipeline.run_block`), and :meth:`GPT.training_step` cuts each batch into
 ``microbatches`` pieces and adds their auxiliary losses as a pipeline does, so it is the exact reference.
 """
 
@@ -47,9 +47,9 @@ from lightning_dynmo.models import dense as _dense  # noqa: F401  # registers th
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
 from lightning_dynmo.models.init import gpt2_init_, unit_rng
 from lightning_dynmo.models.optim import WarmupCosine, build_adamw
-from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import HIDDEN, block_inputs
-from lightning_dynmo.pipeline.stage import run_block
+from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
+from lightning_dynmo.pipeline.step.stage import run_block
 
 __all__ = [
     "FIRST_PARTS",
@@ -69,7 +69,7 @@ SIDE_INPUTS = ("labels",)
 
 
 class GPT(pl.LightningModule):
-    """A GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.contract`).
+    """A GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.model.contract`).
 
     Trains single-process with its own ``training_step`` (the reference) and pipelined under
     :class:`~lightning_dynmo.DynMoStrategy`. Logs ``train_loss``, ``val_loss`` / ``test_loss`` (per

@@ -15,7 +15,7 @@ before it averages: ``E * sum_e mean_l(f_le) * mean_l(P_le)``, with ``f_le`` the
 tokens layer ``l`` sends to expert ``e`` (top-k picks) and ``P_le`` the mean router probability of
 ``e``. That couples layers that run on different pipeline stages. Each block here instead adds its own
 layer's Switch-Transformer loss ``E * sum_e f_le * P_le`` weighted by ``router_aux_loss_coef / L``
-(Megatron-LM's per-layer form), through :func:`~lightning_dynmo.pipeline.aux.add_aux_loss`, so its
+(Megatron-LM's per-layer form), through :func:`~lightning_dynmo.pipeline.add_aux_loss`, so its
 gradient arises on the block's stage. The two agree exactly for one layer, and whenever every layer
 routes alike; otherwise the per-layer mean of products differs from the product of means. Under
 micro-batching the statistics are those of each micro-batch (the strategy averages the micro-batches'
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from lightning_dynmo.pipeline.aux import add_aux_loss
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss
 
 __all__ = [
     "BLOCK_CHILD",

@@ -36,17 +36,17 @@ least float32 (the library always casts logits to float32 for its loss, also in 
 data parallelism each replica's loss is its own batch's token mean and replicas are averaged (like DDP).
 
 Mixtral's router loss, when ``config.output_router_logits`` is set (as for training with the library),
-is added per layer through :func:`~lightning_dynmo.pipeline.aux.add_aux_loss` (see
+is added per layer through :func:`~lightning_dynmo.pipeline.add_aux_loss` (see
 :mod:`~lightning_dynmo.models.hf_blocks` for how it relates to the library's cross-layer formula) and
 logged as ``train_aux/router_load_balance``.
 
 Checkpoint files keep the model's own state-dict names (``model.layers.0.self_attn.q_proj.weight``,
 ``transformer.h.0.attn.c_attn.weight``, ``lm_head.weight``): the adapter renames the keys in
 ``on_save_checkpoint`` and back in ``on_load_checkpoint``
-(:func:`~lightning_dynmo.pipeline.renaming.rename_checkpoint_keys`), so ``checkpoint["state_dict"]`` loads
+(:func:`~lightning_dynmo.pipeline.rename_checkpoint_keys`), so ``checkpoint["state_dict"]`` loads
 strictly into the plain model, which ``save_pretrained`` then writes. A sharded checkpoint (a directory,
 DynMoStrategy's default) keeps the units' names, because each rank reads its own units' items back by
-those names before any model hook runs; :func:`~lightning_dynmo.pipeline.sharded.export_full_checkpoint`
+those names before any model hook runs; :func:`~lightning_dynmo.pipeline.export_full_checkpoint`
 makes one file of it and :meth:`~HuggingFaceCausalLM.rename_for_huggingface` gives that file the model's
 names.
 
@@ -92,10 +92,10 @@ from lightning_dynmo.models.hf_blocks import (
     HuggingFaceBlock,
     attention_kind,
 )
-from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import HIDDEN, block_inputs
-from lightning_dynmo.pipeline.renaming import rename_checkpoint_keys
-from lightning_dynmo.pipeline.stage import run_block
+from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
+from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
+from lightning_dynmo.pipeline.step.stage import run_block
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "HuggingFaceCausalLM", "hf_position_ids"]
 

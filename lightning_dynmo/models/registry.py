@@ -15,7 +15,7 @@ without an options type) inside the layer's seeded RNG scope and returns the blo
 must honour (the pipeline moves it between ranks one by one):
 
 - ``block(hidden) -> hidden`` with ``hidden`` of shape ``[batch, seq, d_model]`` (the stage interface of
-  :mod:`lightning_dynmo.pipeline.contract`; richer blocks will declare side inputs/state there);
+  :mod:`lightning_dynmo.pipeline.model.contract`; richer blocks will declare side inputs/state there);
 - all its state lives in the module (parameters, buffers, plain attributes), never in hooks or globals;
 - no parameter shared with another block or part;
 - initial weights: the GPT applies GPT-2's init (:func:`~lightning_dynmo.models.init.gpt2_init_`) to

@@ -1,1 +1,154 @@
-"""Pipeline package: stages, schedules and layer migration on torch.distributed."""
+"""The pipeline runtime on torch.distributed: stages, schedules, placement, migration, checkpoints, faults.
+
+This package imports torch, never lightning (a test enforces it); :mod:`lightning_dynmo.strategy` is the
+Lightning glue over it. This front door exports what the strategy, the callback, the models and the
+dynamic cases use; the subpackages group the mechanisms, each module summarised in its package:
+
+- :mod:`.model`: the model contract and its units (contract, units, construction, unit state, ties).
+- :mod:`.step`: one step on torch's schedules (stage, schedule, micro-batches, auxiliary losses, gradients,
+  loss scaling, evaluation).
+- :mod:`.placement`: the rank grid, stage -> rank maps, process groups, re-packing (layout, groups, release).
+- :mod:`.migration`: moving units between ranks with all their state (transport, parameter groups).
+- :mod:`.checkpoint`: placement-independent checkpoints (contents, state, sharded, checksums, renaming).
+- :mod:`.faults`: failures that name the failing rank, and a clean stop on SIGTERM (guard, board, shutdown).
+
+Imports point down only: ``faults`` and ``model`` need nothing else of the pipeline; ``step`` and
+``placement`` build on them; ``migration`` on ``model``; ``checkpoint`` on ``migration`` and ``model``.
+"""
+
+from lightning_dynmo.pipeline.checkpoint.contents import (
+    CHECKPOINT_KEY,
+    full_state_from_checkpoint,
+    layout_of,
+    prepared_for_file,
+    read_checkpoint,
+    state_to_save,
+)
+from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
+from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint, save_sharded
+from lightning_dynmo.pipeline.checkpoint.state import load_local_state
+from lightning_dynmo.pipeline.faults.failure_board import FailureBoard
+from lightning_dynmo.pipeline.faults.guard import (
+    CommContext,
+    RemoteFailure,
+    communication_guard,
+    describe_peers,
+    report_interrupt,
+)
+from lightning_dynmo.pipeline.faults.shutdown import SigtermAgreement
+from lightning_dynmo.pipeline.migration.transport import MigrationReport, UnitMove, migrate_units
+from lightning_dynmo.pipeline.model.construction import keep_local_units
+from lightning_dynmo.pipeline.model.contract import (
+    HIDDEN,
+    ModelSpec,
+    TiedParameter,
+    block_inputs,
+    call_step_end_hook,
+    check_model_contract,
+    find_tied_parameters,
+    split_batch,
+)
+from lightning_dynmo.pipeline.model.ties import TiedCopies
+from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
+from lightning_dynmo.pipeline.model.units import attach_unit, detach_unit, pipeline_units
+from lightning_dynmo.pipeline.placement.groups import build_groups, check_same_on_all_ranks
+from lightning_dynmo.pipeline.placement.layout import (
+    PlannedMove,
+    RankGrid,
+    check_placement,
+    initial_placement,
+    stage_to_pipeline_rank,
+    unit_moves,
+    unit_owners,
+)
+from lightning_dynmo.pipeline.placement.release import (
+    ReleaseEvent,
+    active_ranks_of,
+    build_repacked_groups,
+    plan_repack,
+    repack_layouts,
+    repack_moves,
+)
+from lightning_dynmo.pipeline.step import grads
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses, reduce_step_losses
+from lightning_dynmo.pipeline.step.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
+from lightning_dynmo.pipeline.step.loss_scaling import PipelineLossScaling
+from lightning_dynmo.pipeline.step.microbatches import MicrobatchCount, retune_candidates
+from lightning_dynmo.pipeline.step.schedule import (
+    BuiltPipeline,
+    build_pipeline,
+    checked_loss_fn,
+    resolve_schedule,
+    run_schedule_step,
+)
+from lightning_dynmo.pipeline.step.stage import in_shape_inference, part_modules, run_block
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "HIDDEN",
+    "BuiltPipeline",
+    "CommContext",
+    "FailureBoard",
+    "MicrobatchCount",
+    "MigrationReport",
+    "ModelSpec",
+    "PipelineEvaluator",
+    "PipelineLossScaling",
+    "PlannedMove",
+    "RankGrid",
+    "ReleaseEvent",
+    "RemoteFailure",
+    "SigtermAgreement",
+    "TiedCopies",
+    "TiedParameter",
+    "UnitMove",
+    "active_ranks_of",
+    "add_aux_loss",
+    "attach_unit",
+    "block_inputs",
+    "broadcast_from",
+    "build_groups",
+    "build_pipeline",
+    "build_repacked_groups",
+    "call_step_end_hook",
+    "check_model_contract",
+    "check_no_user_hooks",
+    "check_placement",
+    "check_same_on_all_ranks",
+    "checked_loss_fn",
+    "collect_aux_losses",
+    "communication_guard",
+    "describe_peers",
+    "detach_unit",
+    "export_full_checkpoint",
+    "find_tied_parameters",
+    "full_state_from_checkpoint",
+    "global_mean_loss",
+    "grads",
+    "in_shape_inference",
+    "initial_placement",
+    "keep_local_units",
+    "layout_of",
+    "load_local_state",
+    "migrate_units",
+    "part_modules",
+    "pipeline_units",
+    "plan_repack",
+    "prepared_for_file",
+    "read_checkpoint",
+    "reduce_step_losses",
+    "rename_checkpoint_keys",
+    "repack_layouts",
+    "repack_moves",
+    "report_interrupt",
+    "resolve_schedule",
+    "retune_candidates",
+    "run_block",
+    "run_schedule_step",
+    "save_sharded",
+    "split_batch",
+    "stage_to_pipeline_rank",
+    "state_to_save",
+    "unit_moves",
+    "unit_owners",
+]

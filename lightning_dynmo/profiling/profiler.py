@@ -6,7 +6,7 @@ window of steps and turns them into :class:`LayerProfile` records, then into ``L
 with :meth:`ProfileResult.layer_costs`. Hooks exist only while a window is open.
 
 The first-stage parts (``"first"``: embedding) and last-stage parts (``"last"``: final norm, head and the
-loss) are profiled the same way when given (:func:`~lightning_dynmo.pipeline.stage.part_modules`): a part
+loss) are profiled the same way when given (:func:`~lightning_dynmo.pipeline.part_modules`): a part
 made of several modules (the head, then the loss the schedule calls on its output) is their sum.
 """
 
@@ -148,7 +148,7 @@ class LayerProfiler:
             metered again: windows that follow each other (every-step profiling) then carry no meter
             hook at all.
         parts: The modules that run this rank's first-stage and last-stage parts, by part name
-            (:func:`~lightning_dynmo.pipeline.stage.part_modules`); each part is profiled as the sum of
+            (:func:`~lightning_dynmo.pipeline.part_modules`); each part is profiled as the sum of
             its modules.
 
     Example::

@@ -28,7 +28,7 @@ def restored() -> Iterator[None]:
 def test_dynmo_lines_show_on_rank_zero_only(restored: None, rank: int, level: int) -> None:
     quiet.configure(rank)
     assert logging.getLogger("lightning_dynmo").level == level
-    assert logging.getLogger("lightning_dynmo.callback").getEffectiveLevel() == level
+    assert logging.getLogger("lightning_dynmo.callback.dynmo_callback").getEffectiveLevel() == level
 
 
 def test_lightnings_tip_is_dropped_and_other_lines_kept(restored: None) -> None:

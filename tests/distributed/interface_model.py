@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dynmo.pipeline.aux import add_aux_loss, collect_aux_losses
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses
 
 IGNORE = -100
 

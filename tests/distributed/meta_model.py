@@ -3,7 +3,7 @@
 ``MetaGPT`` allocates nothing when built; ``pipeline_init_unit`` gives each unit DemoGPT's kind of
 initial values (torch's defaults, and the scaled-down residual projections), seeded per unit by the
 caller. ``ConfiguredGPT`` builds the same units in Lightning's ``configure_model`` hook instead.
-One process materialises either with :func:`~lightning_dynmo.pipeline.construction.materialize_model`.
+One process materialises either with :func:`~lightning_dynmo.pipeline.model.construction.materialize_model`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.demos.gpt import GPTConfig
-from lightning_dynmo.pipeline.construction import materialize_model
+from lightning_dynmo.pipeline.model.construction import materialize_model
 from lightning_dynmo.strategy import DynMoStrategy
 
 

@@ -27,11 +27,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.pipeline.checkpoint import full_state_from_checkpoint
-from lightning_dynmo.pipeline.checksums import MANIFEST_FILENAME
-from lightning_dynmo.pipeline.sharded import export_full_checkpoint
-from lightning_dynmo.pipeline.state import load_local_state
-from lightning_dynmo.pipeline.units import unit_of_key
+from lightning_dynmo.pipeline.checkpoint.checksums import MANIFEST_FILENAME
+from lightning_dynmo.pipeline.checkpoint.contents import full_state_from_checkpoint
+from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
+from lightning_dynmo.pipeline.checkpoint.state import load_local_state
+from lightning_dynmo.pipeline.model.units import unit_of_key
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,

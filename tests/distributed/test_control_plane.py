@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from lightning_dynmo.pipeline.control_plane import exchange_events
-from lightning_dynmo.pipeline.groups import check_same_on_all_ranks
+from lightning_dynmo.callback.control_plane import exchange_events
+from lightning_dynmo.pipeline.placement.groups import check_same_on_all_ranks
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed

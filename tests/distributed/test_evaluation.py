@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataset
-from lightning_dynmo.pipeline.evaluation import global_mean_loss
+from lightning_dynmo.pipeline.step.evaluation import global_mean_loss
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,

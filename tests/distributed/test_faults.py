@@ -34,10 +34,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
-import lightning_dynmo.callback
+import lightning_dynmo.callback.dynmo_callback
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.pipeline.faults import CommunicationError
-from lightning_dynmo.pipeline.sharded import export_full_checkpoint
+from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
+from lightning_dynmo.pipeline.faults.guard import CommunicationError
 from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
 
@@ -164,7 +164,7 @@ def misbehaving_worker(
         kwargs.update(val_check_interval=2, limit_val_batches=4, num_sanity_val_steps=0)
         val = run.datamodule().train_dataloader()
     if action == "decide":
-        lightning_dynmo.callback.decide = _buggy_decide  # this forked rank only
+        lightning_dynmo.callback.dynmo_callback.decide = _buggy_decide  # this forked rank only
         callbacks.append(DynMoCallback(every_n_steps=_AT_BATCH, profile_warmup_steps=0, profile_steps=1))
     strategy = make_strategy(run, timeout=timedelta(seconds=_TIMEOUT_S))
     trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)

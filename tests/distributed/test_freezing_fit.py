@@ -27,7 +27,7 @@ from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.freezing import FreezingConfig
 from lightning_dynmo.dynamism_callbacks import FreezingCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
-from lightning_dynmo.pipeline import schedule as schedule_module
+from lightning_dynmo.pipeline.step import schedule as schedule_module
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder
 from tests.distributed.harness import run_distributed

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
-from lightning_dynmo.pipeline.sharded import export_full_checkpoint
+from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.harness import run_distributed
 from tests.distributed.hf_reference import HFReference, PaddedBatches, tiny_model, transformers

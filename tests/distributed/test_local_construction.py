@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from lightning_dynmo.demos import RandomTokenDataModule
-from lightning_dynmo.pipeline import construction
-from lightning_dynmo.pipeline.construction import materialize_model
+from lightning_dynmo.pipeline.model import construction
+from lightning_dynmo.pipeline.model.construction import materialize_model
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,

@@ -1,4 +1,4 @@
-"""fp16 loss scaling under the pipeline (``lightning_dynmo.pipeline.loss_scaling``), on 2 gloo ranks.
+"""fp16 loss scaling under the pipeline (``lightning_dynmo.pipeline.step.loss_scaling``), on 2 gloo ranks.
 
 Two setups, both with Lightning's ``MixedPrecision`` plugin and a CPU ``GradScaler``:
 

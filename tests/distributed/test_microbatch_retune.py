@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dynmo.pipeline.microbatches import MicrobatchCount
+from lightning_dynmo.pipeline.step.microbatches import MicrobatchCount
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed

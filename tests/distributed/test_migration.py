@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dynmo.pipeline.migration import UnitMove, migrate_units
+from lightning_dynmo.pipeline.migration.transport import UnitMove, migrate_units
 from tests.distributed import toy_model as tm
 from tests.distributed.harness import run_distributed
 

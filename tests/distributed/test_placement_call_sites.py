@@ -1,7 +1,7 @@
 """Where ``apply_placement`` may be called during fit: exact at step boundaries, refused inside a step.
 
 Inside a step (after the schedule step, before Lightning's backward) the step's gradients are held by the
-loss that carries them into ``backward`` (``lightning_dynmo.pipeline.grads``): a migration then would
+loss that carries them into ``backward`` (``lightning_dynmo.pipeline.step.grads``): a migration then would
 move layers without them and lose that step's update, so the strategy refuses it on every rank. From
 ``on_before_optimizer_step`` the gradients are in ``.grad`` and move with the layers: training equals the
 single-process reference in float64.

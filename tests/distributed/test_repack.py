@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_dynmo.pipeline.release import ReleaseEvent
+from lightning_dynmo.pipeline.placement.release import ReleaseEvent
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import (
     TOL,

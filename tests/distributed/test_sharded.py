@@ -22,11 +22,15 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from lightning_dynmo.pipeline.checkpoint import full_state_from_checkpoint
-from lightning_dynmo.pipeline.checksums import MANIFEST_FILENAME
-from lightning_dynmo.pipeline.sharded import export_full_checkpoint, load_sharded_part, save_sharded
-from lightning_dynmo.pipeline.state import load_local_state, local_full_state
-from lightning_dynmo.pipeline.units import unit_of_key
+from lightning_dynmo.pipeline.checkpoint.checksums import MANIFEST_FILENAME
+from lightning_dynmo.pipeline.checkpoint.contents import full_state_from_checkpoint
+from lightning_dynmo.pipeline.checkpoint.sharded import (
+    export_full_checkpoint,
+    load_sharded_part,
+    save_sharded,
+)
+from lightning_dynmo.pipeline.checkpoint.state import load_local_state, local_full_state
+from lightning_dynmo.pipeline.model.units import unit_of_key
 from tests.distributed import toy_model as tm
 from tests.distributed.harness import run_distributed
 

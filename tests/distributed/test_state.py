@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_dynmo.pipeline.state import (
+from lightning_dynmo.pipeline.checkpoint.state import (
     FULL_STATE_FORMAT,
     gather_full_state,
     load_local_state,

@@ -2,7 +2,7 @@
 
 Supported setups are equivalence tests against the single-process Trainer.fit of the same module in
 float64 (1e-9), each with a negative control; refused ones must fail on every rank before training,
-with the message of ``lightning_dynmo.pipeline.trainer_checks``.
+with the message of ``lightning_dynmo.strategy.trainer_checks``.
 """
 
 from __future__ import annotations

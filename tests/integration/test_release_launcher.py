@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     import lightning.pytorch as pl
     import torch
 
-    from lightning_dynmo.strategy import DynMoStrategy
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
     from tests.distributed.fitting import ForcePlacement, LossRecorder, Run, make_strategy
     from tests.integration.test_release_launcher import RUN
 

@@ -34,7 +34,7 @@ _SCRIPT = textwrap.dedent(
     import lightning.pytorch as pl
     import torch
 
-    import lightning_dynmo.strategy  # registers "dynmo"
+    import lightning_dynmo.strategy.dynmo_strategy  # registers "dynmo"
     from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
     from tests.distributed.fitting import LossRecorder, Run
 

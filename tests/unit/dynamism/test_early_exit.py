@@ -19,9 +19,9 @@ from lightning_dynmo.dynamism.early_exit import (
 from lightning_dynmo.dynamism.tokens import token_counts
 from lightning_dynmo.events import DynamismEvent, default_bus
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
-from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import HIDDEN, check_model_contract
-from lightning_dynmo.pipeline.stage import StageModule
+from lightning_dynmo.pipeline.model.contract import HIDDEN, check_model_contract
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
+from lightning_dynmo.pipeline.step.stage import StageModule
 
 SHAPE = {"vocab_size": 32, "seq_len": 12, "d_model": 16, "num_heads": 2}
 # An untrained exit head's confidence is ~1e-3 with 32 tokens: this threshold lets roughly half leave.

@@ -11,8 +11,8 @@ from torch import Tensor
 from lightning_dynmo.dynamism.mod import PREDICTOR_LOSS, MoDBlock, MoDOptions, mod_config
 from lightning_dynmo.dynamism.tokens import token_counts
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
-from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import check_model_contract
+from lightning_dynmo.pipeline.model.contract import check_model_contract
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 
 SHAPE = {"vocab_size": 32, "seq_len": 16, "d_model": 16, "num_heads": 2}
 

@@ -25,9 +25,9 @@ from lightning_dynmo.dynamism.moe import (
 )
 from lightning_dynmo.events import DynamismEvent, default_bus
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
-from lightning_dynmo.pipeline.aux import collect_aux_losses
-from lightning_dynmo.pipeline.contract import check_model_contract
-from lightning_dynmo.pipeline.stage import StageModule
+from lightning_dynmo.pipeline.model.contract import check_model_contract
+from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
+from lightning_dynmo.pipeline.step.stage import StageModule
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, num_layers=2, d_model=16, num_heads=2, d_ff=24)
 

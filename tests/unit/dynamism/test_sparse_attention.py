@@ -27,8 +27,8 @@ from lightning_dynmo.dynamism.sparse_attention import (
     sparse_attention_gpt_config,
 )
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
-from lightning_dynmo.pipeline.contract import check_model_contract
-from lightning_dynmo.pipeline.stage import StageModule
+from lightning_dynmo.pipeline.model.contract import check_model_contract
+from lightning_dynmo.pipeline.step.stage import StageModule
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=16, num_heads=2, d_ff=24)
 TOL = 1e-12

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig, build_unit, unit_names, unit_seed
 from lightning_dynmo.models.optim import WarmupCosine
-from lightning_dynmo.pipeline.contract import check_model_contract
+from lightning_dynmo.pipeline.model.contract import check_model_contract
 
 TINY: dict[str, Any] = {"num_layers": 3, "d_model": 16, "num_heads": 2, "seq_len": 8}
 

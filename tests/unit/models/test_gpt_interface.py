@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig, register_block, unregister_block
 from lightning_dynmo.models.gpt import block_interface
-from lightning_dynmo.pipeline.aux import add_aux_loss, collect_aux_losses
-from lightning_dynmo.pipeline.contract import check_model_contract
-from lightning_dynmo.pipeline.stage import StageModule
+from lightning_dynmo.pipeline.model.contract import check_model_contract
+from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses
+from lightning_dynmo.pipeline.step.stage import StageModule
 
 
 class ProbeBlock(nn.Module):

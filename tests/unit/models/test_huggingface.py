@@ -25,8 +25,8 @@ from torch import Tensor
 from lightning_dynmo.models.hf_architecture import HFArchitecture
 from lightning_dynmo.models.hf_blocks import switch_load_balancing_loss
 from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
-from lightning_dynmo.pipeline.contract import check_model_contract, split_batch
-from lightning_dynmo.pipeline.renaming import rename_checkpoint_keys
+from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
+from lightning_dynmo.pipeline.model.contract import check_model_contract, split_batch
 from tests.distributed.hf_reference import (
     HFReference,
     PaddedBatches,

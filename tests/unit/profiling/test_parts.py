@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dynmo.pipeline.contract import check_model_contract
-from lightning_dynmo.pipeline.stage import StageModule, part_modules
+from lightning_dynmo.pipeline.model.contract import check_model_contract
+from lightning_dynmo.pipeline.step.stage import StageModule, part_modules
 from lightning_dynmo.profiling import LayerProfiler
 from lightning_dynmo.profiling.layer_timer import module_has_hooks
 

@@ -1,0 +1,106 @@
+"""The process groups a rank grid trains over, and the check that their ranks agree on an argument.
+
+:func:`build_groups` creates, at launch, every rank's pipeline group, data-parallel group and the
+group of the active ranks, in the same order on every rank (``new_group`` is collective over the
+world), each with the strategy's timeout, so that a collective called on some ranks only fails after
+*that* timeout with an error naming the call (see :mod:`lightning_dynmo.pipeline.faults.guard`). The groups
+of a re-packed (smaller) grid come from :func:`lightning_dynmo.pipeline.build_repacked_groups`.
+:func:`check_same_on_all_ranks` refuses a collective call whose argument differs between ranks (one
+all-reduce of a digest; the values themselves are gathered only to name a mismatch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dynmo.pipeline.placement.layout import RankGrid
+
+__all__ = ["GridGroups", "build_groups", "check_same_on_all_ranks"]
+
+
+@dataclass(frozen=True)
+class GridGroups:
+    """One rank's process groups.
+
+    Attributes:
+        active: All training ranks (the strategy's collectives run over it).
+        pipeline: This rank's pipeline, ranks in pipeline order.
+        data_parallel: The ranks holding the same pipeline position in every replica (``None`` without
+            data parallelism).
+    """
+
+    active: dist.ProcessGroup
+    pipeline: dist.ProcessGroup
+    data_parallel: dist.ProcessGroup | None
+
+
+def build_groups(
+    grid: RankGrid, rank: int, timeout: timedelta | None, *, world_has_timeout: bool
+) -> GridGroups:
+    """Create the groups of ``grid``; collective over the world, call on every rank.
+
+    Args:
+        grid: The rank grid.
+        rank: This global rank.
+        timeout: The strategy's timeout, given to every group.
+        world_has_timeout: Whether the default group was created with ``timeout`` (by the strategy). If
+            not (a process group made by a launcher script or a test), the active ranks get a group of
+            their own: the pipeline group itself with a single replica, a new group otherwise.
+    """
+    pipeline: dist.ProcessGroup | None = None
+    for replica in range(grid.data_parallel_size):
+        ranks = grid.pipeline_ranks(replica)
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if rank in ranks:
+            pipeline = group
+    data_parallel = None
+    if grid.data_parallel_size > 1:
+        for position in range(grid.pipeline_size):
+            ranks = grid.data_parallel_ranks(position)
+            group = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                data_parallel = group
+    assert pipeline is not None, f"rank {rank} is in no pipeline of {grid}"
+    active = dist.group.WORLD
+    if not world_has_timeout:
+        active = pipeline if grid.data_parallel_size == 1 else dist.new_group(timeout=timeout)
+    assert active is not None
+    return GridGroups(active, pipeline, data_parallel)
+
+
+def check_same_on_all_ranks(
+    value: str, ranks: Sequence[int], group: dist.ProcessGroup | None, what: str
+) -> None:
+    """Refuse a call whose argument differs between ranks; collective over ``group`` (``ranks``, in order).
+
+    Args:
+        value: This rank's argument, as text.
+        ranks: The global ranks of ``group``, in group order.
+        group: The group the call is collective over.
+        what: The call and its argument, e.g. ``"apply_placement was called with different placements"``.
+
+    Raises:
+        ValueError: naming every rank's value, if they differ.
+    """
+    digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:7], "little")
+    on_gpu = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if int(extremes[0]) == -int(extremes[1]):
+        return  # every rank hashed the same text
+    gathered: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(gathered, value, group=group)
+    if len(set(gathered)) != 1:
+        per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, gathered, strict=True))
+        raise ValueError(
+            f"{what} on different ranks ({per_rank}); decide it once (e.g. on rank 0) and broadcast it with "
+            "strategy.broadcast before the call."
+        )

@@ -1,0 +1,247 @@
+"""Re-packing a pipeline onto fewer ranks: which ranks stay, what moves, the new groups, the event.
+
+Read in this order: :func:`repack_layouts` (the smaller pipelines a schedule can run, for the planner),
+:func:`plan_repack` (check a smaller placement and work out the new rank grid),
+:class:`PackedGrid` (a grid whose pipelines use only the lowest ranks of each replica),
+:func:`repack_moves` (the units that change owner), :func:`build_repacked_groups` (the process groups
+of the smaller pipeline, created by their members only) and :class:`ReleaseEvent` (what is announced).
+
+Which ranks stay. Each data-parallel replica keeps its lowest pipeline positions: with 2 replicas of 4
+ranks re-packed to 2 stages, ranks 0, 1 (replica 0) and 4, 5 (replica 1) stay, 2, 3, 6, 7 are released.
+Global rank 0 therefore always stays: under Lightning's script launcher it is the launching process,
+and the file/TCP store the process groups meet through lives there. Kept ranks keep their pipeline
+position and replica, so the data-parallel groups of the kept positions are unchanged and are reused.
+
+Pure except :func:`build_repacked_groups`: every rank computes the same plan from the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.pipeline.placement.layout import (
+    PlannedMove,
+    RankGrid,
+    StageStyle,
+    stage_to_pipeline_rank,
+    unit_names,
+    unit_owners,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PackedGrid",
+    "ReleaseEvent",
+    "active_ranks_of",
+    "build_repacked_groups",
+    "plan_repack",
+    "repack_layouts",
+    "repack_moves",
+    "schedule_runs",
+]
+
+# Schedules that split micro-batches into rounds of pipeline_size (torch checks the count divides evenly).
+_ROUNDS_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+# Schedules that need at least one micro-batch per stage.
+_ONE_PER_STAGE_SCHEDULES = ("1F1B", "DualPipeV")
+
+
+def schedule_runs(schedule: str, pipeline_size: int, stages_per_rank: int, num_microbatches: int) -> bool:
+    """Whether torch's ``schedule`` accepts ``num_microbatches`` on a pipeline of ``pipeline_size`` ranks.
+
+    The rules torch 2.13 checks when a schedule is built: the interleaved schedules need the micro-batch
+    count to be a multiple of its number of rounds (``max(1, num_microbatches // pipeline_size)``);
+    1F1B and DualPipeV need at least one micro-batch per stage.
+    """
+    if schedule in _ROUNDS_SCHEDULES:
+        rounds = max(1, num_microbatches // pipeline_size)
+        return num_microbatches % rounds == 0
+    if schedule in _ONE_PER_STAGE_SCHEDULES:
+        return num_microbatches >= pipeline_size * stages_per_rank
+    return True
+
+
+def repack_layouts(
+    schedule: str, style: StageStyle, pipeline_size: int, stages_per_rank: int, num_microbatches: int
+) -> dict[int, list[int]]:
+    """The pipelines of up to ``pipeline_size`` ranks the schedule can run: stage count -> each stage's rank.
+
+    What the re-pack planner may propose (:func:`lightning_dynmo.balancing.repack`): a multiple of
+    ``stages_per_rank`` stages (exactly two per rank for the V schedules), on a number of ranks the
+    schedule accepts with ``num_microbatches``, each stage mapped to its rank as the strategy will run it.
+    The current pipeline (``pipeline_size`` ranks) is included.
+    """
+    layouts = {}
+    for ranks in range(1, pipeline_size + 1):
+        if ranks < pipeline_size and not schedule_runs(schedule, ranks, stages_per_rank, num_microbatches):
+            continue
+        num_stages = ranks * stages_per_rank
+        layouts[num_stages] = [stage_to_pipeline_rank(s, num_stages, ranks, style) for s in range(num_stages)]
+    return layouts
+
+
+@dataclass(frozen=True)
+class PackedGrid(RankGrid):
+    """A rank grid after re-packing: each replica's pipeline runs on its lowest ``pipeline_size`` ranks.
+
+    Global rank ``g`` still belongs to replica ``g // stride`` at position ``g % stride``; only positions
+    below ``pipeline_size`` are active. ``world_size`` counts the active ranks
+    (``data_parallel_size * pipeline_size``).
+
+    Args:
+        world_size: Active ranks (replicas times the new pipeline size).
+        pipeline_size: Ranks per pipeline after re-packing.
+        stride: Ranks per replica at launch (the original pipeline size).
+    """
+
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stride < self.pipeline_size:
+            raise ValueError(
+                f"stride={self.stride} must be >= pipeline_size={self.pipeline_size}: a re-packed pipeline "
+                "uses a subset of its replica's original ranks."
+            )
+
+    def pipeline_rank(self, global_rank: int) -> int:
+        """Position of ``global_rank`` inside its replica (``>= pipeline_size`` for a released rank)."""
+        return global_rank % self.stride
+
+    def data_parallel_rank(self, global_rank: int) -> int:
+        """Index of the replica ``global_rank`` belonged to at launch."""
+        return global_rank // self.stride
+
+    def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
+        """Active global ranks of replica ``replica``'s pipeline, in pipeline order."""
+        start = replica * self.stride
+        return tuple(range(start, start + self.pipeline_size))
+
+    def data_parallel_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
+        """Global ranks holding pipeline position ``pipeline_rank`` in every replica."""
+        return tuple(d * self.stride + pipeline_rank for d in range(self.data_parallel_size))
+
+    def global_rank(self, replica: int, pipeline_rank: int) -> int:
+        """Inverse of (:meth:`data_parallel_rank`, :meth:`pipeline_rank`)."""
+        return replica * self.stride + pipeline_rank
+
+
+def active_ranks_of(grid: RankGrid) -> tuple[int, ...]:
+    """Every active global rank of ``grid``, ascending (replica by replica, pipeline order)."""
+    return tuple(r for replica in range(grid.data_parallel_size) for r in grid.pipeline_ranks(replica))
+
+
+def plan_repack(grid: RankGrid, current: Placement, target: Placement, stages_per_rank: int) -> PackedGrid:
+    """Check that ``target`` re-packs ``current`` onto fewer ranks and return the grid it runs on.
+
+    Args:
+        grid: The grid in use now (a :class:`RankGrid` or an earlier :class:`PackedGrid`).
+        current: The placement in use now.
+        target: The placement to re-pack onto; fewer stages than ``current``.
+        stages_per_rank: Stages each rank runs (1 for GPipe/1F1B, 2 for multi-stage schedules).
+
+    Raises:
+        ValueError: if ``target`` does not have fewer stages, or its stage count is not a multiple of
+            ``stages_per_rank``.
+    """
+    if target.num_stages >= current.num_stages:
+        raise ValueError(
+            f"placement {target} has {target.num_stages} stages, not fewer than the current {current} "
+            f"({current.num_stages}); re-packing needs fewer stages, and released ranks cannot come back. "
+            "Pass a placement with fewer '|'-separated stages, or the current number to only move layers."
+        )
+    if target.num_stages % stages_per_rank != 0:
+        raise ValueError(
+            f"placement {target} has {target.num_stages} stages, but this schedule runs {stages_per_rank} "
+            f"stages per rank; give a multiple of {stages_per_rank} stages."
+        )
+    new_size = target.num_stages // stages_per_rank
+    stride = grid.stride if isinstance(grid, PackedGrid) else grid.pipeline_size
+    return PackedGrid(grid.data_parallel_size * new_size, new_size, stride=stride)
+
+
+def repack_moves(
+    old: Placement,
+    new: Placement,
+    old_grid: RankGrid,
+    new_grid: RankGrid,
+    style: StageStyle,
+    first_parts: Sequence[str] = (),
+    last_parts: Sequence[str] = (),
+) -> list[PlannedMove]:
+    """The units that change owner when ``old`` on ``old_grid`` becomes ``new`` on ``new_grid``.
+
+    Replica by replica, in model order, so every rank builds the identical list.
+
+    Raises:
+        ValueError: if the placements cover different layers or the grids different replica counts.
+    """
+    if old.num_layers != new.num_layers or old_grid.data_parallel_size != new_grid.data_parallel_size:
+        raise ValueError(
+            f"cannot re-pack {old} ({old_grid.data_parallel_size} replicas) into {new} "
+            f"({new_grid.data_parallel_size} replicas): the layers and the replica count must stay the same."
+        )
+    before = unit_owners(old, old_grid, style, first_parts, last_parts)
+    after = unit_owners(new, new_grid, style, first_parts, last_parts)
+    moves = []
+    for replica in range(old_grid.data_parallel_size):
+        for unit in unit_names(old.num_layers, first_parts, last_parts):
+            src, dst = before[(replica, unit)], after[(replica, unit)]
+            if src != dst:
+                moves.append(PlannedMove(unit, src, dst))
+    return moves
+
+
+def build_repacked_groups(
+    grid: PackedGrid, rank: int, timeout: timedelta | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """Create this active rank's new pipeline group and the group of all active ranks.
+
+    Only members call ``new_group`` (``use_local_synchronization=True``), so released ranks need not
+    take part; ``sort_ranks=False`` keeps pipeline order equal to group-rank order (torch's stages pair
+    up by group rank). With one replica the active group is the pipeline group.
+
+    Returns:
+        ``(pipeline_group, active_group)``.
+    """
+    pipeline = list(grid.pipeline_ranks(grid.data_parallel_rank(rank)))
+    kwargs = {"use_local_synchronization": True, "sort_ranks": False}
+    pipeline_group = dist.new_group(pipeline, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    if grid.data_parallel_size == 1:
+        return pipeline_group, pipeline_group
+    active_group = dist.new_group(list(active_ranks_of(grid)), timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    return pipeline_group, active_group
+
+
+@dataclass(frozen=True)
+class ReleaseEvent:
+    """A re-pack that released ranks, as announced to ``on_release`` and callbacks.
+
+    Attributes:
+        released_ranks: Global ranks that left training (their processes finish ``fit`` and may be reused).
+        active_ranks: Global ranks that train on.
+        old_placement: Placement before the re-pack (canonical text).
+        new_placement: Placement after it.
+        global_step: Optimizer steps taken when it happened.
+    """
+
+    released_ranks: tuple[int, ...]
+    active_ranks: tuple[int, ...]
+    old_placement: str
+    new_placement: str
+    global_step: int
+
+    def describe(self) -> str:
+        """One readable line for logs."""
+        return (
+            f"DynMo re-packed the pipeline {self.old_placement} -> {self.new_placement} at step "
+            f"{self.global_step}: released ranks {list(self.released_ranks)} (no longer needed for the "
+            f"smaller pipeline; they leave fit), training continues on ranks {list(self.active_ranks)}."
+        )

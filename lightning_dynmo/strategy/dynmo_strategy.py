@@ -1,0 +1,1107 @@
+"""DynMoStrategy: pipeline-parallel training inside Lightning, with live re-placement of layers.
+
+Read in this order: the constructor (what a user configures), ``setup_environment`` (process groups
+of the ``data_parallel x pipeline`` grid), ``setup`` (cut the model to this rank's units, then build
+optimizers and the pipeline), ``training_step`` / ``backward`` (one torch schedule step per training
+step, its gradients handed to Lightning's automatic optimization), ``apply_placement`` (move layers
+between ranks at a step boundary) and the collectives over the active ranks.
+
+One schedule step replaces the LightningModule's ``training_step``: the strategy splits the batch with
+``pipeline_batch``, runs forward and backward of every micro-batch through torch's schedule, logs the
+true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
+gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
+stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
+data-parallel group when Lightning would sync (not inside an accumulation window). A parameter the
+first-stage and last-stage parts share (a tied embedding and head) lives as one copy on each of the two
+ranks when they differ: the two ranks exchange the copies' gradients point to point and add them at the
+same moment, and the last stage's copy is left out of the clipping norm, so both take the
+single-process step (after a re-pack that puts both parts on one rank, they are one parameter again).
+After each step the model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on
+every rank.
+
+``validation_step`` / ``test_step`` run a forward-only pipeline step (see
+:mod:`lightning_dynmo.pipeline.step.evaluation`) and log the batch's mean loss, the same on every rank, as
+``val_loss`` / ``test_loss``; ``predict_step`` runs the same forward-only step without a loss and
+broadcasts the last stage's output, so ``Trainer.predict`` returns the whole model's predictions on
+every rank.
+
+Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
+Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run two *virtual* stages
+per rank, so a placement then has ``2 * pipeline_size`` stages, mapped "loop" (stage ``s`` on rank
+``s % pipeline_size``) or "V" (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2P - 1 - r``).
+
+``import lightning_dynmo.strategy.dynmo_strategy`` registers the strategy as ``"dynmo"`` so
+``Trainer(strategy="dynmo")`` works.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.pipeline import (
+    CHECKPOINT_KEY,
+    BuiltPipeline,
+    CommContext,
+    FailureBoard,
+    MicrobatchCount,
+    MigrationReport,
+    ModelSpec,
+    PipelineEvaluator,
+    PipelineLossScaling,
+    PlannedMove,
+    RankGrid,
+    ReleaseEvent,
+    SigtermAgreement,
+    TiedCopies,
+    TiedParameter,
+    UnitMove,
+    active_ranks_of,
+    attach_unit,
+    broadcast_from,
+    build_groups,
+    build_pipeline,
+    build_repacked_groups,
+    call_step_end_hook,
+    check_model_contract,
+    check_no_user_hooks,
+    check_placement,
+    check_same_on_all_ranks,
+    checked_loss_fn,
+    communication_guard,
+    describe_peers,
+    detach_unit,
+    find_tied_parameters,
+    full_state_from_checkpoint,
+    global_mean_loss,
+    initial_placement,
+    keep_local_units,
+    layout_of,
+    load_local_state,
+    migrate_units,
+    pipeline_units,
+    plan_repack,
+    prepared_for_file,
+    read_checkpoint,
+    reduce_step_losses,
+    repack_moves,
+    report_interrupt,
+    resolve_schedule,
+    run_schedule_step,
+    save_sharded,
+    split_batch,
+    stage_to_pipeline_rank,
+    state_to_save,
+    unit_moves,
+    unit_owners,
+)
+from lightning_dynmo.pipeline import (
+    grads as pipeline_grads,
+)
+from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
+from lightning_dynmo.strategy.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
+
+log = logging.getLogger(__name__)
+
+
+class DynMoStrategy(ParallelStrategy):
+    """Pipeline-parallel (optionally x data-parallel) training on ``torch.distributed.pipelining``.
+
+    The LightningModule must follow the model contract of :mod:`lightning_dynmo.pipeline.model.contract`.
+
+    Args:
+        pipeline_size: Ranks per pipeline. ``None`` (default) makes every device a stage; otherwise it
+            must divide the world size, and the world runs ``world_size // pipeline_size`` data-parallel
+            replicas of the pipeline.
+        schedule: One of torch's schedule names (case-insensitive): ``"GPipe"``, ``"1F1B"``,
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
+            ``"DualPipeV"``. Multi-stage schedules run two virtual stages per rank.
+        num_microbatches: Micro-batches per training step; the batch size must be a multiple of it.
+            Some schedules need more (1F1B and DualPipeV: at least one per stage).
+        placement: The initial split of layers over stages: ``"uniform"`` (equal layer counts),
+            ``"parameters"`` (balanced parameter counts), a placement string such as ``"0-2|3-5"``, or
+            a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
+            (twice that for multi-stage schedules).
+        timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
+        start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
+            (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
+        accelerator: Set by the Trainer.
+        parallel_devices: Set by the Trainer.
+        cluster_environment: Set by the Trainer (Lightning, torchrun or SLURM environments).
+        checkpoint_io: Set by the Trainer.
+        precision_plugin: Set by the Trainer.
+        loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
+            disables logging.
+        on_release: Called on every rank with a :class:`~lightning_dynmo.pipeline.ReleaseEvent`
+            when :meth:`apply_placement` re-packs the pipeline onto fewer ranks (e.g. to hand the
+            released ranks to a job manager). Lightning callbacks that define
+            ``on_dynmo_ranks_released(trainer, pl_module, event)`` are called too.
+        val_loss_log_name: Name under which the pipelined validation loss is logged (per epoch, on every
+            rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
+            it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.step.evaluation`.
+        test_loss_log_name: The same for ``Trainer.test``.
+        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
+            writes and later reads only its units (:mod:`lightning_dynmo.pipeline.checkpoint.sharded`, whose
+            ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
+            rank 0. Both carry checksums and resume at any placement or size.
+    """
+
+    strategy_name = "dynmo"
+
+    def __init__(
+        self,
+        *,
+        pipeline_size: int | None = None,
+        schedule: str = "1F1B",
+        num_microbatches: int = 4,
+        placement: str | Placement = "uniform",
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        loss_log_name: str | None = "train_loss",
+        on_release: Callable[[ReleaseEvent], Any] | None = None,
+        val_loss_log_name: str | None = "val_loss",
+        test_loss_log_name: str | None = "test_loss",
+        save_distributed_checkpoint: bool = True,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._placement_arg, self._eval_log_names = check_strategy_args(
+            pipeline_size=pipeline_size,
+            num_microbatches=num_microbatches,
+            start_method=start_method,
+            placement=placement,
+            on_release=on_release,
+            val_loss_log_name=val_loss_log_name,
+            test_loss_log_name=test_loss_log_name,
+        )
+        self._schedule = resolve_schedule(schedule)
+        self._pipeline_size_arg = pipeline_size
+        self._microbatches = MicrobatchCount(num_microbatches)
+        self._timeout = timeout
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._loss_log_name = loss_log_name
+        self._on_release = on_release
+        self._released = False
+        self._saved_optimizer_states: list[Any] | None = None
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._evaluator: PipelineEvaluator | None = None
+        self._cut_module: nn.Module | None = None
+        self.num_nodes = 1
+        # Filled in by set_world_ranks / setup_environment / setup.
+        self._grid: RankGrid | None = None
+        self._active_ranks: tuple[int, ...] = ()
+        self._active_group: dist.ProcessGroup | None = None
+        self._pipeline_group: dist.ProcessGroup | None = None
+        self._data_parallel_group: dist.ProcessGroup | None = None
+        self._spec: ModelSpec | None = None
+        self._placement: Placement | None = None
+        self._pipe: BuiltPipeline | None = None
+        # First/last-part parameter ties; when the two parts are on different ranks, the global rank
+        # holding the other copy and this rank's side ("first" or "last"), else None.
+        self._ties = TiedCopies()
+        self._sync_blocked = False
+        self._board: FailureBoard | None = None
+        self._sigterm = SigtermAgreement()
+        self._step_in_flight = False  # see training_step and apply_placement
+        self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
+
+    # -- the surface callbacks use ------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """The current placement (set up in ``setup``)."""
+        if self._placement is None:
+            raise RuntimeError(
+                "DynMoStrategy.placement is only known after Trainer.fit has set up the model."
+            )
+        return self._placement
+
+    @property
+    def pipeline_size(self) -> int:
+        """Ranks per pipeline."""
+        return self._require_grid().pipeline_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of pipeline replicas."""
+        return self._require_grid().data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which replica this rank belongs to."""
+        return self._require_grid().data_parallel_rank(self.global_rank)
+
+    @property
+    def stage_index(self) -> int | None:
+        """This rank's position in its pipeline (0 .. pipeline_size - 1); ``None`` once released.
+
+        With single-stage schedules it is also the placement stage the rank runs; with multi-stage
+        schedules see :attr:`stage_indices`.
+        """
+        return (
+            self._require_grid().pipeline_rank(self.global_rank)
+            if self.global_rank in self._active_ranks
+            else None
+        )
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        """The placement stages this rank runs (one, or two virtual stages), in increasing order."""
+        return self._pipe.stage_indices if self._pipe is not None else ()
+
+    @property
+    def num_stages(self) -> int:
+        """Number of placement stages (``pipeline_size`` times the stages each rank runs)."""
+        return self.placement.num_stages
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs stage 0 (it feeds the inputs)."""
+        return self._pipe is not None and self._pipe.has_first
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (it computes the loss)."""
+        return self._pipe is not None and self._pipe.has_last
+
+    @property
+    def local_layers(self) -> Mapping[int, nn.Module]:
+        """The blocks this rank owns, by global index, in index order."""
+        return {int(k): block for k, block in self._module().get_submodule("layers").named_children()}
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The process group of this rank's pipeline (ranks in pipeline order)."""
+        return self._pipeline_group
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group of ranks holding the same stage in every replica (``None`` without data parallelism)."""
+        return self._data_parallel_group
+
+    @property
+    def active_ranks(self) -> tuple[int, ...]:
+        """The global ranks taking part in training; collectives of this strategy run over them."""
+        return self._active_ranks
+
+    @property
+    def active_group(self) -> dist.ProcessGroup | None:
+        """The process group over :attr:`active_ranks` (``None`` once this rank is released)."""
+        return self._active_group
+
+    @property
+    def pipeline_stages(self) -> list[Any]:
+        """This rank's torch ``PipelineStage`` objects for the current placement (empty when released).
+
+        Profilers wrap their methods to time a step; they are rebuilt by :meth:`apply_placement`.
+        """
+        if self._pipe is None:
+            return []
+        schedule = self._pipe.schedule
+        stages = getattr(schedule, "_stages", None)  # multi-stage schedules
+        if stages is None:
+            stages = [schedule._stage]  # type: ignore[attr-defined]  # single-stage schedules
+        return list(stages)
+
+    @property
+    def stage_style(self) -> str:
+        """How placement stages map to pipeline ranks: ``"loop"`` (stage ``s`` on rank ``s % p``) or
+        ``"v"`` (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2p - 1 - r``)."""
+        return self._schedule.style
+
+    def pipeline_rank_of(self, global_rank: int) -> int:
+        """The position in its pipeline (0 = first stage's rank) of an active ``global_rank``."""
+        return self._require_grid().pipeline_rank(global_rank)
+
+    @property
+    def is_released(self) -> bool:
+        """Whether this rank was released by a re-pack (it no longer trains; see :meth:`apply_placement`)."""
+        return self._released
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per training step."""
+        return self._microbatches.current
+
+    @property
+    def schedule_name(self) -> str:
+        """The canonical name of the pipeline schedule."""
+        return self._schedule.name
+
+    # -- Lightning plumbing ---------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always true: Lightning then syncs ``sync_dist`` logs and injects samplers."""
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # All stages of one replica must see the same batch: shard by replica, never by global rank.
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The torch.distributed backend in use."""
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        """Set ranks from the cluster environment and check ``pipeline_size`` against the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
+        self._grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if self._process_group_backend is None:
+            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None
+        made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._active_ranks = tuple(range(self.world_size))
+        groups = build_groups(
+            self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here
+        )
+        self._active_group, self._pipeline_group = groups.active, groups.pipeline
+        self._data_parallel_group = groups.data_parallel
+        self._board = FailureBoard.open(self.world_size)
+
+    def _pair_tied_copies(self) -> None:
+        self._ties.pair(
+            self._module(),
+            self.optimizers,
+            rank=self.global_rank,
+            pipeline_ranks=self._pipeline_global_ranks(),
+            last_position=self._last_stage_position(),
+        )
+
+    @property
+    def tied_parameters(self) -> tuple[TiedParameter, ...]:
+        """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
+        return self._ties.ties
+
+    def _sync_tied_grads(self) -> None:
+        guard = partial(self.guard, "the tied-parameter gradient exchange")
+        self._ties.sync_grads(self._module(), self._pipeline_group, guard)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        module = self._module()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        check_trainer_setup(module, self.precision_plugin, self._layer_sync, trainer.callbacks, fitting)
+        # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
+        if module is not self._cut_module:
+            self._spec = check_model_contract(module)
+            if self._num_stages_of_run() > 1:
+                self._ties = TiedCopies(find_tied_parameters(module, self._spec))
+                check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
+            self._placement = self._resolve_placement(self._spec, module)
+            self._pair_tied_copies()
+            spec, grid, style = self._spec, self._require_grid(), self._schedule.style
+            owners = unit_owners(self._placement, grid, style, spec.first_parts, spec.last_parts)
+            mine = (self.data_parallel_rank, self.global_rank)
+            owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
+            keep_local_units(module, spec, owned, device=self.root_device)
+            self._cut_module = module
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._route_clipping_through_pipeline()
+        self._install_sigterm_agreement(trainer)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._loss_scaling = PipelineLossScaling(
+            self.precision_plugin, lambda: self._active_group, self.root_device
+        )
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self._loss_scaling.agree_on_overflow()
+        self.rebuild_pipeline()
+        log.info(
+            "rank %d: placement %s, schedule %s, stages %s, layers %s",
+            self.global_rank,
+            self._placement,
+            self.schedule_name,
+            self.stage_indices,
+            sorted(self.local_layers),
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- placement and units --------------------------------------------------------------------------
+
+    def _resolve_placement(self, spec: ModelSpec, module: nn.Module) -> Placement:
+        layers = module.layers
+        sizes = [sum(p.numel() for p in layers[str(i)].parameters()) for i in range(spec.num_layers)]
+        return initial_placement(self._placement_arg, spec.num_layers, self._num_stages_of_run(), sizes)
+
+    def _num_stages_of_run(self) -> int:
+        return self.pipeline_size * self._schedule.stages_per_rank
+
+    def _local_units(self) -> dict[str, nn.Module]:
+        return pipeline_units(self._module(), self._require_spec())
+
+    def apply_placement(self, new: Placement | str, num_microbatches: int | None = None) -> MigrationReport:
+        """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
+
+        Step boundaries: a callback's ``on_train_batch_start`` / ``on_train_batch_end``, or
+        ``on_before_optimizer_step`` (gradients move with their layers). Inside a step (from
+        ``on_pipeline_step_end`` up to ``on_after_backward``) it raises: the gradients would be lost.
+
+        Every moved unit travels with its parameters, gradients, buffers, ``requires_grad`` flags,
+        plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
+        the split works (several layers at once, moves between non-neighbouring stages).
+
+        Re-pack and release: with FEWER stages than now, the layers are packed onto the lowest pipeline
+        ranks of each data-parallel replica (global rank 0 always stays), a new pipeline group is built
+        among them, and the other ranks are released: they free their modules and optimizer state,
+        their Trainer leaves ``fit`` cleanly (``trainer.should_stop``; the epoch loop ends at the next
+        ``on_train_batch_start``), and from then on this strategy's collectives, checkpoint gathering
+        and training steps are no-ops there, while on the active ranks they run over the active ranks
+        only. The release is logged (global rank 0) and announced to ``on_release`` and to callbacks
+        defining ``on_dynmo_ranks_released(trainer, pl_module, event)``. More stages than now is an
+        error (released ranks do not come back).
+
+        Args:
+            new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.
+            num_microbatches: With a re-pack, the micro-batch count the smaller pipeline runs from now on
+                (:mod:`lightning_dynmo.pipeline.step.microbatches`: it must divide the batch; a batch it does
+                not divide runs with the configured count). ``None`` keeps the count.
+
+        Returns:
+            This rank's :class:`~lightning_dynmo.pipeline.MigrationReport`.
+
+        Raises:
+            ValueError: if ranks passed different placements, or ``new`` does not fit the model or has
+                more stages than now.
+            RuntimeError: if this rank was released, it is called inside a training step, or a peer was
+                lost during the transfer.
+        """
+        if self._released:
+            raise RuntimeError(
+                f"apply_placement was called on rank {self.global_rank}, which a re-pack released; only the "
+                f"active ranks {list(self._active_ranks)} take part. Check strategy.is_released first."
+            )
+        pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
+        spec = self._require_spec()
+        target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
+        with self.guard("apply_placement (the check that every rank applies the same placement)"):
+            what = "apply_placement was called with different placements (or micro-batch counts)"
+            agreed = f"{target}" + (
+                "" if num_microbatches is None else f" num_microbatches={num_microbatches}"
+            )
+            check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
+        if target.num_stages > self.placement.num_stages:
+            raise ValueError(
+                f"placement {target} has {target.num_stages} stages but the pipeline runs "
+                f"{self.placement.num_stages} on the active ranks {list(self._active_ranks)}; "
+                "apply_placement keeps or reduces the number of stages (re-pack) but never grows it, "
+                "because released ranks have left the job. To train on more stages, save a checkpoint "
+                "and resume it with more devices: DynMo checkpoints load at any placement."
+            )
+        # Before anything moves, so that a bad count fails every rank alike.
+        self._microbatches.check_retune(num_microbatches, self._schedule, target, self.placement)
+        if target.num_stages < self.placement.num_stages:
+            return self._repack(target, num_microbatches)
+        check_placement(target, spec.num_layers, self._num_stages_of_run())
+        old = self.placement
+        if target == old:
+            return MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
+        planned = unit_moves(
+            old, target, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
+        )
+        report = self._migrate(planned, f"migration {old} -> {target}")
+        self._placement = target
+        self.rebuild_pipeline()
+        log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
+        return report
+
+    def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
+        # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
+        # one agreement over the active ranks, and all replicas' transfers at the same time.
+        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
+        with communication_guard(what, self._comm_context()):
+            received, report = migrate_units(
+                moves,
+                self._local_units(),
+                self.optimizers,
+                device=self.root_device,
+                group=self._active_group,
+                lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
+            )
+        for move in moves:
+            if move.src == self.global_rank:
+                detach_unit(self._module(), move.name)
+        for unit, module in received.items():
+            attach_unit(self._module(), unit, module)
+        return report
+
+    # -- re-pack and release (phase 2) ----------------------------------------------------------------
+
+    def _repack(self, target: Placement, num_microbatches: int | None) -> MigrationReport:
+        spec, old, old_grid = self._require_spec(), self.placement, self._require_grid()
+        check_placement(target, spec.num_layers, target.num_stages)
+        new_grid = plan_repack(old_grid, old, target, self._schedule.stages_per_rank)
+        planned = repack_moves(
+            old, target, old_grid, new_grid, self._schedule.style, spec.first_parts, spec.last_parts
+        )
+        report = self._migrate(planned, f"re-pack {old} -> {target}")
+        old_active = self._active_ranks
+        self._grid, self._placement = new_grid, target
+        self._active_ranks = active_ranks_of(new_grid)
+        trainer = self._trainer()
+        event = ReleaseEvent(
+            released_ranks=tuple(r for r in old_active if r not in self._active_ranks),
+            active_ranks=self._active_ranks,
+            old_placement=str(old),
+            new_placement=str(target),
+            global_step=trainer.global_step if trainer is not None else 0,
+        )
+        if self.global_rank in self._active_ranks:
+            # Only members build the new groups; the data-parallel groups of kept positions are unchanged.
+            self._pipeline_group, self._active_group = build_repacked_groups(
+                new_grid, self.global_rank, self._timeout
+            )
+            self._pair_tied_copies()
+            self._microbatches.retune(num_microbatches)
+            self.rebuild_pipeline()
+        else:
+            self._ties.clear()
+            self._release()
+        self._announce_release(event)
+        return report
+
+    def _release(self) -> None:
+        for unit in list(self._local_units()):
+            detach_unit(self._module(), unit)
+        for optimizer in self.optimizers:
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["params"] = []
+        self._pipe = None
+        self._pipeline_group = self._active_group = self._data_parallel_group = None
+        self._released = True
+        gc.collect()
+        if self.root_device.type == "cuda":
+            torch.cuda.empty_cache()
+        trainer = self._trainer()
+        if trainer is not None:
+            # Leave fit at the next batch boundary; min_epochs/min_steps must not hold a released rank back.
+            trainer.should_stop = True
+            trainer.fit_loop.min_epochs = 0
+            trainer.fit_loop.epoch_loop.min_steps = 0
+
+    def _install_sigterm_agreement(self, trainer: pl.Trainer) -> None:
+        # Lightning's SIGTERM handler broadcasts inside the signal handler, and its epoch loop stops the
+        # signalled rank alone: both hang a pipeline (see pipeline/shutdown.py). DynMo's handler only notes.
+        self._sigterm = SigtermAgreement(forward=self.launcher.kill if self.launcher is not None else None)
+        trainer._signal_connector._sigterm_notifier_fn = self._sigterm.handle  # type: ignore[method-assign]
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree_on_sigterm  # type: ignore[method-assign]
+
+    def _agree_on_sigterm(self) -> None:
+        """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
+        if self._released or not _distributed_is_initialized():
+            return
+        with self.guard("the SIGTERM check at a batch start"):
+            stop = self._sigterm.agree(self._active_group, self.root_device)
+        if stop and (trainer := self._trainer()) is not None:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
+
+    def _announce_release(self, event: ReleaseEvent) -> None:
+        if self.is_global_zero:
+            log.info(event.describe())
+        if self._released:
+            log.info(
+                "rank %d: released by the re-pack %s -> %s; freeing its modules and leaving fit.",
+                self.global_rank,
+                event.old_placement,
+                event.new_placement,
+            )
+        if self._on_release is not None:
+            self._on_release(event)
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_dynmo_ranks_released", None)
+            if callable(hook):
+                hook(trainer, self._module(), event)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._released:
+            trainer = self._trainer()
+            if trainer is not None:
+                trainer.should_stop = True
+            raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
+        if batch_idx == 0 and len(self._active_ranks) > 1:
+            replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
+            with self.guard("the check that every stage reads the same batch"):
+                check_same_batch_in_pipeline(
+                    batch, self._active_group, self._active_ranks, replicas, self.root_device
+                )
+
+    def _trainer(self) -> pl.Trainer | None:
+        module = self.lightning_module
+        return getattr(module, "_trainer", None) if module is not None else None
+
+    def _comm_context(self) -> CommContext:
+        # Cheap: peers and units are described only if the guarded step fails (issue #13's scale).
+        me, style = self.global_rank, self._schedule.style
+        peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
+        return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
+
+    def guard(self, what: str) -> AbstractContextManager[None]:
+        """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers."""
+        return communication_guard(what, self._comm_context())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # An error outside a guarded step (a callback, the data) is posted too, so the peers can name it.
+        call = getattr(getattr(self._trainer(), "state", None), "fn", None)
+        report_interrupt(
+            exception, f"Trainer.{call.value}" if call else "a Trainer call", self._comm_context()
+        )
+
+    # -- placement-independent checkpoints (phase 2) ---------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Each rank loads only the units it owns, so the model must be cut first.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state under single-process keys: this rank's units (sharded saves), or the whole
+        model gathered over replica 0's pipeline on global rank 0 (``{}`` elsewhere and when released).
+
+        It also takes the optimizer state returned by :meth:`optimizer_state`.
+        """
+        self._saved_optimizer_states = None
+        if self._released:
+            return {}
+        dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
+        with self.guard("checkpoint saving (gathering the model and optimizer state)"):
+            model, self._saved_optimizer_states = state_to_save(
+                self._local_units(),
+                list(self.optimizers),
+                self._save_distributed_checkpoint,
+                dst,
+                self._pipeline_group,
+            )
+        return model
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This optimizer's state keyed by parameter name, gathered by :meth:`lightning_module_state_dict`."""
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        if self._saved_optimizer_states is None:
+            return {}
+        index = next(k for k, opt in enumerate(self.optimizers) if opt is raw)
+        return self._saved_optimizer_states[index]  # type: ignore[no-any-return]
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._released:
+            return
+        if self.is_global_zero:
+            checkpoint[CHECKPOINT_KEY] = layout_of(self)
+        if self._save_distributed_checkpoint:
+            with self.guard("checkpoint saving (each rank writing its units)"):
+                save_sharded(
+                    filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
+                )
+        elif self.is_global_zero:
+            with prepared_for_file(filepath):
+                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._saved_optimizer_states = None
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
+        with self.guard("checkpoint loading"):
+            units, aliases = self._local_units(), self._ties.aliases
+            loaded = read_checkpoint(
+                checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
+            )
+        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the units this rank owns under its current placement from a DynMo checkpoint."""
+        full = full_state_from_checkpoint(checkpoint, with_optimizer=False)
+        load_local_state(full, self._local_units(), [])
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizer state of the parameters this rank owns, by parameter name."""
+        full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
+        # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
+        load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
+
+    def rebuild_pipeline(self) -> None:
+        """New stages and schedule on this rank (all active ranks together, at a step boundary)."""
+        self._pipe = build_pipeline(
+            self._module(),
+            self._require_spec(),
+            self.placement,
+            self._schedule,
+            pipeline_rank=self._require_grid().pipeline_rank(self.global_rank),
+            pipeline_size=self.pipeline_size,
+            num_microbatches=self._microbatches.current,
+            device=self.root_device,
+            group=self._pipeline_group,
+        )
+        self._microbatches.batch_shape = None
+
+    # -- one training step ------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self._released:
+            # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
+            zero = torch.zeros((), device=self.root_device)
+            return pipeline_grads.loss_carrying_grads(zero, [], [])
+        self._step_in_flight = True  # until backward has put this step's gradients into .grad
+        module, spec = self._module(), self._require_spec()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target, side = split_batch(module, spec, batch)
+        self._check_batch_shape(inputs, target, side)
+        params = list(module.parameters())
+        # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
+        accumulated = pipeline_grads.take_grads(params)
+        context = self._comm_context()
+        pipe = self._require_pipe()
+        with (
+            self.precision_plugin.train_step_context(),
+            communication_guard("a schedule step", context),
+            self._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
+        ):
+            step = run_schedule_step(
+                pipe,
+                inputs,
+                target,
+                side,
+                aux_losses=spec.aux_losses,
+                aux_loss_scale=self._loss_scaling.scale,
+                model_name=type(module).__name__,
+            )
+        step_grads = pipeline_grads.take_grads(params)
+        pipeline_grads.restore_grads(params, accumulated)
+        with communication_guard("the loss reduction", context):
+            loss, aux = reduce_step_losses(
+                step.losses,
+                step.aux,
+                spec.aux_losses,
+                num_microbatches=self._microbatches.current,
+                data_parallel_size=self.data_parallel_size,
+                group=self._active_group,
+                device=self.root_device,
+                dtype=step.losses[0].dtype
+                if step.losses
+                else (params[0].dtype if params else torch.get_default_dtype()),
+            )
+        if self._loss_log_name is not None:
+            module.log(self._loss_log_name, loss, prog_bar=True)
+            for name, value in aux.items():
+                module.log(f"train_aux/{name}", value)
+        call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
+
+    def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
+        # The schedule caches activation shapes from its first step; a new shape needs new stages.
+        if self._microbatches.new_pipeline_needed(inputs, target, side):
+            self.rebuild_pipeline()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        out = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._step_in_flight = False
+        if not self._sync_blocked:
+            self._sync_data_parallel_grads()
+            self._sync_tied_grads()
+        return out
+
+    def _sync_data_parallel_grads(self) -> None:
+        if self._data_parallel_group is None:
+            return
+        # By name: every replica's stage lists the same parameters in the same order.
+        params = [p for _, p in sorted(self._module().named_parameters())]
+        pipeline_grads.average_grads(params, self._data_parallel_group, self.data_parallel_size)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Inside an accumulation window gradients stay local; they are averaged at the window's end."""
+        self._sync_blocked = True
+        try:
+            yield None
+        finally:
+            self._sync_blocked = False
+
+    def _route_clipping_through_pipeline(self) -> None:
+        # Lightning clips through the precision plugin on local parameters only; the norm must cover
+        # every stage. Data-parallel replicas hold identical gradients by then: the pipeline group suffices.
+        plugin = self.precision_plugin
+        self.precision_plugin = plugin  # pin the instance the Trainer uses
+
+        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+            params = list(plugin.main_params(optimizer))
+            # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
+            second = self._ties.second_copies(self._module())
+            counted = [p for p in params if id(p) not in second]
+            pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    # -- evaluation (validate / test / predict) ---------------------------------------------------------
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One forward-only pipeline step; logs and returns the batch's mean loss on every rank.
+
+        The model's own ``validation_step`` is not called (it would see a partial model); Lightning's
+        ``on_validation_batch_end`` hooks receive the returned loss.
+        """
+        with self.precision_plugin.val_step_context():
+            return self._evaluation_step("validate", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Like :meth:`validation_step`, for ``Trainer.test`` (logged as ``test_loss_log_name``)."""
+        with self.precision_plugin.test_step_context():
+            return self._evaluation_step("test", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """One forward-only pipeline step without a loss; every rank returns the whole batch's output.
+
+        The model's ``pipeline_batch(batch)`` gives the inputs (its target is ignored) and the output is
+        what ``pipeline_last`` returns, computed on the last stage and broadcast to the other ranks of
+        the pipeline, so ``Trainer.predict`` returns the same predictions on every rank (as a
+        single-device run would). The model's own ``predict_step`` is not called.
+        """
+        self._check_not_released("predict")
+        self._agree_on_sigterm()
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, _, side = split_batch(module, self._require_spec(), batch)
+        if self._evaluator is None:
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
+        src = self._pipeline_global_ranks()[self._last_stage_position()]
+        with (
+            self.precision_plugin.predict_step_context(),
+            self.guard("a predict step"),
+        ):
+            output = self._evaluator.predict(
+                self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
+            )
+            return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
+
+    def _last_stage_position(self) -> int:
+        """The pipeline position (0 = the first stage's rank) of the rank running the last stage."""
+        placement = self.placement
+        return stage_to_pipeline_rank(
+            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
+        )
+
+    def _pipeline_global_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, by pipeline position."""
+        if self._pipeline_group is None:
+            return [self.global_rank]
+        return dist.get_process_group_ranks(self._pipeline_group)
+
+    def _check_not_released(self, phase: str) -> None:
+        if self._released:
+            raise RuntimeError(
+                f"rank {self.global_rank} was released by a re-pack and holds no part of the model, so it "
+                f"cannot {phase}; run it on the active ranks {list(self._active_ranks)} (check "
+                "strategy.is_released) or on a single device from a checkpoint."
+            )
+
+    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        self._check_not_released(phase)
+        self._agree_on_sigterm()
+        module = self._module()
+        batch = args[0] if args else kwargs["batch"]
+        inputs, target, side = split_batch(module, self._require_spec(), batch)
+        if self._evaluator is None:
+            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
+        with self.guard(f"a {phase} step"):
+            losses = self._evaluator.step(
+                self._require_pipe(),
+                inputs,
+                target,
+                side,
+                loss_fn=checked_loss_fn(module),
+                device=self.root_device,
+                group=self._pipeline_group,
+            )
+            params = list(module.parameters())
+            dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
+            loss, num_samples = global_mean_loss(
+                losses, int(inputs.shape[0]), group=self._active_group, device=self.root_device, dtype=dtype
+            )
+        name = self._eval_log_names[phase]
+        if name is not None:
+            # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
+            module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
+        return loss
+
+    # -- collectives over the active ranks ------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized() and not self._released:
+            with self.guard(f"strategy.barrier({name!r})"):
+                dist.barrier(group=self._active_group)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized() or self._released:
+            return obj
+        box = [obj]
+        with self.guard(f"strategy.broadcast(src={src})"):
+            dist.broadcast_object_list(box, src=src, group=self._active_group)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor) and not self._released:
+            with self.guard("strategy.reduce"):
+                return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        if self._released:
+            return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
+        with self.guard("strategy.all_gather"):
+            return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._released:
+            return decision
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        return bool(votes == len(self._active_ranks)) if all else bool(votes)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
+        return self.lightning_module
+
+    def _require_grid(self) -> RankGrid:
+        if self._grid is None:
+            raise RuntimeError(
+                "DynMoStrategy's rank layout is only known once the Trainer has set up the processes."
+            )
+        return self._grid
+
+    def _require_spec(self) -> ModelSpec:
+        if self._spec is None:
+            raise RuntimeError("DynMoStrategy has not checked the model yet; this is known after setup().")
+        return self._spec
+
+    def _require_pipe(self) -> BuiltPipeline:
+        if self._pipe is None:
+            raise RuntimeError("DynMoStrategy has no pipeline yet; it is built in setup().")
+        return self._pipe
+
+
+StrategyRegistry.register(
+    "dynmo",
+    DynMoStrategy,
+    description="DynMo pipeline-parallel strategy (torch.distributed.pipelining)",
+    override=True,
+)
