@@ -9,19 +9,21 @@ dynamic cases use; the subpackages group the mechanisms, each module summarised 
   loss scaling, evaluation).
 - :mod:`.placement`: the rank grid, stage -> rank maps, process groups, re-packing (layout, groups, release).
 - :mod:`.migration`: moving units between ranks with all their state (transport, parameter groups).
-- :mod:`.checkpoint`: placement-independent checkpoints (contents, state, sharded, checksums, renaming).
+- :mod:`.checkpoint`: placement-independent, crash-safe checkpoints (contents, state, sharded, atomic,
+  checksums, renaming).
 - :mod:`.faults`: failures that name the failing rank, and a clean stop on SIGTERM (guard, board, shutdown).
 
 Imports point down only: ``faults`` and ``model`` need nothing else of the pipeline; ``step`` and
 ``placement`` build on them; ``migration`` on ``model``; ``checkpoint`` on ``migration`` and ``model``.
 """
 
+from lightning_dynmo.pipeline.checkpoint.atomic import repair as repair_checkpoint
 from lightning_dynmo.pipeline.checkpoint.contents import (
     CHECKPOINT_KEY,
     full_state_from_checkpoint,
     layout_of,
-    prepared_for_file,
     read_checkpoint,
+    staged_file_save,
     state_to_save,
 )
 from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
@@ -134,12 +136,12 @@ __all__ = [
     "part_modules",
     "pipeline_units",
     "plan_repack",
-    "prepared_for_file",
     "read_checkpoint",
     "reduce_step_losses",
     "rename_checkpoint_keys",
     "repack_layouts",
     "repack_moves",
+    "repair_checkpoint",
     "report_interrupt",
     "resolve_schedule",
     "retune_candidates",
@@ -148,6 +150,7 @@ __all__ = [
     "save_sharded",
     "split_batch",
     "stage_to_pipeline_rank",
+    "staged_file_save",
     "state_to_save",
     "unit_moves",
     "unit_owners",

@@ -43,6 +43,7 @@ from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -113,16 +114,17 @@ from lightning_dynmo.pipeline import (
     migrate_units,
     pipeline_units,
     plan_repack,
-    prepared_for_file,
     read_checkpoint,
     reduce_step_losses,
     repack_moves,
+    repair_checkpoint,
     report_interrupt,
     resolve_schedule,
     run_schedule_step,
     save_sharded,
     split_batch,
     stage_to_pipeline_rank,
+    staged_file_save,
     state_to_save,
     unit_moves,
     unit_owners,
@@ -798,19 +800,29 @@ class DynMoStrategy(ParallelStrategy):
                     filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
                 )
         elif self.is_global_zero:
-            with prepared_for_file(filepath):
-                super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            with staged_file_save(filepath) as target:
+                super().save_checkpoint(checkpoint, target, storage_options=storage_options)
         self._saved_optimizer_states = None
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
         with self.guard("checkpoint loading"):
+            self._repair_interrupted_save(checkpoint_path)
             units, aliases = self._local_units(), self._ties.aliases
             loaded = read_checkpoint(
                 checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
             )
         return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    def _repair_interrupted_save(self, checkpoint_path: Any) -> None:
+        """A save killed while it replaced ``checkpoint_path`` left it set aside: put it back first."""
+        if not isinstance(checkpoint_path, str | Path) or Path(checkpoint_path).exists():
+            return
+        if self.global_rank == self._active_ranks[0]:
+            repair_checkpoint(checkpoint_path)
+        if dist.is_initialized():
+            dist.barrier(group=self._active_group)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

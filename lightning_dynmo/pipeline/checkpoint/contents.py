@@ -21,6 +21,7 @@ that :func:`~lightning_dynmo.pipeline.load_local_state` takes), then the small h
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dynmo.pipeline.checkpoint.atomic import repair, staging_path, swap_in
 from lightning_dynmo.pipeline.checkpoint.checksums import crc32_records, load_torch_file
 from lightning_dynmo.pipeline.checkpoint.sharded import (
     is_sharded_checkpoint,
     load_sharded_part,
-    remove_sharded_checkpoint,
 )
 from lightning_dynmo.pipeline.checkpoint.state import (
     FULL_STATE_FORMAT,
@@ -50,8 +51,8 @@ __all__ = [
     "full_state_from_checkpoint",
     "layout_of",
     "layout_record",
-    "prepared_for_file",
     "read_checkpoint",
+    "staged_file_save",
     "state_to_save",
     "unit_of_key",
 ]
@@ -151,13 +152,27 @@ def read_checkpoint(
 
 
 @contextmanager
-def prepared_for_file(path: Any) -> Generator[None, None, None]:
-    """Around a gathered (one-file) save: a checkpoint directory at ``path`` is removed, and torch computes
-    its records' CRC-32 (what :func:`~.checksums.load_torch_file` verifies)."""
-    if isinstance(path, str | Path):
-        remove_sharded_checkpoint(path)
+def staged_file_save(path: Any) -> Generator[Any, None, None]:
+    """Around a gathered (one-file) save: yields where to write, and torch computes the records' CRC-32
+    (what :func:`~.checksums.load_torch_file` verifies).
+
+    For a local path the file is written to a staged sibling that replaces what is at ``path`` (an older
+    file or checkpoint directory) only once it is complete (:mod:`.atomic`); a remote URL is written in
+    place by Lightning's checkpoint IO.
+    """
     with crc32_records():
-        yield
+        if not isinstance(path, str | Path) or "://" in str(path):
+            yield path
+            return
+        target = Path(path)
+        repair(target)
+        staged = staging_path(target, uuid.uuid4().hex)
+        try:
+            yield staged
+        except BaseException:
+            staged.unlink(missing_ok=True)  # the previous checkpoint at ``path`` is untouched
+            raise
+        swap_in(staged, target)
 
 
 def full_state_from_checkpoint(checkpoint: Mapping[str, Any], *, with_optimizer: bool) -> FullState:

@@ -33,6 +33,7 @@ import io
 import logging
 import os
 import shutil
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from lightning_dynmo.pipeline.checkpoint.atomic import repair, staging_path, swap_in
 from lightning_dynmo.pipeline.checkpoint.checksums import (
     MANIFEST_FILENAME,
     CheckpointCorruptError,
@@ -70,7 +72,6 @@ __all__ = [
     "export_full_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded_part",
-    "remove_sharded_checkpoint",
     "save_sharded",
 ]
 
@@ -85,12 +86,6 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a checkpoint directory (it has DCP's ``.metadata`` or the checksum manifest)."""
     p = Path(path)
     return p.is_dir() and ((p / _DCP_METADATA).is_file() or (p / MANIFEST_FILENAME).is_file())
-
-
-def remove_sharded_checkpoint(path: str | Path) -> None:
-    """Remove the checkpoint directory at ``path``, if there is one (a file is about to replace it)."""
-    if is_sharded_checkpoint(path):
-        shutil.rmtree(path)
 
 
 def save_sharded(
@@ -108,8 +103,9 @@ def save_sharded(
     The rest is written by ``coordinator`` as ``meta.pt``.
 
     Args:
-        path: The checkpoint directory (``coordinator``'s value counts); an existing checkpoint there is
-            replaced.
+        path: The checkpoint directory (``coordinator``'s value counts); an existing checkpoint there (a
+            directory or a gathered file) is replaced only once the new one is complete: a crash at any
+            point leaves the old or the new checkpoint whole (:mod:`.atomic`).
         checkpoint: See above.
         group: The ranks that save (every active rank); ``None`` is the default group.
         coordinator: GLOBAL rank that writes ``meta.pt`` and the manifest (a member of ``group``).
@@ -117,27 +113,49 @@ def save_sharded(
     Raises:
         FileExistsError: if ``path`` is a non-empty directory that is not a checkpoint.
     """
-    box: list[Any] = [str(path)]
-    dist.broadcast_object_list(box, src=coordinator, group=group)  # every rank writes the same directory
+    # Every rank writes into the same fresh sibling, named by the coordinator; the manifest is written
+    # last, and only then does the complete checkpoint take the place of the old one (see .atomic).
+    box: list[Any] = [str(path), uuid.uuid4().hex]
+    dist.broadcast_object_list(box, src=coordinator, group=group)
     path, is_coordinator = Path(box[0]), dist.get_rank() == coordinator
+    staged = staging_path(path, box[1])
     _check_target(path)  # on every rank (one file system), so a bad path fails all ranks, none waits
     if is_coordinator:
-        _prepare_directory(path)
+        repair(path)
+        staged.mkdir(parents=True)
     dist.barrier(group=group)
+    try:
+        _write_items(staged, checkpoint, group, coordinator, is_coordinator)
+    except BaseException:
+        if is_coordinator:
+            shutil.rmtree(staged, ignore_errors=True)  # the previous checkpoint at ``path`` is untouched
+        raise
+    if is_coordinator:
+        swap_in(staged, path)
+    dist.barrier(group=group)
+
+
+def _write_items(
+    staged: Path,
+    checkpoint: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    coordinator: int,
+    is_coordinator: bool,
+) -> None:
+    """Collective: every rank's items into ``staged``, then ``meta.pt`` and the manifest (last)."""
     items = _flat_items(checkpoint.pop("state_dict", {}), checkpoint.pop("optimizer_states", []))
-    writer = _RecordingWriter(path)
+    writer = _RecordingWriter(staged)
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
     dcp_save(items, storage_writer=writer, planner=planner, process_group=group)
-    written = _checksum_written(path, writer.results)
+    written = _checksum_written(staged, writer.results)
     size = dist.get_world_size(group)
     gathered: list[Any] | None = [None] * size if is_coordinator else None
     dist.gather_object(written, gathered, dst=coordinator, group=group)
     if gathered is not None:
         with crc32_records():
-            torch.save(checkpoint, path / META_FILENAME)
+            torch.save(checkpoint, staged / META_FILENAME)
         all_items = [item for part in gathered for item in part]
-        write_manifest(path, all_items, whole_files=[_DCP_METADATA, META_FILENAME])
-    dist.barrier(group=group)
+        write_manifest(staged, all_items, whole_files=[_DCP_METADATA, META_FILENAME])
 
 
 def load_sharded_part(
@@ -448,11 +466,3 @@ def _check_target(path: Path) -> None:
             f"cannot save a sharded checkpoint to {str(path)!r}: it is a non-empty directory that is not "
             "a checkpoint. Choose another path (ModelCheckpoint(dirpath=...)) or empty it."
         )
-
-
-def _prepare_directory(path: Path) -> None:
-    if path.is_file():
-        path.unlink()  # a gathered checkpoint saved under the same name
-    elif path.is_dir():
-        shutil.rmtree(path)  # stale items of a save with more ranks must not remain
-    path.mkdir(parents=True, exist_ok=True)

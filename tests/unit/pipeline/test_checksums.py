@@ -18,7 +18,7 @@ from lightning_dynmo.pipeline.checkpoint.checksums import (
     crc32_records,
     load_torch_file,
 )
-from lightning_dynmo.pipeline.checkpoint.contents import prepared_for_file, read_checkpoint
+from lightning_dynmo.pipeline.checkpoint.contents import read_checkpoint
 
 
 def _checkpoint() -> dict[str, Any]:
@@ -35,7 +35,7 @@ def _checkpoint() -> dict[str, Any]:
 @pytest.fixture
 def saved(tmp_path: Path) -> Path:
     path = tmp_path / "epoch1.ckpt"
-    with prepared_for_file(path):
+    with crc32_records():
         torch.save(_checkpoint(), path)
     return path
 

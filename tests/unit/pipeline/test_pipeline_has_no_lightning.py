@@ -7,7 +7,8 @@ BLOCKER = """
 import builtins, sys
 _real_import = builtins.__import__
 def _blocked(name, *args, **kwargs):
-    if name.split(".")[0] in {"lightning", "pytorch_lightning", "lightning_utilities", "torchmetrics", "hydra"}:
+    if name.split(".")[0] in {"lightning", "pytorch_lightning", "lightning_utilities", "torchmetrics",
+                              "hydra"}:
         raise ModuleNotFoundError(f"blocked import of {name}", name=name)
     return _real_import(name, *args, **kwargs)
 builtins.__import__ = _blocked
