@@ -6,6 +6,20 @@ The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`.
 ``Trainer(strategy="dynmo")`` works) whenever torch and lightning are installed. The pure balancing core,
 ``lightning_dynmo.balancing``, needs neither: without them only the registration is skipped, and the
 public classes are still resolved lazily on first access.
+
+Packages, from the Lightning glue down (imports point down only):
+
+- :mod:`.strategy`: :class:`DynMoStrategy`, pipeline-parallel training inside Lightning.
+- :mod:`.callback`: :class:`DynMoCallback`, when to profile and rebalance, and what it gained.
+- :mod:`.dynamism`, :mod:`.dynamism_callbacks`: the six dynamic cases and their Lightning controllers.
+- :mod:`.models`, :mod:`.data`, :mod:`.demos`: the GPT and the Hugging Face adapter, data modules, demos.
+- :mod:`.app`, :mod:`.train`: the Hydra application behind ``python -m lightning_dynmo.train``.
+- :mod:`.pipeline`: the runtime on torch.distributed (no lightning).
+- :mod:`.profiling`: per-layer costs measured inside real pipeline steps (no lightning).
+- :mod:`.balancing`: placements from costs, pure Python (neither torch nor lightning).
+
+Modules at the top: :mod:`.events` (the public "the model changed" API), :mod:`.throughput` (Lightning's
+``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers).
 """
 
 from __future__ import annotations

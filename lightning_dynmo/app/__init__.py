@@ -1,10 +1,11 @@
 """The Hydra application behind ``python -m lightning_dynmo.train``: config schemas, launch, report, logging.
 
-Read in this order: :mod:`~lightning_dynmo.app.schema` (the structured configs Hydra validates
-``conf/`` against, generated from the public constructors), :mod:`~lightning_dynmo.app.launch` (who
-starts the ranks, and where a run writes), :mod:`~lightning_dynmo.app.report` (the per-run summary
-table and ``summary.json``), :mod:`~lightning_dynmo.app.quiet` (logging and the few known-harmless
-warnings it silences). :mod:`lightning_dynmo.train` wires them together.
+Modules, in reading order (:mod:`lightning_dynmo.train` wires them together):
+
+- :mod:`.schema`: structured-config schemas for ``conf/``, generated from the public constructors.
+- :mod:`.launch`: who starts the ranks, and where a run writes.
+- :mod:`.report`: :class:`RunReport`, the run's summary table and ``summary.json``.
+- :mod:`.quiet`: logging (DynMo's lines at INFO on rank 0) and the known-harmless warnings it silences.
 
 Nothing here is needed to use :class:`~lightning_dynmo.DynMoStrategy` in one's own Trainer; library code
 never reads a Hydra config.

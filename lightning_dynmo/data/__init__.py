@@ -6,6 +6,13 @@
     dm = TextDataModule(seq_len=128, batch_size=8)                       # the stdlib's sources
     dm = TextDataModule(corpus=TextFileCorpus(paths="books/", glob="*.txt"))
     dm = TextDataModule(corpus=HFDatasetCorpus(path="wiki_saved/"))      # needs `pip install datasets`
+
+Modules:
+
+- :mod:`.corpus`: where the text comes from (the embedded corpus, text files, local HF datasets).
+- :mod:`.tokenizer`: the :class:`Tokenizer` protocol and the default byte tokenizer.
+- :mod:`.cache`: a corpus tokenised once, saved as one ``.npy`` file, memory-mapped afterwards.
+- :mod:`.datamodule`: :class:`TextDataModule`, fixed-length next-token blocks with a train/val split.
 """
 
 from lightning_dynmo.data.cache import TokenCache, default_cache_dir

@@ -27,7 +27,11 @@ from lightning_dynmo.pipeline.checkpoint.contents import (
     state_to_save,
 )
 from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
-from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint, save_sharded
+from lightning_dynmo.pipeline.checkpoint.sharded import (
+    CheckpointSaveError,
+    export_full_checkpoint,
+    save_sharded,
+)
 from lightning_dynmo.pipeline.checkpoint.state import load_local_state
 from lightning_dynmo.pipeline.faults.failure_board import FailureBoard
 from lightning_dynmo.pipeline.faults.guard import (
@@ -89,6 +93,7 @@ __all__ = [
     "CHECKPOINT_KEY",
     "HIDDEN",
     "BuiltPipeline",
+    "CheckpointSaveError",
     "CommContext",
     "FailureBoard",
     "MicrobatchCount",

@@ -1,10 +1,16 @@
 """Per-layer profiling inside real pipeline steps (torch only, no lightning).
 
-- :class:`LayerProfiler`: forward/backward time and memory of the layers one rank owns, over a window.
-- :func:`gather_layer_costs`: all ranks' records, identical on every rank of the pipeline group.
-- :func:`measure_boundary_comm_s`: time to send each stage boundary's activation.
-- :func:`inflight_microbatches`: how many micro-batches' activations a stage holds under a schedule.
-- :class:`StageBusyTimer`: the cheap always-on per-rank busy time that feeds automatic triggering.
+- :mod:`.profiler`: :class:`LayerProfiler`, forward/backward time and memory of a rank's layers over a
+  window (hooks on, warm-up steps, measured steps, hooks off).
+- :mod:`.layer_timer`: per-layer forward and backward time measured inside a real schedule step.
+- :mod:`.clock`: time stamps for profiling hooks that never stall the device.
+- :mod:`.memory`: the per-layer memory model and the measured per-stage peak
+  (:func:`inflight_microbatches`: how many micro-batches' activations a stage holds under a schedule).
+- :mod:`.gather`: :func:`gather_layer_costs`, all ranks' records, identical on every rank of the pipeline.
+- :mod:`.comm`: :func:`measure_boundary_comm_s`, the time to send each stage boundary's activation.
+- :mod:`.speed`: how fast each rank computes, from one fixed reference workload.
+- :mod:`.stage_timer`: :class:`StageBusyTimer`, the cheap always-on per-rank busy time behind automatic
+  triggering.
 """
 
 from lightning_dynmo.profiling.comm import measure_boundary_comm_s

@@ -14,7 +14,9 @@ place) loses the checkpoint when killed at the same point.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import signal
 from dataclasses import replace
@@ -23,10 +25,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynmo.pipeline.checkpoint import atomic, sharded
 from lightning_dynmo.pipeline.checkpoint.checksums import MANIFEST_FILENAME
+from lightning_dynmo.pipeline.checkpoint.sharded import (
+    CheckpointSaveError,
+    export_full_checkpoint,
+    save_sharded,
+)
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import TOL, LossRecorder, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
@@ -191,3 +199,71 @@ def test_the_old_delete_then_write_order_loses_the_checkpoint(tmp_path: Path) ->
     dirpath = _crash(tmp_path, "after_items", (0, 1), old_order=True)
     last = dirpath / "last.ckpt"
     assert last.is_dir() and not _is_complete(last)
+
+
+# -- a save that fails (disk full, read-only target): every rank stops with the cause, nothing is lost --
+
+
+def _fail_on(rank: int, where: str, fail_rank: int, cause: OSError) -> None:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise cause
+
+    if rank != fail_rank:
+        return
+    if where == "items":
+        sharded._RecordingWriter.write_data = fail  # type: ignore[method-assign]
+    elif where == "directory":
+        sharded._prepare = fail
+    elif where == "manifest":
+        sharded.write_manifest = fail
+
+
+def failing_save_worker(
+    rank: int, world_size: int, path: Path, where: str, fail_rank: int, cause: OSError
+) -> str:
+    save_sharded(
+        path, {"state_dict": {f"layers.{rank}.w": torch.zeros(3)}, "epoch": 1}, group=None, coordinator=0
+    )
+    _fail_on(rank, where, fail_rank, cause)
+    try:
+        save_sharded(
+            path, {"state_dict": {f"layers.{rank}.w": torch.ones(3)}, "epoch": 2}, group=None, coordinator=0
+        )
+    except CheckpointSaveError as err:
+        return str(err)
+    raise AssertionError(f"rank {rank}: the failing save did not raise")
+
+
+FAILURES = {
+    "disk full while one rank writes its items": (
+        "items",
+        1,
+        OSError(errno.ENOSPC, "No space left on device"),
+    ),
+    "read-only target": ("directory", 0, OSError(errno.EROFS, "Read-only file system")),
+    "disk full while the coordinator writes the manifest": (
+        "manifest",
+        0,
+        OSError(errno.ENOSPC, "No space left on device"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+def test_a_failed_save_names_the_path_and_cause_on_every_rank_and_keeps_the_old_checkpoint(
+    tmp_path: Path, case: str
+) -> None:
+    where, fail_rank, cause = FAILURES[case]
+    path = tmp_path / "last.ckpt"
+    messages = run_distributed(
+        failing_save_worker, 2, tmp_path, timeout_s=60, args=(path, where, fail_rank, cause)
+    )
+    for message in messages:
+        assert re.search(
+            rf"saving the checkpoint '.*last\.ckpt' failed .*rank {fail_rank}: OSError: .*{cause.strerror}",
+            message,
+        )
+        assert "previous checkpoint at that path, if any, is intact" in message
+    old = torch.load(export_full_checkpoint(path, tmp_path / "old.ckpt"), weights_only=True)
+    assert old["epoch"] == 1 and torch.equal(old["state_dict"]["layers.1.w"], torch.zeros(3))
+    assert sorted(p.name for p in tmp_path.iterdir() if "store" not in p.name) == ["last.ckpt", "old.ckpt"]

@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "META_FILENAME",
+    "CheckpointSaveError",
     "export_full_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded_part",
@@ -112,50 +113,94 @@ def save_sharded(
 
     Raises:
         FileExistsError: if ``path`` is a non-empty directory that is not a checkpoint.
+        CheckpointSaveError: on every rank, if any rank failed to write (a full disk, a read-only
+            directory), naming each failing rank and its cause; the previous checkpoint is intact.
     """
     # Every rank writes into the same fresh sibling, named by the coordinator; the manifest is written
-    # last, and only then does the complete checkpoint take the place of the old one (see .atomic).
+    # last, and only then does the complete checkpoint take the place of the old one (see .atomic). Each
+    # step that may fail on some ranks only ends in an agreement, so a failure stops every rank at once.
     box: list[Any] = [str(path), uuid.uuid4().hex]
     dist.broadcast_object_list(box, src=coordinator, group=group)
     path, is_coordinator = Path(box[0]), dist.get_rank() == coordinator
     staged = staging_path(path, box[1])
     _check_target(path)  # on every rank (one file system), so a bad path fails all ranks, none waits
-    if is_coordinator:
-        repair(path)
-        staged.mkdir(parents=True)
-    dist.barrier(group=group)
+    save = _SaveSteps(path, group)
+    save.agree("preparing the directory", lambda: _prepare(path, staged) if is_coordinator else None)
     try:
-        _write_items(staged, checkpoint, group, coordinator, is_coordinator)
+        items = _flat_items(checkpoint.pop("state_dict", {}), checkpoint.pop("optimizer_states", []))
+        writer = _RecordingWriter(staged)
+        planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+        try:
+            dcp_save(items, storage_writer=writer, planner=planner, process_group=group)
+        except CheckpointException as err:
+            raise CheckpointSaveError(save.describe("writing the items", _dcp_failures(err))) from err
+        written = save.agree("reading the items back", lambda: _checksum_written(staged, writer.results))
+        all_items = [item for part in written for item in part]
+        save.agree(
+            "writing meta.pt and the manifest",
+            lambda: _finish(staged, path, checkpoint, all_items) if is_coordinator else None,
+        )
     except BaseException:
         if is_coordinator:
             shutil.rmtree(staged, ignore_errors=True)  # the previous checkpoint at ``path`` is untouched
         raise
-    if is_coordinator:
-        swap_in(staged, path)
-    dist.barrier(group=group)
 
 
-def _write_items(
-    staged: Path,
-    checkpoint: dict[str, Any],
-    group: dist.ProcessGroup | None,
-    coordinator: int,
-    is_coordinator: bool,
-) -> None:
-    """Collective: every rank's items into ``staged``, then ``meta.pt`` and the manifest (last)."""
-    items = _flat_items(checkpoint.pop("state_dict", {}), checkpoint.pop("optimizer_states", []))
-    writer = _RecordingWriter(staged)
-    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
-    dcp_save(items, storage_writer=writer, planner=planner, process_group=group)
-    written = _checksum_written(staged, writer.results)
-    size = dist.get_world_size(group)
-    gathered: list[Any] | None = [None] * size if is_coordinator else None
-    dist.gather_object(written, gathered, dst=coordinator, group=group)
-    if gathered is not None:
-        with crc32_records():
-            torch.save(checkpoint, staged / META_FILENAME)
-        all_items = [item for part in gathered for item in part]
-        write_manifest(staged, all_items, whole_files=[_DCP_METADATA, META_FILENAME])
+class CheckpointSaveError(RuntimeError):
+    """A save failed (a full disk, a read-only target, ...); raised on every saving rank alike.
+
+    The checkpoint that was at the path before the save is untouched, and training stops (the error
+    propagates out of ``Trainer.fit`` on every rank) rather than going on without the checkpoint asked for.
+    """
+
+
+class _SaveSteps:
+    """The steps of one save that end in an agreement: every rank learns every rank's failure."""
+
+    def __init__(self, path: Path, group: dist.ProcessGroup | None) -> None:
+        self.path, self.group = path, group
+
+    def agree(self, what: str, step: Callable[[], Any]) -> list[Any]:
+        """Run ``step`` on this rank, then all ranks exchange results; any failure raises on all of them."""
+        try:
+            result, error = step(), None
+        except Exception as err:  # reported to every rank below, so none waits for this one
+            result, error = None, f"{type(err).__name__}: {err}"
+        outcomes: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(outcomes, (dist.get_rank(), error, result), group=self.group)
+        failures = {rank: error for rank, error, _ in outcomes if error is not None}
+        if failures:
+            raise CheckpointSaveError(self.describe(what, failures))
+        return [result for _, _, result in outcomes]
+
+    def describe(self, what: str, failures: Mapping[int, str]) -> str:
+        causes = "; ".join(f"rank {rank}: {error}" for rank, error in sorted(failures.items()))
+        return (
+            f"saving the checkpoint {str(self.path)!r} failed while {what} ({causes}). The previous "
+            f"checkpoint at that path, if any, is intact. Free space or make {str(self.path.parent)!r} "
+            "writable (or choose another ModelCheckpoint(dirpath=...)), then resume from the last checkpoint."
+        )
+
+
+def _prepare(path: Path, staged: Path) -> None:
+    repair(path)
+    staged.mkdir(parents=True)
+
+
+def _finish(staged: Path, path: Path, checkpoint: dict[str, Any], items: list[ItemChecksum]) -> None:
+    """On the coordinator: ``meta.pt``, the manifest (last), then the complete checkpoint takes its place."""
+    with crc32_records():
+        torch.save(checkpoint, staged / META_FILENAME)
+    write_manifest(staged, items, whole_files=[_DCP_METADATA, META_FILENAME])
+    swap_in(staged, path)
+
+
+def _dcp_failures(err: CheckpointException) -> dict[int, str]:
+    failures = {}
+    for rank, failure in err.failures.items():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        failures[int(rank)] = f"{type(exc).__name__}: {exc}"
+    return failures
 
 
 def load_sharded_part(
