@@ -81,7 +81,6 @@ from lightning_dynmo.pipeline import (
     ModelSpec,
     PipelineEvaluator,
     PipelineLossScaling,
-    PlannedMove,
     RankGrid,
     ReleaseEvent,
     SigtermAgreement,
@@ -598,10 +597,9 @@ class DynMoStrategy(ParallelStrategy):
         log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
         return report
 
-    def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
+    def _migrate(self, moves: list[UnitMove], what: str) -> MigrationReport:
         # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
         # one agreement over the active ranks, and all replicas' transfers at the same time.
-        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
         with communication_guard(what, self._comm_context()):
             received, report = migrate_units(
                 moves,
@@ -613,7 +611,7 @@ class DynMoStrategy(ParallelStrategy):
             )
         for move in moves:
             if move.src == self.global_rank:
-                detach_unit(self._module(), move.name)
+                detach_unit(self._module(), move.unit)
         for unit, module in received.items():
             attach_unit(self._module(), unit, module)
         return report
