@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynmo.models.config import GPTConfig
-from lightning_dynmo.models.dense import MLP
+from lightning_dynmo.models.dense import MLP, AttentionProjections
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.stage import in_shape_inference
 
@@ -292,7 +292,7 @@ def bucket_masked_attention(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k
     return torch.matmul(weights, v) / torch.where(total > 0, total, torch.ones_like(total))
 
 
-class HashedCausalSelfAttention(nn.Module):
+class HashedCausalSelfAttention(AttentionProjections):
     """Multi-head hash-sparse causal self-attention.
 
     Its parameters are those of :class:`~lightning_dynmo.models.CausalSelfAttention` (fused ``qkv``,
@@ -304,15 +304,8 @@ class HashedCausalSelfAttention(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, options: SparseAttentionOptions) -> None:
-        super().__init__()
-        d = config.d_model
+        super().__init__(config)
         self.options = options
-        self.num_heads = config.num_heads
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
-        self.proj = nn.Linear(d, d, bias=config.bias)
-        self.proj.residual_projection = True  # type: ignore[assignment]  # read by gpt2_init_
-        self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, rotations: Tensor | None) -> tuple[Tensor, TilePlan]:
         """``[batch, seq, d_model] -> [batch, seq, d_model]`` and the tile plan it computed on.
