@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dynmo.models.config import GPTConfig
+from lightning_dynmo.models.config import GPTConfig, check_positive_int
 from lightning_dynmo.models.dense import MLP, AttentionProjections
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.stage import in_shape_inference
@@ -92,9 +92,7 @@ class SparseAttentionOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_buckets", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SparseAttentionOptions.{name}={value!r} must be an integer >= 1.")
+            check_positive_int(name, getattr(self, name), owner="SparseAttentionOptions")
         if self.num_buckets > 1 and self.num_buckets % 2:
             raise ValueError(
                 f"SparseAttentionOptions.num_buckets={self.num_buckets} must be 1 or even: the buckets are "
