@@ -245,7 +245,7 @@ class _Harness:
             )
             for move in plan:
                 if move.src == self.strategy.global_rank:
-                    del self.units[move.name]
+                    del self.units[move.unit]
             self.units.update(received)
         self.moved = not self.moved
 

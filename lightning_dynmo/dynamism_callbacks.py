@@ -15,24 +15,25 @@ MoE expert-bias update).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from typing_extensions import override
 
 from lightning_dynmo.dynamism.freezing import FreezingConfig, FreezingReport, FreezingScope, LayerFreezer
 from lightning_dynmo.dynamism.pruning import GlobalMagnitudePruner, PruningConfig, PruningReport, PruningScope
 from lightning_dynmo.events import EventBus
+from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
 __all__ = ["FreezingCallback", "PruningCallback", "freezing_scope", "pruning_scope"]
 
 
 def pruning_scope(trainer: pl.Trainer, pl_module: pl.LightningModule) -> PruningScope | None:
     """This rank's blocks and groups now; ``None`` on a rank a re-pack released."""
-    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
-
     strategy = trainer.strategy
     if isinstance(strategy, DynMoStrategy):
         if strategy.stage_index is None:
@@ -57,7 +58,64 @@ def pruning_scope(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Pruning
     )
 
 
-class PruningCallback(Callback):
+class _Controller(Protocol):
+    """What the callbacks need of a dynamism controller (the pruner, the freezer)."""
+
+    def prepare(self, layers: Mapping[int, nn.Module], /) -> object: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], /) -> None: ...
+
+
+class _ControllerCallback(Callback):
+    """The frame both callbacks share: a controller that prepares the blocks, is saved in checkpoints.
+
+    The controller prepares the whole model's blocks at ``setup`` (before the strategy keeps each rank's
+    part), and runs it (:meth:`_step`) at the first batch of every optimizer step on this rank's scope
+    (:meth:`_scope`).
+    """
+
+    def __init__(self, controller: _Controller) -> None:
+        self._controller = controller
+        self._last_step: int | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        layers = getattr(pl_module, "layers", None)
+        if stage == "fit" and layers is not None:  # blocks made later (configure_model) are handled later
+            self._controller.prepare({int(k): m for k, m in layers.items()})
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._controller.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._controller.load_state_dict(state_dict)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a later micro-batch of an accumulated step
+        self._last_step = step
+        scope = self._scope(trainer, pl_module)
+        if scope is not None:
+            self._step(step, scope)
+
+    def _scope(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+        """What the controller works on now; ``None`` on a rank a re-pack released."""
+        raise NotImplementedError
+
+    def _step(self, step: int, scope: Any) -> None:
+        """Run the controller at the first batch of optimizer step ``step``."""
+        raise NotImplementedError
+
+
+class PruningCallback(_ControllerCallback):
     """Gradual global magnitude pruning of the blocks in ``fit`` (:mod:`lightning_dynmo.dynamism.pruning`).
 
     At ``setup`` every ``nn.Linear`` of the blocks (``pl_module.layers``) becomes a masked Linear, on the
@@ -75,7 +133,7 @@ class PruningCallback(Callback):
 
     def __init__(self, config: PruningConfig | None = None, *, event_bus: EventBus | None = None) -> None:
         self.pruner = GlobalMagnitudePruner(config, event_bus=event_bus)
-        self._last_step: int | None = None
+        super().__init__(self.pruner)
 
     @property
     def history(self) -> list[PruningReport]:
@@ -83,38 +141,18 @@ class PruningCallback(Callback):
         return self.pruner.history
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        layers = getattr(pl_module, "layers", None)
-        if stage == "fit" and layers is not None:  # blocks made later (configure_model) convert when pruned
-            self.pruner.prepare({int(k): m for k, m in layers.items()})
+    def _scope(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> PruningScope | None:
+        return pruning_scope(trainer, pl_module)
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:
-            return  # a later micro-batch of an accumulated step
-        self._last_step = step
-        scope = pruning_scope(trainer, pl_module)
-        if scope is not None:
-            self.pruner.step(step, scope)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.pruner.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.pruner.load_state_dict(state_dict)
+    def _step(self, step: int, scope: PruningScope) -> None:
+        self.pruner.step(step, scope)
 
 
 def freezing_scope(
     trainer: pl.Trainer, pl_module: pl.LightningModule, freeze_first_parts: bool = True
 ) -> FreezingScope | None:
     """This rank's blocks, first parts and groups now; ``None`` on a rank a re-pack released."""
-    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
-
     strategy = trainer.strategy
     parts = getattr(pl_module, "pipeline_first_parts", ()) if freeze_first_parts else ()
     if isinstance(strategy, DynMoStrategy):
@@ -148,7 +186,7 @@ def freezing_scope(
     )
 
 
-class FreezingCallback(Callback):
+class FreezingCallback(_ControllerCallback):
     """Layer freezing front to back in ``fit`` (:mod:`lightning_dynmo.dynamism.freezing`).
 
     At ``setup`` every block (``pl_module.layers``) gets its frozen flag and gradient-norm buffers, on the
@@ -166,7 +204,7 @@ class FreezingCallback(Callback):
 
     def __init__(self, config: FreezingConfig | None = None, *, event_bus: EventBus | None = None) -> None:
         self.freezer = LayerFreezer(config, event_bus=event_bus)
-        self._last_step: int | None = None
+        super().__init__(self.freezer)
         self._unfreeze_from: int | None = None
 
     @property
@@ -184,12 +222,6 @@ class FreezingCallback(Callback):
         self._unfreeze_from = layer
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        layers = getattr(pl_module, "layers", None)
-        if stage == "fit" and layers is not None:
-            self.freezer.prepare({int(k): m for k, m in layers.items()})
-
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         scope = self._scope(trainer, pl_module)
         if scope is not None and self.freezer.num_frozen > 0:  # resumed frozen: flags -> requires_grad
@@ -198,16 +230,7 @@ class FreezingCallback(Callback):
                 scope.rebuild()
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if step == self._last_step:
-            return  # a later micro-batch of an accumulated step
-        self._last_step = step
-        scope = self._scope(trainer, pl_module)
-        if scope is None:
-            return
+    def _step(self, step: int, scope: FreezingScope) -> None:
         if self._unfreeze_from is not None:
             layer, self._unfreeze_from = self._unfreeze_from, None
             self.freezer.unfreeze_from(layer, scope, step=step)
@@ -222,13 +245,6 @@ class FreezingCallback(Callback):
             self.freezer.record_gradients(scope)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.freezer.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.freezer.load_state_dict(state_dict)
-
     def _scope(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> FreezingScope | None:
         return freezing_scope(trainer, pl_module, self.freezer.config.freeze_first_parts)
 

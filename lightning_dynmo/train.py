@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
 from lightning_dynmo.app import quiet
 from lightning_dynmo.app.launch import (
     CHILD_ENV,
@@ -39,6 +44,7 @@ from lightning_dynmo.app.launch import (
     run_id,
     start_local_ranks,
 )
+from lightning_dynmo.app.report import RunReport, format_summary
 from lightning_dynmo.app.schema import register_schemas
 
 __all__ = ["CONF_DIR", "fit", "main", "run"]
@@ -71,15 +77,11 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     check_multi_node(cfg.trainer.get("num_nodes", 1))
     nproc = local_processes(cfg.trainer)
     if nproc > 1 and external_launcher() is None:
-        from hydra.core.hydra_config import HydraConfig
-
         run_dir = str(cfg.run_dir)
         start_local_ranks(nproc, list(HydraConfig.get().overrides.task), run_dir=run_dir)
         summary_path = Path(run_dir) / "summary.json"
         if not summary_path.exists():
             return None
-        from lightning_dynmo.app.report import format_summary
-
         summary: dict[str, Any] = json.loads(summary_path.read_text())
         print(format_summary(summary), flush=True)
         return summary
@@ -88,13 +90,6 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 def fit(cfg: DictConfig) -> dict[str, Any] | None:
     """Instantiate the config's nodes, fit, and return rank 0's summary (``None`` on other ranks)."""
-    import lightning.pytorch as pl
-    import torch
-    from hydra.utils import instantiate
-
-    import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
-    from lightning_dynmo.app.report import RunReport
-
     if cfg.trainer.get("accelerator") == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
@@ -126,8 +121,6 @@ def _nodes(group: Any) -> list[Any]:
 
 def _choices(cfg: DictConfig) -> dict[str, Any]:
     """The group options this run was composed from (for the summary)."""
-    from hydra.core.hydra_config import HydraConfig
-
     choices: dict[str, Any] = {}
     if HydraConfig.initialized():
         picked = HydraConfig.get().runtime.choices

@@ -25,6 +25,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 __all__ = [
     "CHILD_ENV",
     "LaunchFailed",
@@ -95,8 +99,6 @@ def local_processes(trainer: Mapping[str, Any], cuda_devices: int | None = None)
         if accelerator == "cpu":
             return 1
         if cuda_devices is None:
-            import torch
-
             cuda_devices = torch.cuda.device_count()
         return max(cuda_devices, 1)
     raise ValueError(
@@ -131,9 +133,6 @@ def start_local_ranks(nproc: int, argv: Sequence[str], *, run_dir: str) -> None:
     Raises:
         LaunchFailed: a rank exited with an error (every other rank was stopped).
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

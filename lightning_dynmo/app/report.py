@@ -33,6 +33,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+
 __all__ = ["RunReport", "Segment", "build_summary", "format_summary"]
 
 log = logging.getLogger(__name__)
@@ -288,8 +290,6 @@ def _static_vs_dynmo(
 
 
 def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:
-    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
-
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, DynMoCallback):
             return [dict(r) for r in callback.rebalances]

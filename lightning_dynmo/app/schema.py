@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin
 
+from hydra.core.config_store import ConfigStore
+
 __all__ = ["SCHEMAS", "SchemaSpec", "TrainConfig", "register_schemas", "schema_of", "schemas"]
 
 _PRIMITIVES: tuple[type, ...] = (bool, int, float, str)
@@ -58,6 +60,17 @@ class SchemaSpec:
 
 _TRAINER_SET = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
 
+
+def _controller_callback(case: str, class_name: str) -> SchemaSpec:
+    """The schema of a dynamism callback: its ``<case>_config`` nested, its event bus set in code."""
+    return SchemaSpec(
+        f"{case}_callback",
+        f"lightning_dynmo.dynamism_callbacks.{class_name}",
+        exclude=("event_bus",),
+        nested={"config": f"{case}_config"},
+    )
+
+
 #: Every schema ``conf/`` uses. Dynamic-model presets are added with their cases.
 SCHEMAS: tuple[SchemaSpec, ...] = (
     SchemaSpec("gpt", "lightning_dynmo.models.GPT", nested={"config": "any", "optimizer": "optimizer"}),
@@ -86,24 +99,14 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         kwargs_from="lightning_dynmo.dynamism.sparse_attention.SparseAttentionOptions",
     ),
     SchemaSpec("pruning_gpt_config", "lightning_dynmo.dynamism.pruning.pruning_gpt_config"),
-    SchemaSpec(
-        "pruning_callback",
-        "lightning_dynmo.dynamism_callbacks.PruningCallback",
-        exclude=("event_bus",),
-        nested={"config": "pruning_config"},
-    ),
+    _controller_callback("pruning", "PruningCallback"),
     SchemaSpec(
         "pruning_config",
         "lightning_dynmo.dynamism.pruning.PruningConfig",
         nested={"schedule": "pruning_schedule"},
     ),
     SchemaSpec("pruning_schedule", "lightning_dynmo.dynamism.pruning_schedule.PruningSchedule"),
-    SchemaSpec(
-        "freezing_callback",
-        "lightning_dynmo.dynamism_callbacks.FreezingCallback",
-        exclude=("event_bus",),
-        nested={"config": "freezing_config"},
-    ),
+    _controller_callback("freezing", "FreezingCallback"),
     SchemaSpec("freezing_config", "lightning_dynmo.dynamism.freezing.FreezingConfig"),
     SchemaSpec("text_datamodule", "lightning_dynmo.data.TextDataModule", nested={"corpus": "any"}),
     SchemaSpec("stdlib_corpus", "lightning_dynmo.data.StdlibCorpus"),
@@ -177,8 +180,6 @@ def schemas() -> dict[str, type]:
 
 def register_schemas() -> None:
     """Store every schema as ``schema/<name>`` and :class:`TrainConfig` as ``train_schema``."""
-    from hydra.core.config_store import ConfigStore
-
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for name, node in schemas().items():

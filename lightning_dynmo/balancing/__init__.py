@@ -15,7 +15,7 @@ from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost, layer_weights
 from lightning_dynmo.balancing.diffusion import DiffusionResult, diffuse
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.metrics import SCHEDULES, PipelineSimulation, imbalance, simulate_pipeline
-from lightning_dynmo.balancing.moves import LayerMove, plan_moves
+from lightning_dynmo.balancing.moves import LayerMove, Move, UnitMove, plan_moves
 from lightning_dynmo.balancing.partition import PartitionResult, partition, solve_partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.repack import RepackResult, repack
@@ -28,10 +28,12 @@ __all__ = [
     "Hardware",
     "LayerCost",
     "LayerMove",
+    "Move",
     "PartitionResult",
     "PipelineSimulation",
     "Placement",
     "RepackResult",
+    "UnitMove",
     "WorkerPartitionResult",
     "by_parameters",
     "diffuse",

@@ -1,23 +1,39 @@
-"""The layer moves that turn one placement into another.
+"""The one move type (a unit changing owner) and the layer moves that turn one placement into another.
 
-Migration executes these in the order given (global layer order), which every rank computes
+Migration executes moves in the order given (global layer order), which every rank computes
 identically from the two placements, so no extra coordination is needed to agree on them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from lightning_dynmo.balancing.placement import Placement
 
+__all__ = ["LayerMove", "Move", "UnitMove", "plan_moves"]
+
+UnitT = TypeVar("UnitT", int, str)
+
 
 @dataclass(frozen=True)
-class LayerMove:
-    """Layer ``layer`` leaves stage ``from_stage`` (old placement) for ``to_stage`` (new placement)."""
+class Move(Generic[UnitT]):
+    """One unit changing owner: ``unit`` leaves owner ``src`` for owner ``dst``.
 
-    layer: int
-    from_stage: int
-    to_stage: int
+    The same move at two levels: a balancer plans a :data:`LayerMove` (``unit`` a global layer index,
+    owners the stages of the old and the new placement); the runtime executes a :data:`UnitMove`
+    (``unit`` a unit name such as ``"layers.7"``, ``"embed"`` or ``"head"``, owners GLOBAL ranks).
+    """
+
+    unit: UnitT
+    src: int
+    dst: int
+
+
+#: A balancer's move: layer ``unit`` leaves stage ``src`` (old placement) for stage ``dst`` (new one).
+LayerMove = Move[int]
+#: A runtime move: unit ``unit`` (e.g. ``"layers.7"``) leaves GLOBAL rank ``src`` for GLOBAL rank ``dst``.
+UnitMove = Move[str]
 
 
 def plan_moves(old: Placement, new: Placement) -> tuple[LayerMove, ...]:

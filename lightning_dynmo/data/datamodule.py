@@ -105,18 +105,19 @@ class TextDataModule(pl.LightningDataModule):
     @property
     def tokens(self) -> npt.NDArray[np.integer]:
         """The whole tokenised corpus (loaded on first access)."""
-        if self._tokens is None:
-            self.setup()
-        assert self._tokens is not None
-        return self._tokens
+        return self._set_up()[0]
 
     @property
     def split(self) -> BlockSplit:
         """How the tokens are cut into training and validation blocks."""
-        if self._split is None:
+        return self._set_up()[1]
+
+    def _set_up(self) -> tuple[npt.NDArray[np.integer], BlockSplit]:
+        # setup() sets both or neither; a property read before the Trainer's setup loads them.
+        if self._tokens is None or self._split is None:
             self.setup()
-        assert self._split is not None
-        return self._split
+        assert self._tokens is not None and self._split is not None
+        return self._tokens, self._split
 
     @override
     def prepare_data(self) -> None:

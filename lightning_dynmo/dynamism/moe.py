@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynmo.events import notify_dynamism
-from lightning_dynmo.models.config import GPTConfig
+from lightning_dynmo.models.config import GPTConfig, check_positive_int
 from lightning_dynmo.models.dense import CausalSelfAttention
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss
@@ -130,9 +130,7 @@ class MoEOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEOptions.{name}={value!r} must be an integer >= 1.")
+            check_positive_int(name, getattr(self, name), owner="MoEOptions")
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEOptions.top_k={self.top_k} exceeds num_experts={self.num_experts}; a token picks "

@@ -49,7 +49,7 @@ from lightning_dynmo.dynamism.magnitude_select import PrunableWeight, select_glo
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 from lightning_dynmo.dynamism.sparse_linear import KERNELS, MaskedLinear, time_kernels
 from lightning_dynmo.events import EventBus, notify_dynamism
-from lightning_dynmo.models.config import GPTConfig
+from lightning_dynmo.models.config import GPTConfig, check_positive_int
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,7 @@ class PruningConfig:
         for name, value in (("timing_repeats", self.timing_repeats), ("timing_rows", self.timing_rows)):
             if value is None and name == "timing_rows":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PruningConfig.{name}={value!r} must be an integer >= 1.")
+            check_positive_int(name, value, owner="PruningConfig")
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dynmo.models.config import GPTConfig
-from lightning_dynmo.models.dense import MLP
+from lightning_dynmo.models.config import GPTConfig, check_positive_int
+from lightning_dynmo.models.dense import MLP, AttentionProjections
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.stage import in_shape_inference
 
@@ -92,9 +92,7 @@ class SparseAttentionOptions:
 
     def __post_init__(self) -> None:
         for name in ("num_buckets", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SparseAttentionOptions.{name}={value!r} must be an integer >= 1.")
+            check_positive_int(name, getattr(self, name), owner="SparseAttentionOptions")
         if self.num_buckets > 1 and self.num_buckets % 2:
             raise ValueError(
                 f"SparseAttentionOptions.num_buckets={self.num_buckets} must be 1 or even: the buckets are "
@@ -292,7 +290,7 @@ def bucket_masked_attention(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k
     return torch.matmul(weights, v) / torch.where(total > 0, total, torch.ones_like(total))
 
 
-class HashedCausalSelfAttention(nn.Module):
+class HashedCausalSelfAttention(AttentionProjections):
     """Multi-head hash-sparse causal self-attention.
 
     Its parameters are those of :class:`~lightning_dynmo.models.CausalSelfAttention` (fused ``qkv``,
@@ -304,15 +302,8 @@ class HashedCausalSelfAttention(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, options: SparseAttentionOptions) -> None:
-        super().__init__()
-        d = config.d_model
+        super().__init__(config)
         self.options = options
-        self.num_heads = config.num_heads
-        self.dropout = config.dropout
-        self.qkv = nn.Linear(d, 3 * d, bias=config.bias)
-        self.proj = nn.Linear(d, d, bias=config.bias)
-        self.proj.residual_projection = True  # type: ignore[assignment]  # read by gpt2_init_
-        self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: Tensor, rotations: Tensor | None) -> tuple[Tensor, TilePlan]:
         """``[batch, seq, d_model] -> [batch, seq, d_model]`` and the tile plan it computed on.

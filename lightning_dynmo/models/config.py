@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_dynmo.models.registry import BlockKind, resolve_block
 
-__all__ = ["GPTConfig", "OptimizerConfig"]
+__all__ = ["GPTConfig", "OptimizerConfig", "check_positive_int"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,11 +57,11 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "d_model", "num_heads"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.vocab_size < 2:
             raise ValueError(f"GPTConfig.vocab_size={self.vocab_size} must be >= 2 (256 for byte tokens).")
         if self.d_ff is not None:
-            _check_positive_int("d_ff", self.d_ff)
+            check_positive_int("d_ff", self.d_ff)
         if self.d_model % self.num_heads:
             suggestion = self.num_heads * max(1, self.d_model // self.num_heads)
             raise ValueError(
@@ -143,7 +143,7 @@ class OptimizerConfig:
         ):
             raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps!r} must be an integer >= 0.")
         if self.decay_steps is not None:
-            _check_positive_int("decay_steps", self.decay_steps, owner="OptimizerConfig")
+            check_positive_int("decay_steps", self.decay_steps, owner="OptimizerConfig")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
 
@@ -153,6 +153,7 @@ class OptimizerConfig:
         return self.warmup_steps > 0 or self.decay_steps is not None
 
 
-def _check_positive_int(name: str, value: Any, owner: str = "GPTConfig") -> None:
+def check_positive_int(name: str, value: Any, owner: str = "GPTConfig") -> None:
+    """Raise ``ValueError("<owner>.<name>=<value> must be an integer >= 1.")`` unless it is one (no bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name}={value!r} must be an integer >= 1.")

@@ -15,11 +15,15 @@ from torch import Tensor, nn
 from lightning_dynmo.models.config import GPTConfig
 from lightning_dynmo.models.registry import register_block
 
-__all__ = ["MLP", "CausalSelfAttention", "DenseBlock", "build_dense_block"]
+__all__ = ["MLP", "AttentionProjections", "CausalSelfAttention", "DenseBlock", "build_dense_block"]
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: fused ``qkv`` projection, SDPA, output projection ``proj``."""
+class AttentionProjections(nn.Module):
+    """The parameters of a multi-head self-attention: fused ``qkv``, output ``proj`` and residual dropout.
+
+    Attention variants share them (so a dense block's weights load into any of them) and differ only in
+    ``forward``, which a subclass defines.
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -30,6 +34,10 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d, d, bias=config.bias)
         self.proj.residual_projection = True  # type: ignore[assignment]  # read by gpt2_init_
         self.resid_drop = nn.Dropout(config.dropout)
+
+
+class CausalSelfAttention(AttentionProjections):
+    """Multi-head causal self-attention: fused ``qkv`` projection, SDPA, output projection ``proj``."""
 
     def forward(self, x: Tensor) -> Tensor:
         """``[batch, seq, d_model] -> [batch, seq, d_model]``; position ``t`` attends to ``<= t``."""

@@ -47,8 +47,8 @@ from lightning_dynmo.models import dense as _dense  # noqa: F401  # registers th
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
 from lightning_dynmo.models.init import gpt2_init_, unit_rng
 from lightning_dynmo.models.optim import WarmupCosine, build_adamw
+from lightning_dynmo.models.reference import reference_training_loss
 from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
-from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 from lightning_dynmo.pipeline.step.stage import run_block
 
 __all__ = [
@@ -202,18 +202,14 @@ class GPT(pl.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         # As a pipeline: the mean of the micro-batches' losses, each micro-batch's auxiliary losses added.
         n = self.microbatches
-        if batch.shape[0] % n:
-            raise ValueError(
-                f"a batch of {batch.shape[0]} rows cannot be cut into GPT(microbatches={n}) equal "
-                f"pieces; use a batch size that is a multiple of {n}."
-            )
-        with collect_aux_losses(attach=False, allowed=self.pipeline_aux_losses, model_name="GPT") as aux:
-            main = torch.stack([self._loss(piece) for piece in batch.chunk(n)]).mean()
-        self.log("train_loss", main.detach(), prog_bar=True)
-        totals = aux.totals()
-        for name in self.pipeline_aux_losses:
-            self.log(f"train_aux/{name}", totals[name] / n if name in totals else torch.zeros(()))
-        return main + aux.total() / n
+        return reference_training_loss(
+            self,
+            batch.shape[0],
+            n,
+            lambda: [self._loss(piece) for piece in batch.chunk(n)],
+            owner="GPT",
+            model_name="GPT",
+        )
 
     @override
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:

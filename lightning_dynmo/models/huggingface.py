@@ -92,9 +92,9 @@ from lightning_dynmo.models.hf_blocks import (
     HuggingFaceBlock,
     attention_kind,
 )
+from lightning_dynmo.models.reference import reference_training_loss
 from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
 from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
-from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 from lightning_dynmo.pipeline.step.stage import run_block
 
 __all__ = ["BATCH_KEYS", "IGNORE_INDEX", "HuggingFaceCausalLM", "hf_position_ids"]
@@ -253,22 +253,16 @@ class HuggingFaceCausalLM(pl.LightningModule):
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
         inputs, target, side = self.pipeline_batch(batch)
         n = self.microbatches
-        if inputs.shape[0] % n:
-            raise ValueError(
-                f"a batch of {inputs.shape[0]} rows cannot be cut into HuggingFaceCausalLM(microbatches={n}) "
-                f"equal pieces; use a batch size that is a multiple of {n}."
-            )
-        name = type(self).__name__
-        with collect_aux_losses(attach=False, allowed=self.pipeline_aux_losses, model_name=name) as aux:
-            losses = [
+        return reference_training_loss(
+            self,
+            inputs.shape[0],
+            n,
+            lambda: [
                 self.pipeline_loss(self._logits(i, s), t) for i, t, s in _chunks(inputs, target, side, n)
-            ]
-        main = torch.stack(losses).mean()
-        self.log("train_loss", main.detach(), prog_bar=True)
-        totals = aux.totals()
-        for aux_name in self.pipeline_aux_losses:
-            self.log(f"train_aux/{aux_name}", totals[aux_name] / n if aux_name in totals else torch.zeros(()))
-        return main + aux.total() / n
+            ],
+            owner="HuggingFaceCausalLM",
+            model_name=type(self).__name__,
+        )
 
     @override
     def validation_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:

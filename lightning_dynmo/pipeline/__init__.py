@@ -8,7 +8,8 @@ dynamic cases use; the subpackages group the mechanisms, each module summarised 
 - :mod:`.step`: one step on torch's schedules (stage, schedule, micro-batches, auxiliary losses, gradients,
   loss scaling, evaluation).
 - :mod:`.placement`: the rank grid, stage -> rank maps, process groups, re-packing (layout, groups, release).
-- :mod:`.migration`: moving units between ranks with all their state (transport, parameter groups).
+- :mod:`.migration`: moving units between ranks with all their state (transport, pack, optimizer,
+  parameter groups).
 - :mod:`.checkpoint`: placement-independent, crash-safe checkpoints (contents, state, sharded, atomic,
   checksums, renaming).
 - :mod:`.faults`: failures that name the failing rank, and a clean stop on SIGTERM (guard, board, shutdown).

@@ -82,7 +82,6 @@ from lightning_dynmo.pipeline import (
     ModelSpec,
     PipelineEvaluator,
     PipelineLossScaling,
-    PlannedMove,
     RankGrid,
     ReleaseEvent,
     SigtermAgreement,
@@ -600,10 +599,9 @@ class DynMoStrategy(ParallelStrategy):
         log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
         return report
 
-    def _migrate(self, planned: list[PlannedMove], what: str) -> MigrationReport:
+    def _migrate(self, moves: list[UnitMove], what: str) -> MigrationReport:
         # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
         # one agreement over the active ranks, and all replicas' transfers at the same time.
-        moves = [UnitMove(m.unit, m.src, m.dst) for m in planned]
         with communication_guard(what, self._comm_context()):
             received, report = migrate_units(
                 moves,
@@ -615,7 +613,7 @@ class DynMoStrategy(ParallelStrategy):
             )
         for move in moves:
             if move.src == self.global_rank:
-                detach_unit(self._module(), move.name)
+                detach_unit(self._module(), move.unit)
         for unit, module in received.items():
             attach_unit(self._module(), unit, module)
         return report
@@ -979,19 +977,13 @@ class DynMoStrategy(ParallelStrategy):
         the pipeline, so ``Trainer.predict`` returns the same predictions on every rank (as a
         single-device run would). The model's own ``predict_step`` is not called.
         """
-        self._check_not_released("predict")
-        self._agree_on_sigterm()
-        module = self._module()
-        batch = args[0] if args else kwargs["batch"]
-        inputs, _, side = split_batch(module, self._require_spec(), batch)
-        if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
+        _, evaluator, (inputs, _, side) = self._forward_only_step("predict", args, kwargs)
         src = self._pipeline_global_ranks()[self._last_stage_position()]
         with (
             self.precision_plugin.predict_step_context(),
             self.guard("a predict step"),
         ):
-            output = self._evaluator.predict(
+            output = evaluator.predict(
                 self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
             )
             return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
@@ -1017,16 +1009,23 @@ class DynMoStrategy(ParallelStrategy):
                 "strategy.is_released) or on a single device from a checkpoint."
             )
 
-    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+    def _forward_only_step(
+        self, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[pl.LightningModule, PipelineEvaluator, tuple[Any, Any, Any]]:
+        """What a validation, test or predict step starts with: checks, the module, evaluator and batch."""
         self._check_not_released(phase)
         self._agree_on_sigterm()
         module = self._module()
         batch = args[0] if args else kwargs["batch"]
-        inputs, target, side = split_batch(module, self._require_spec(), batch)
+        split = split_batch(module, self._require_spec(), batch)
         if self._evaluator is None:
             self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
+        return module, self._evaluator, split
+
+    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+        module, evaluator, (inputs, target, side) = self._forward_only_step(phase, args, kwargs)
         with self.guard(f"a {phase} step"):
-            losses = self._evaluator.step(
+            losses = evaluator.step(
                 self._require_pipe(),
                 inputs,
                 target,

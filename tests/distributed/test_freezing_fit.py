@@ -76,7 +76,7 @@ class TrainableOnArrival(DynMoStrategy):
         assert module is not None
         for move in report.moves:
             if move.dst == self.global_rank:
-                for param in module.get_submodule(move.name).parameters():
+                for param in module.get_submodule(move.unit).parameters():
                     param.requires_grad_(True)
         return report
 

@@ -74,7 +74,7 @@ class DropMovedAdamState(DynMoStrategy):
         assert module is not None
         for move in report.moves:
             if move.dst == self.global_rank:
-                for param in module.get_submodule(move.name).parameters():
+                for param in module.get_submodule(move.unit).parameters():
                     for optimizer in self.optimizers:
                         optimizer.state.pop(param, None)
         return report

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.pipeline.migration import transport as migration
+from lightning_dynmo.pipeline.migration import optimizer as migration
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import Run, assert_matches_reference, fit_pipelined, max_param_diff, reference
 

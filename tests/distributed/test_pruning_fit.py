@@ -84,7 +84,7 @@ class DropMasksOnArrival(DynMoStrategy):
         assert module is not None
         for move in report.moves:
             if move.dst == self.global_rank:
-                forget_masks(module.get_submodule(move.name))
+                forget_masks(module.get_submodule(move.unit))
         return report
 
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-from lightning_dynmo.pipeline.migration.transport import UnitMove, unit_sort_key
+from lightning_dynmo.pipeline.migration.transport import UnitMove
+from lightning_dynmo.pipeline.model.units import unit_sort_key
 
 VOCAB, SEQ, DIM, BATCH, MICROBATCHES = 11, 6, 8, 4, 2
 

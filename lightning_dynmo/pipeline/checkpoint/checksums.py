@@ -81,7 +81,7 @@ def load_torch_file(path: str | os.PathLike[str], *, weights_only: bool | None =
 @contextmanager
 def crc32_records() -> Iterator[None]:
     """Make ``torch.save`` compute its records' CRC-32 (torch's default, which a user may have turned off)."""
-    from torch.serialization import get_crc32_options, set_crc32_options
+    from torch.serialization import get_crc32_options, set_crc32_options  # torch only here, as above
 
     before = get_crc32_options()
     set_crc32_options(True)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -490,8 +491,6 @@ def _read_meta(manifest: Manifest, weights_only: bool | None) -> dict[str, Any]:
 
 
 def _unpickle_metadata(data: bytes) -> Metadata:
-    import pickle
-
     metadata = pickle.loads(data)
     assert isinstance(metadata, Metadata)
     return metadata

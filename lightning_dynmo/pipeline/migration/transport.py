@@ -1,28 +1,18 @@
 """Exact live migration of named units (transformer blocks, embedding, head) between ranks.
 
-Read in this order: :class:`UnitMove` and :func:`migrate_units` (the contract the strategy calls), then
-:func:`pack_unit` / :func:`unpack_unit` (how one unit becomes bytes plus tensors and back), then the
-transport helpers at the bottom.
+Read in this order: :func:`migrate_units` (the contract the strategy calls) and :class:`MigrationReport`,
+then the validation and agreement, then the exchange at the bottom. How one unit becomes bytes plus
+tensors and back is :mod:`.pack`; how the optimizers are edited is :mod:`.optimizer`.
 
-How a unit travels. There is no layer factory: the receiver rebuilds the module from what the sender
-sends. The module object graph (classes, plain attributes such as a ``frozen`` flag, sub-modules) is
-pickled with every tensor replaced by a placeholder; that small *structure* goes over the wire as a uint8
-tensor. The tensors (parameters, buffers, ``.grad``, optimizer state) then go as separate point-to-point
-messages on ``device`` so that NCCL moves device memory directly; on CPU/gloo the same code runs. Tensors
-that share storage inside a unit (tied weights, views) are sent once as their common storage span and
-rebuilt as views of it, so the sharing survives. Forward/backward and tensor hooks do not travel: a unit
-with hooks a user registered is refused, the profiler's own are left behind, and parametrized modules are
-rebuilt on arrival (:mod:`lightning_dynmo.pipeline.model.unit_state`); ``state_dict`` hooks travel.
+How a unit travels. :func:`~.pack.pack_unit` turns it into a small pickled *structure* and tensor
+*payloads*; the structure goes over the wire as a uint8 tensor, the payloads as separate point-to-point
+messages on ``device`` so that NCCL moves device memory directly; on CPU/gloo the same code runs.
 
 Optimizer state. A sent parameter is removed from every optimizer's ``param_groups`` and its state is
 dropped; a received parameter joins the param_group with the hyper-parameters of its sender-side group
 (the same index when that one matches; ranks may build different groups, see
-:mod:`.param_groups`) with its full state (tensor and non-tensor values alike).
-Optimizers are edited in place because Lightning and LR schedulers hold the optimizer objects. Inside a
-param_group, parameters end in a deterministic order: parameters that belong to no known unit first (in
-their previous relative order), then unit parameters sorted by the natural order of the unit name
-(``layers.2`` before ``layers.10``) and then by their position in the unit's ``named_parameters()``.
-Known units are those in ``local_units`` plus those received.
+:mod:`.param_groups`) with its full state (tensor and non-tensor values alike), and every group ends in a
+deterministic order (:mod:`.optimizer`). Known units are those in ``local_units`` plus those received.
 
 Communication. ``migrate_units`` is collective over ``group``: every rank of the group calls it with the
 identical move list. A first tiny all-reduce checks that the lists agree and that every sender could
@@ -42,71 +32,33 @@ moves of every replica go in one call and their transfers run at the same time.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
-import pickle
-import re
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dynmo.pipeline.migration.param_groups import group_for
-from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks, reduce_parametrized
+from lightning_dynmo.balancing.moves import Move, UnitMove
+from lightning_dynmo.pipeline.migration.optimizer import (
+    drop_from_optimizers,
+    insert_into_optimizers,
+    sort_param_groups,
+)
+from lightning_dynmo.pipeline.migration.pack import PackedUnit, allocate_payloads, pack_unit, unpack_unit
+from lightning_dynmo.pipeline.model.units import unit_sort_key
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "MigrationReport",
-    "PackedUnit",
-    "UnitMove",
-    "group_ranks",
-    "migrate_units",
-    "pack_unit",
-    "unit_sort_key",
-    "unpack_unit",
-]
-
-# Forward/backward hooks never travel; user hooks are refused before packing (unit_state), so what is
-# left are the profiler's (runtime instrumentation of the sending rank). The receiver gets empty
-# tables of the type torch uses (OrderedDict: hook handles keep weak references to the tables, which a
-# plain dict does not support), so hooks can be registered on a migrated unit as on any other.
-_RUNTIME_HOOK_ATTRS: dict[str, Callable[[], Any]] = {
-    "_forward_hooks": OrderedDict,
-    "_forward_hooks_with_kwargs": OrderedDict,
-    "_forward_hooks_always_called": OrderedDict,
-    "_forward_pre_hooks": OrderedDict,
-    "_forward_pre_hooks_with_kwargs": OrderedDict,
-    "_backward_hooks": OrderedDict,
-    "_backward_pre_hooks": OrderedDict,
-    "_is_full_backward_hook": lambda: None,
-}
-_FORMAT = "lightning_dynmo.unit/1"
+__all__ = ["MigrationReport", "UnitMove", "group_ranks", "migrate_units"]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Public contract
 # ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class UnitMove:
-    """One unit changing owner.
-
-    Args:
-        name: the unit's global name, e.g. ``"layers.7"``, ``"embed"`` or ``"head"``.
-        src: GLOBAL rank that owns the unit now.
-        dst: GLOBAL rank that will own it.
-    """
-
-    name: str
-    src: int
-    dst: int
 
 
 @dataclass(frozen=True)
@@ -188,28 +140,28 @@ def migrate_units(
         _check_moves_for_rank(moves, rank, members, local_units)
         for move in moves:
             if move.src == rank:
-                packed[move.name] = pack_unit(move.name, local_units[move.name], optimizers, device=device)
+                packed[move.unit] = pack_unit(move.unit, local_units[move.unit], optimizers, device=device)
     except (ValueError, TypeError) as err:
         local_error = err
     _agree(moves, local_error, device=device, group=group, members=members)
 
     received, sent_bytes, recv_bytes = _exchange(moves, packed, rank, device=device, group=group)
 
-    sent_units = {m.name: local_units[m.name] for m in moves if m.src == rank}
-    _drop_from_optimizers(sent_units, optimizers)
+    sent_units = {m.unit: local_units[m.unit] for m in moves if m.src == rank}
+    drop_from_optimizers(sent_units, optimizers)
     modules: dict[str, nn.Module] = {}
     insert_error: Exception | None = None
     try:
         for name, (module, optim_entries) in received.items():
             modules[name] = module
-            _insert_into_optimizers(name, module, optim_entries, optimizers, lr_schedulers)
+            insert_into_optimizers(name, module, optim_entries, optimizers, lr_schedulers)
     except (ValueError, TypeError) as err:
         insert_error = err
     # Every rank learns whether every receiver took its units in, so none trains on alone.
     _agree(moves, insert_error, device=device, group=group, members=members, after_transfer=True)
     if modules:  # removal keeps the order; only insertion needs sorting
         known = {**{k: v for k, v in local_units.items() if k not in sent_units}, **modules}
-        _sort_param_groups(known, optimizers)
+        sort_param_groups(known, optimizers)
 
     report = MigrationReport(
         moves=moves, bytes_sent=sent_bytes, bytes_received=recv_bytes, seconds=time.perf_counter() - start
@@ -226,345 +178,6 @@ def migrate_units(
     return modules, report
 
 
-def unit_sort_key(name: str) -> tuple[Any, ...]:
-    """Natural sort key of a unit or parameter name: ``layers.2`` sorts before ``layers.10``."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Packing one unit
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class PackedUnit:
-    """One unit ready to travel: a small pickled structure plus the tensors it refers to.
-
-    Args:
-        structure: pickled bytes (module graph with tensor placeholders, tensor specs, optimizer entries).
-        payloads: contiguous tensors on the transport device, in the order the receiver allocates them.
-            Empty tensors are listed too but never sent (``payload_nbytes`` skips them).
-    """
-
-    structure: bytes
-    payloads: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def payload_nbytes(self) -> int:
-        """Total bytes of the tensor payloads."""
-        return sum(t.numel() * t.element_size() for t in self.payloads)
-
-
-def pack_unit(
-    name: str,
-    module: nn.Module,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
-    *,
-    device: torch.device | None = None,
-) -> PackedUnit:
-    """Serialize ``module`` and the optimizer state of its parameters without changing either.
-
-    Args:
-        name: the unit name, used in error messages.
-        module: the unit.
-        optimizers: optimizers whose param_groups may hold the unit's parameters.
-        device: transport device for the payloads; ``None`` keeps each tensor where it is.
-
-    Returns:
-        The packed unit; :func:`unpack_unit` turns it back into an identical module.
-
-    Raises:
-        TypeError: if something in the unit cannot travel; the message names the attribute and the fix.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"local_units[{name!r}] must be an nn.Module, got {type(module).__name__}. "
-            "Pass the unit modules themselves (e.g. model.layers['7'])."
-        )
-    check_no_user_hooks({name: module})  # hooks do not travel: state kept in one would be lost
-    registry = _TensorRegistry(name, device)
-    record = {
-        "format": _FORMAT,
-        "module": module,
-        "optim": _optimizer_entries(module, optimizers),
-    }
-    body, specs, payloads = _dumps_checked(name, module, record, registry)
-    structure = pickle.dumps({"specs": specs, "body": body}, protocol=pickle.HIGHEST_PROTOCOL)
-    return PackedUnit(structure=structure, payloads=payloads)
-
-
-def unpack_unit(
-    structure: bytes, payloads: Sequence[torch.Tensor], *, device: torch.device | None = None
-) -> tuple[nn.Module, list[tuple[int, int, str, dict[str, Any] | None, dict[str, Any]]]]:
-    """Rebuild a unit from :func:`pack_unit`'s output.
-
-    Args:
-        structure: the packed structure bytes.
-        payloads: the payload tensors (as received, in order).
-        device: where tensors that lived on the sender's compute device are placed; ``None`` keeps them
-            on the payloads' device.
-
-    Returns:
-        ``(module, optimizer_entries)`` where each entry is
-        ``(optimizer_index, group_index, param_name, state_or_None, group_hyperparameters)``.
-    """
-    outer = pickle.loads(structure)
-    tensors = _rebuild_tensors(outer["specs"], payloads, device)
-    record = _Unpickler(io.BytesIO(outer["body"]), tensors).load()
-    if record.get("format") != _FORMAT:
-        raise ValueError(f"Unknown unit format {record.get('format')!r}; expected {_FORMAT!r}.")
-    return record["module"], record["optim"]
-
-
-def _optimizer_entries(
-    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
-) -> list[tuple[int, int, str, dict[str, Any] | None, dict[str, Any]]]:
-    """Where each of the unit's parameters sits in the optimizers, with its state and group settings."""
-    entries = []
-    for param_name, param in module.named_parameters():
-        for opt_index, optimizer in enumerate(optimizers):
-            for group_index, group in enumerate(optimizer.param_groups):
-                if any(p is param for p in group["params"]):
-                    state = optimizer.state.get(param)
-                    hyper = {k: v for k, v in group.items() if k != "params"}
-                    entries.append(
-                        (opt_index, group_index, param_name, dict(state) if state else None, hyper)
-                    )
-    return entries
-
-
-class _TensorRegistry:
-    """Assigns placeholders to tensors while pickling and later lays out their payloads.
-
-    Tensors sharing a storage are grouped: the group travels once as the span of storage they cover,
-    and each tensor is rebuilt as a view of it (offset, shape, stride), so tied weights stay tied.
-    """
-
-    def __init__(self, unit: str, device: torch.device | None) -> None:
-        self.unit = unit
-        self.device = device
-        self.tensors: list[torch.Tensor] = []
-        self.index: dict[int, int] = {}
-        self.extra: list[dict[str, Any]] = []
-
-    def placeholder(self, tensor: torch.Tensor) -> int:
-        key = id(tensor)
-        if key in self.index:
-            return self.index[key]
-        self._check_travels(tensor)
-        idx = len(self.tensors)
-        self.index[key] = idx
-        self.tensors.append(tensor)
-        extra: dict[str, Any] = {"param": isinstance(tensor, nn.Parameter), "grad": None}
-        self.extra.append(extra)
-        if extra["param"] and tensor.grad is not None:
-            extra["grad"] = self.placeholder(tensor.grad)
-        return idx
-
-    def _check_travels(self, tensor: torch.Tensor) -> None:
-        if type(tensor) not in (torch.Tensor, nn.Parameter):
-            raise _TravelError(
-                tensor, f"a tensor subclass {type(tensor).__name__}", "convert it to a plain tensor"
-            )
-        if tensor.layout != torch.strided:
-            raise _TravelError(tensor, f"a {tensor.layout} tensor", "store it dense (strided)")
-        if tensor.grad_fn is not None:
-            raise _TravelError(
-                tensor, "a tensor attached to an autograd graph", "detach it or clear it before migrating"
-            )
-
-    def layout(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """Specs (pickled with the structure) and payloads (sent as tensors) for the tensors seen."""
-        groups: dict[Any, list[int]] = {}
-        for i, t in enumerate(self.tensors):
-            storage = t.untyped_storage()
-            key = (t.device, storage.data_ptr()) if storage.nbytes() > 0 else ("empty", i)
-            groups.setdefault(key, []).append(i)
-        buffers: list[dict[str, Any]] = []
-        views: list[dict[str, Any]] = [{} for _ in self.tensors]
-        payloads: list[torch.Tensor] = []
-        for members in groups.values():
-            first = self.tensors[members[0]].detach()
-            if len(members) == 1:
-                payload, base = first.contiguous(), None
-            else:
-                payload, base = self._span(members)
-            buf_index = len(buffers)
-            buffers.append(
-                {
-                    "numel": payload.numel(),
-                    "dtype": payload.dtype,
-                    "cpu": first.device.type == "cpu" and (self.device is None or self.device.type != "cpu"),
-                }
-            )
-            payloads.append(payload if self.device is None else payload.to(self.device))
-            for i in members:
-                t = self.tensors[i]
-                views[i] = {
-                    "buffer": buf_index,
-                    "view": None if base is None else (t.storage_offset() - base, tuple(t.shape), t.stride()),
-                    "shape": tuple(t.shape),
-                    "requires_grad": t.requires_grad,
-                    **self.extra[i],
-                }
-        return {"buffers": buffers, "tensors": views}, payloads
-
-    def _span(self, members: list[int]) -> tuple[torch.Tensor, int]:
-        """The smallest storage span covering every tensor of a shared-storage group, as one flat tensor."""
-        tensors = [self.tensors[i].detach() for i in members]
-        dtypes = {t.dtype for t in tensors}
-        if len(dtypes) > 1:
-            raise _TravelError(
-                self.tensors[members[0]],
-                f"tensors of different dtypes {sorted(map(str, dtypes))} sharing one storage",
-                "give each its own storage (.clone()) before migrating",
-            )
-        lo = int(min(t.storage_offset() for t in tensors))
-        hi = int(max(t.storage_offset() + _extent(t) for t in tensors))
-        flat = torch.as_strided(tensors[0], (hi - lo,), (1,), lo)
-        return flat.clone(), lo
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Number of storage elements from a tensor's offset to its last element (inclusive)."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
-
-
-class _TravelError(Exception):
-    """Raised inside pickling; turned into a TypeError that names the unit attribute."""
-
-    def __init__(self, obj: Any, what: str, fix: str) -> None:
-        super().__init__(what)
-        self.obj, self.what, self.fix = obj, what, fix
-
-
-class _Pickler(pickle.Pickler):
-    """Pickler that swaps tensors for placeholders and strips runtime hooks from modules."""
-
-    def __init__(self, file: io.BytesIO, registry: _TensorRegistry) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.registry = registry
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return ("tensor", self.registry.placeholder(obj))
-        return None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if not isinstance(obj, nn.Module):
-            return NotImplemented
-        parametrized = reduce_parametrized(obj, _without_runtime_hooks(obj.__dict__))
-        if parametrized is not None:
-            return parametrized
-        reduced = obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        if not (isinstance(reduced, tuple) and len(reduced) >= 3 and isinstance(reduced[2], dict)):
-            return NotImplemented
-        return (reduced[0], reduced[1], _without_runtime_hooks(reduced[2]), *reduced[3:])
-
-
-def _without_runtime_hooks(state: dict[str, Any]) -> dict[str, Any]:
-    # A copy of the state: the sender's module keeps its hooks while it is still in use.
-    state = dict(state)
-    for attr, empty in _RUNTIME_HOOK_ATTRS.items():
-        if attr in state:
-            state[attr] = empty()
-    return state
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, index = pid
-        if kind != "tensor":
-            raise pickle.UnpicklingError(f"unknown placeholder {pid!r}")
-        return self.tensors[index]
-
-
-def _dumps_checked(
-    name: str, module: nn.Module, record: Any, registry: _TensorRegistry
-) -> tuple[bytes, dict[str, Any], list[torch.Tensor]]:
-    """Pickle ``record`` and lay out its tensors; on failure raise a TypeError naming the attribute."""
-    buffer = io.BytesIO()
-    try:
-        _Pickler(buffer, registry).dump(record)
-        specs, payloads = registry.layout()
-    except Exception as err:  # any pickling failure: locate it for a useful message
-        path, culprit = _find_culprit(module, err.obj if isinstance(err, _TravelError) else None)
-        what = err.what if isinstance(err, _TravelError) else f"an unpicklable {type(culprit).__name__}"
-        fix = (
-            err.fix
-            if isinstance(err, _TravelError)
-            else "make it picklable, keep it outside the module, or delete it before migrating "
-            "(forward/backward hooks are stripped automatically; re-register them on the receiving rank)"
-        )
-        where = (
-            f"attribute {path!r}"
-            if path
-            else f"the module itself (class {type(module).__qualname__}) or its optimizer state"
-        )
-        raise TypeError(f"Cannot migrate unit {name!r}: {where} holds {what} ({err}). Fix: {fix}.") from err
-    return buffer.getvalue(), specs, payloads
-
-
-def _find_culprit(module: nn.Module, obj: Any) -> tuple[str, Any]:
-    """Dotted path of the attribute holding ``obj``, else of the first attribute that cannot be packed."""
-    attributes = list(_walk(module, ""))
-    for path, value in attributes:
-        if obj is not None and value is obj:
-            return path, value
-    for path, value in attributes:
-        probe = _TensorRegistry("probe", None)
-        try:
-            _Pickler(io.BytesIO(), probe).dump(value)
-            probe.layout()
-        except Exception:
-            return path, value
-    return "", None
-
-
-def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
-    """(path, value) of a module's own attributes, recursing into sub-modules first."""
-    for child_name, child in module._modules.items():
-        if child is not None:
-            yield from _walk(child, f"{prefix}{child_name}.")
-    for key in ("_parameters", "_buffers"):
-        for attr, value in module.__dict__[key].items():
-            yield f"{prefix}{attr}", value
-    for attr, value in module.__dict__.items():
-        if attr not in _RUNTIME_HOOK_ATTRS and attr not in ("_modules", "_parameters", "_buffers"):
-            yield f"{prefix}{attr}", value
-
-
-def _rebuild_tensors(
-    specs: dict[str, Any], payloads: Sequence[torch.Tensor], device: torch.device | None
-) -> list[torch.Tensor]:
-    bases = []
-    for spec, payload in zip(specs["buffers"], payloads, strict=True):
-        bases.append(payload.cpu() if spec["cpu"] else payload if device is None else payload.to(device))
-    tensors: list[torch.Tensor] = []
-    for spec in specs["tensors"]:
-        base = bases[spec["buffer"]]
-        if spec["view"] is None:
-            t = base.view(spec["shape"])
-        else:
-            offset, shape, stride = spec["view"]
-            t = base.as_strided(shape, stride, base.storage_offset() + offset)
-        if spec["param"]:
-            t = nn.Parameter(t, requires_grad=spec["requires_grad"])
-        elif spec["requires_grad"]:
-            t = t.requires_grad_(True)
-        tensors.append(t)
-    for t, spec in zip(tensors, specs["tensors"], strict=True):
-        if spec["grad"] is not None:
-            t.grad = tensors[spec["grad"]]
-    return tensors
-
-
 # ----------------------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------------------
@@ -574,17 +187,17 @@ def _check_moves(moves: tuple[Any, ...]) -> None:
     """Checks every rank can do on its own and reaches the same verdict on."""
     seen: set[tuple[str, str, int]] = set()
     for i, move in enumerate(moves):
-        if not isinstance(move, UnitMove):
+        if not (isinstance(move, Move) and isinstance(move.unit, str)):  # a UnitMove: a Move of a name
             raise TypeError(f"moves[{i}] must be a UnitMove, got {type(move).__name__}: {move!r}.")
         if move.src == move.dst:
             raise ValueError(
                 f"moves[{i}] = {move!r} has src == dst ({move.src}): a unit that stays needs no move. "
                 "Leave it out of the move list."
             )
-        ends = {(move.name, "src", move.src), (move.name, "dst", move.dst)}
+        ends = {(move.unit, "src", move.src), (move.unit, "dst", move.dst)}
         if ends & seen:
             raise ValueError(
-                f"moves[{i}] = {move!r}: unit {move.name!r} appears more than once in moves from or to the "
+                f"moves[{i}] = {move!r}: unit {move.unit!r} appears more than once in moves from or to the "
                 "same rank. Each copy of a unit may move at most once per call; merge its moves into one "
                 "(src = current owner, dst = final one)."
             )
@@ -602,15 +215,15 @@ def _check_moves_for_rank(
                     f"moves[{i}] = {move!r}: {role} rank {peer} is not in the process group "
                     f"(ranks {members}). Use GLOBAL ranks and pass a group that contains every src and dst."
                 )
-        if move.src == rank and move.name not in local_units:
+        if move.src == rank and move.unit not in local_units:
             raise ValueError(
-                f"moves[{i}] = {move!r}: rank {rank} must send unit {move.name!r} but local_units does not "
+                f"moves[{i}] = {move!r}: rank {rank} must send unit {move.unit!r} but local_units does not "
                 f"hold it (it holds {sorted(local_units, key=unit_sort_key)}). The move list must use the "
                 "current owners; pass every unit this rank owns."
             )
-        if move.dst == rank and move.name in local_units:
+        if move.dst == rank and move.unit in local_units:
             raise ValueError(
-                f"moves[{i}] = {move!r}: rank {rank} is the destination of unit {move.name!r} but already "
+                f"moves[{i}] = {move!r}: rank {rank} is the destination of unit {move.unit!r} but already "
                 "owns it. The move list must use the current owners."
             )
 
@@ -625,7 +238,7 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 
 def _digest(moves: tuple[UnitMove, ...]) -> int:
-    text = ";".join(f"{m.name}:{m.src}>{m.dst}" for m in moves)
+    text = ";".join(f"{m.unit}:{m.src}>{m.dst}" for m in moves)
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
@@ -691,39 +304,34 @@ def _exchange(
     sent = received = 0
 
     sizes_out = {
-        m.name: torch.tensor([len(packed[m.name].structure)], dtype=torch.int64, device=device)
+        m.unit: torch.tensor([len(packed[m.unit].structure)], dtype=torch.int64, device=device)
         for m in sending
     }
-    sizes_in = {m.name: torch.empty(1, dtype=torch.int64, device=device) for m in receiving}
+    sizes_in = {m.unit: torch.empty(1, dtype=torch.int64, device=device) for m in receiving}
     _run_round(moves, rank, sizes_out, sizes_in, group)
     sent += 8 * len(sending)
     received += 8 * len(receiving)
 
     structs_out = {
-        m.name: torch.frombuffer(bytearray(packed[m.name].structure), dtype=torch.uint8).to(device)
+        m.unit: torch.frombuffer(bytearray(packed[m.unit].structure), dtype=torch.uint8).to(device)
         for m in sending
     }
     structs_in = {
-        m.name: torch.empty(int(sizes_in[m.name]), dtype=torch.uint8, device=device) for m in receiving
+        m.unit: torch.empty(int(sizes_in[m.unit]), dtype=torch.uint8, device=device) for m in receiving
     }
     _run_round(moves, rank, structs_out, structs_in, group)
     sent += sum(t.numel() for t in structs_out.values())
     received += sum(t.numel() for t in structs_in.values())
 
     structures = {name: bytes(t.cpu().numpy()) for name, t in structs_in.items()}
-    payloads_in = {name: _allocate_payloads(s, device) for name, s in structures.items()}
-    payload_out: dict[str, list[torch.Tensor]] = {m.name: packed[m.name].payloads for m in sending}
+    payloads_in = {name: allocate_payloads(s, device) for name, s in structures.items()}
+    payload_out: dict[str, list[torch.Tensor]] = {m.unit: packed[m.unit].payloads for m in sending}
     _run_round(moves, rank, payload_out, payloads_in, group)
-    sent += sum(packed[m.name].payload_nbytes for m in sending)
+    sent += sum(packed[m.unit].payload_nbytes for m in sending)
     received += sum(t.numel() * t.element_size() for ts in payloads_in.values() for t in ts)
 
     units = {name: unpack_unit(structures[name], payloads_in[name], device=device) for name in structures}
     return units, sent, received
-
-
-def _allocate_payloads(structure: bytes, device: torch.device) -> list[torch.Tensor]:
-    specs = pickle.loads(structure)["specs"]
-    return [torch.empty(b["numel"], dtype=b["dtype"], device=device) for b in specs["buffers"]]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -741,11 +349,11 @@ def _run_round(
     ops = []
     for move in moves:  # the same order on both ends of every pair
         if move.src == rank:
-            for t in _listed(outgoing[move.name]):
+            for t in _listed(outgoing[move.unit]):
                 if t.numel():
                     ops.append(dist.P2POp(dist.isend, _as_bytes(t), peer=move.dst, group=group))
         elif move.dst == rank:
-            for t in _listed(incoming[move.name]):
+            for t in _listed(incoming[move.unit]):
                 if t.numel():
                     ops.append(dist.P2POp(dist.irecv, _as_bytes(t), peer=move.src, group=group))
     if ops:
@@ -755,57 +363,3 @@ def _run_round(
 
 def _listed(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return x if isinstance(x, list) else [x]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Optimizer editing (in place)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _drop_from_optimizers(
-    units: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer]
-) -> None:
-    gone = {id(p) for unit in units.values() for p in unit.parameters()}
-    if not gone:
-        return
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["params"][:] = [p for p in group["params"] if id(p) not in gone]
-        for p in [p for p in optimizer.state if id(p) in gone]:
-            del optimizer.state[p]
-
-
-def _insert_into_optimizers(
-    name: str,
-    module: nn.Module,
-    entries: list[tuple[int, int, str, dict[str, Any] | None, dict[str, Any]]],
-    optimizers: Sequence[torch.optim.Optimizer],
-    lr_schedulers: Sequence[Any],
-) -> None:
-    params = dict(module.named_parameters())
-    for opt_index, group_index, param_name, state, hyper in entries:
-        if opt_index >= len(optimizers):
-            raise ValueError(
-                f"Unit {name!r} parameter {param_name!r} was in optimizers[{opt_index}] on the sender, but "
-                f"this rank has {len(optimizers)} optimizer(s). Every rank must build the same optimizers."
-            )
-        what = f"unit {name!r} parameter {param_name!r}"
-        group = group_for(optimizers[opt_index], group_index, hyper, lr_schedulers, what)
-        param = params[param_name]
-        group["params"].append(param)
-        if state is not None:
-            optimizers[opt_index].state[param] = state
-
-
-def _sort_param_groups(known: Mapping[str, nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Deterministic order: foreign params first (stable), then unit params by (unit name, position)."""
-    order: dict[int, tuple[Any, ...]] = {}
-    for unit_name, unit in known.items():
-        for position, param in enumerate(unit.parameters()):
-            order.setdefault(id(param), (unit_sort_key(unit_name), position))
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            params = group["params"]
-            foreign = [p for p in params if id(p) not in order]
-            ours = sorted((p for p in params if id(p) in order), key=lambda p: order[id(p)])
-            params[:] = foreign + ours

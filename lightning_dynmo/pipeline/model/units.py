@@ -7,11 +7,14 @@ owns; the others are removed from the model (blocks deleted from ``layers``, par
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from torch import nn
 
 from lightning_dynmo.pipeline.model.contract import ModelSpec
 
-__all__ = ["attach_unit", "detach_unit", "pipeline_units", "unit_of_key"]
+__all__ = ["attach_unit", "detach_unit", "pipeline_units", "unit_of_key", "unit_sort_key"]
 
 
 def pipeline_units(model: nn.Module, spec: ModelSpec) -> dict[str, nn.Module]:
@@ -59,3 +62,8 @@ def unit_of_key(key: str) -> str:
         index, _, _ = rest.partition(".")
         return f"layers.{index}"
     return head
+
+
+def unit_sort_key(name: str) -> tuple[Any, ...]:
+    """Natural sort key of a unit or parameter name: ``layers.2`` sorts before ``layers.10``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

@@ -20,7 +20,11 @@ from typing import Literal
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform
 from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.balancing.placement import Placement
+
+#: The old name of :data:`~lightning_dynmo.balancing.moves.UnitMove` (README: "Moves").
+PlannedMove = UnitMove
 
 StageStyle = Literal["loop", "v"]
 
@@ -55,26 +59,31 @@ class RankGrid:
         """Number of pipeline replicas."""
         return self.world_size // self.pipeline_size
 
+    @property
+    def replica_stride(self) -> int:
+        """Global ranks from one replica's first rank to the next one's (``pipeline_size`` at launch)."""
+        return self.pipeline_size
+
     def pipeline_rank(self, global_rank: int) -> int:
-        """Position of ``global_rank`` inside its pipeline."""
-        return global_rank % self.pipeline_size
+        """Position of ``global_rank`` inside its replica."""
+        return global_rank % self.replica_stride
 
     def data_parallel_rank(self, global_rank: int) -> int:
         """Index of the replica ``global_rank`` belongs to."""
-        return global_rank // self.pipeline_size
+        return global_rank // self.replica_stride
 
     def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
         """Global ranks of replica ``replica``'s pipeline, in pipeline order."""
-        start = replica * self.pipeline_size
+        start = replica * self.replica_stride
         return tuple(range(start, start + self.pipeline_size))
 
     def data_parallel_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
         """Global ranks holding pipeline position ``pipeline_rank`` in every replica."""
-        return tuple(d * self.pipeline_size + pipeline_rank for d in range(self.data_parallel_size))
+        return tuple(d * self.replica_stride + pipeline_rank for d in range(self.data_parallel_size))
 
     def global_rank(self, replica: int, pipeline_rank: int) -> int:
         """Inverse of (:meth:`data_parallel_rank`, :meth:`pipeline_rank`)."""
-        return replica * self.pipeline_size + pipeline_rank
+        return replica * self.replica_stride + pipeline_rank
 
 
 def _divisors(n: int) -> list[int]:
@@ -153,15 +162,6 @@ def unit_owners(
     return owners
 
 
-@dataclass(frozen=True)
-class PlannedMove:
-    """One unit changing owner: ``unit`` goes from global rank ``src`` to global rank ``dst``."""
-
-    unit: str
-    src: int
-    dst: int
-
-
 def unit_moves(
     old: Placement,
     new: Placement,
@@ -169,7 +169,7 @@ def unit_moves(
     style: StageStyle,
     first_parts: Sequence[str] = (),
     last_parts: Sequence[str] = (),
-) -> list[PlannedMove]:
+) -> list[UnitMove]:
     """The units that change owner between two placements, replica by replica, in model order.
 
     Every rank computes the same list in the same order, which is what lets point-to-point transfers
@@ -180,15 +180,30 @@ def unit_moves(
             f"placement {new} covers {new.num_layers} layers but the current placement {old} covers "
             f"{old.num_layers}; a new placement must cover the same layers."
         )
-    before = unit_owners(old, grid, style, first_parts, last_parts)
-    after = unit_owners(new, grid, style, first_parts, last_parts)
-    moves = []
-    for replica in range(grid.data_parallel_size):
-        for unit in unit_names(old.num_layers, first_parts, last_parts):
-            src, dst = before[(replica, unit)], after[(replica, unit)]
-            if src != dst:
-                moves.append(PlannedMove(unit, src, dst))
-    return moves
+    return owner_changes(old, grid, new, grid, style, first_parts, last_parts)
+
+
+def owner_changes(
+    old: Placement,
+    old_grid: RankGrid,
+    new: Placement,
+    new_grid: RankGrid,
+    style: StageStyle,
+    first_parts: Sequence[str],
+    last_parts: Sequence[str],
+) -> list[UnitMove]:
+    """Every unit whose owner differs between ``old`` on ``old_grid`` and ``new`` on ``new_grid``.
+
+    Replica by replica, in model order; the grids must have the same replica count (callers check).
+    """
+    before = unit_owners(old, old_grid, style, first_parts, last_parts)
+    after = unit_owners(new, new_grid, style, first_parts, last_parts)
+    return [
+        UnitMove(unit, before[(replica, unit)], after[(replica, unit)])
+        for replica in range(old_grid.data_parallel_size)
+        for unit in unit_names(old.num_layers, first_parts, last_parts)
+        if before[(replica, unit)] != after[(replica, unit)]
+    ]
 
 
 def initial_placement(

@@ -24,14 +24,13 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline.placement.layout import (
-    PlannedMove,
     RankGrid,
     StageStyle,
+    owner_changes,
     stage_to_pipeline_rank,
-    unit_names,
-    unit_owners,
 )
 
 log = logging.getLogger(__name__)
@@ -111,26 +110,13 @@ class PackedGrid(RankGrid):
                 "uses a subset of its replica's original ranks."
             )
 
-    def pipeline_rank(self, global_rank: int) -> int:
-        """Position of ``global_rank`` inside its replica (``>= pipeline_size`` for a released rank)."""
-        return global_rank % self.stride
+    @property
+    def replica_stride(self) -> int:
+        """Global ranks from one replica's first rank to the next one's: the launch pipeline size.
 
-    def data_parallel_rank(self, global_rank: int) -> int:
-        """Index of the replica ``global_rank`` belonged to at launch."""
-        return global_rank // self.stride
-
-    def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
-        """Active global ranks of replica ``replica``'s pipeline, in pipeline order."""
-        start = replica * self.stride
-        return tuple(range(start, start + self.pipeline_size))
-
-    def data_parallel_ranks(self, pipeline_rank: int) -> tuple[int, ...]:
-        """Global ranks holding pipeline position ``pipeline_rank`` in every replica."""
-        return tuple(d * self.stride + pipeline_rank for d in range(self.data_parallel_size))
-
-    def global_rank(self, replica: int, pipeline_rank: int) -> int:
-        """Inverse of (:meth:`data_parallel_rank`, :meth:`pipeline_rank`)."""
-        return replica * self.stride + pipeline_rank
+        A released rank has a position ``>= pipeline_size`` in its replica.
+        """
+        return self.stride
 
 
 def active_ranks_of(grid: RankGrid) -> tuple[int, ...]:
@@ -163,8 +149,7 @@ def plan_repack(grid: RankGrid, current: Placement, target: Placement, stages_pe
             f"stages per rank; give a multiple of {stages_per_rank} stages."
         )
     new_size = target.num_stages // stages_per_rank
-    stride = grid.stride if isinstance(grid, PackedGrid) else grid.pipeline_size
-    return PackedGrid(grid.data_parallel_size * new_size, new_size, stride=stride)
+    return PackedGrid(grid.data_parallel_size * new_size, new_size, stride=grid.replica_stride)
 
 
 def repack_moves(
@@ -175,7 +160,7 @@ def repack_moves(
     style: StageStyle,
     first_parts: Sequence[str] = (),
     last_parts: Sequence[str] = (),
-) -> list[PlannedMove]:
+) -> list[UnitMove]:
     """The units that change owner when ``old`` on ``old_grid`` becomes ``new`` on ``new_grid``.
 
     Replica by replica, in model order, so every rank builds the identical list.
@@ -188,15 +173,7 @@ def repack_moves(
             f"cannot re-pack {old} ({old_grid.data_parallel_size} replicas) into {new} "
             f"({new_grid.data_parallel_size} replicas): the layers and the replica count must stay the same."
         )
-    before = unit_owners(old, old_grid, style, first_parts, last_parts)
-    after = unit_owners(new, new_grid, style, first_parts, last_parts)
-    moves = []
-    for replica in range(old_grid.data_parallel_size):
-        for unit in unit_names(old.num_layers, first_parts, last_parts):
-            src, dst = before[(replica, unit)], after[(replica, unit)]
-            if src != dst:
-                moves.append(PlannedMove(unit, src, dst))
-    return moves
+    return owner_changes(old, old_grid, new, new_grid, style, first_parts, last_parts)
 
 
 def build_repacked_groups(

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo.dynamism.sparse_linear import MaskedLinear, SparsePattern, time_kernels
-from lightning_dynmo.pipeline.migration.transport import pack_unit, unpack_unit
+from lightning_dynmo.pipeline.migration.pack import pack_unit, unpack_unit
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dynmo.pipeline.migration.transport import pack_unit, unit_sort_key, unpack_unit
+from lightning_dynmo.pipeline.migration.pack import pack_unit, unpack_unit
+from lightning_dynmo.pipeline.model.units import unit_sort_key
 from lightning_dynmo.runtime_hooks import runtime_hook
 
 

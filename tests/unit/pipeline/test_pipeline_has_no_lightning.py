@@ -6,9 +6,9 @@ import sys
 BLOCKER = """
 import builtins, sys
 _real_import = builtins.__import__
+_absent = {"lightning", "pytorch_lightning", "lightning_utilities", "torchmetrics", "hydra"}
 def _blocked(name, *args, **kwargs):
-    if name.split(".")[0] in {"lightning", "pytorch_lightning", "lightning_utilities", "torchmetrics",
-                              "hydra"}:
+    if name.split(".")[0] in _absent:
         raise ModuleNotFoundError(f"blocked import of {name}", name=name)
     return _real_import(name, *args, **kwargs)
 builtins.__import__ = _blocked

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize, prune
 
-from lightning_dynmo.pipeline.migration.transport import pack_unit, unpack_unit
+from lightning_dynmo.pipeline.migration.pack import pack_unit, unpack_unit
 from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
 from lightning_dynmo.profiling import LayerTimer, module_has_hooks
 from lightning_dynmo.profiling.clock import StepClock
