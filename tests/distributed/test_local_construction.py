@@ -34,15 +34,8 @@ from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.pipeline.model import construction
 from lightning_dynmo.pipeline.model.construction import materialize_model
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import (
-    TOL,
-    ForcePlacement,
-    LossRecorder,
-    Run,
-    make_strategy,
-    max_param_diff,
-    reference,
-)
+from tests.distributed import fitting
+from tests.distributed.fitting import TOL, Run, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.meta_model import ConfiguredGPT, MetaGPT, model_bytes
 
@@ -146,7 +139,7 @@ def construction_worker(rank: int, world_size: int, run: MetaRun) -> dict[str, A
     if run.shared_stream:
         counter = itertools.count()
         construction.unit_seed = lambda seed, unit: next(counter)  # type: ignore[assignment]
-    recorder, mover = LossRecorder(), ForcePlacement(dict(run.migrations))
+    recorder, mover = fitting.LossRecorder(), fitting.ForcePlacement(dict(run.migrations))
     strategy = make_strategy(run)
     trainer = pl.Trainer(
         devices=world_size,

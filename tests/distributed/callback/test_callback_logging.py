@@ -11,9 +11,9 @@ import pytest
 
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
+from tests.distributed.callback.test_callback_rebalance import RUN, SLEEP_MS, PruneFirstHalf
 from tests.distributed.fitting import make_strategy
 from tests.distributed.harness import run_distributed
-from tests.distributed.callback.test_callback_rebalance import RUN, SLEEP_MS, PruneFirstHalf
 from tests.distributed.test_throughput import MemoryLogger
 
 pytestmark = pytest.mark.distributed
