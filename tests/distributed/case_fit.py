@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -169,3 +169,29 @@ def fit_reference(fit: Fit) -> dict[str, Any]:
         "model": fit.model,
         **(fit.outcome(trainer) if fit.outcome is not None else {}),
     }
+
+
+def rebalance_on_events() -> DynMoCallback:
+    """DynMoCallback as the freezing and pruning fits use it: a decision one step after each event."""
+    return DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
+
+
+def resume_elsewhere(
+    case: Any, tmp_path: Path, forgetful: type[DynMoStrategy]
+) -> tuple[Any, list[Any], list[Any]]:
+    """Fit ``case`` (one epoch, ``DynMoCallback`` on) and save; resume for a second epoch elsewhere.
+
+    The second run has no callback: it starts, and stays, at a placement other than the saved one
+    (asserted). ``case`` is a frozen dataclass with ``epochs``, ``placement``, ``dynmo`` and
+    ``strategy_cls`` fields. Returns the second run, its results, and the results of the same resume
+    under ``forgetful`` (a negative control's strategy).
+    """
+    ckpt = tmp_path / "epoch1.ckpt"
+    first = fit_case(case, tmp_path, ckpt=ckpt)
+    saved = first[0]["placement"]
+    other = "0-2|3-3" if saved != "0-2|3-3" else "0-1|2-3"
+    second = replace(case, epochs=2, placement=other, dynmo=None)
+    resumed = fit_case(second, tmp_path, ckpt=ckpt, resume=True)
+    assert all(res["placement"] == other != saved for res in resumed)
+    forgot = fit_case(replace(second, strategy_cls=forgetful), tmp_path, ckpt=ckpt, resume=True)
+    return second, resumed, forgot

@@ -21,14 +21,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.freezing import FreezingConfig
 from lightning_dynmo.dynamism_callbacks import FreezingCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.pipeline.step import schedule as schedule_module
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.case_fit import Fit, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.case_fit import Fit, fit_case, fit_reference, rebalance_on_events, trainer_kwargs
+from tests.distributed.controls import SpoilOnArrival
 from tests.distributed.equivalence import assert_equivalent, state_diff
 from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder
 
@@ -61,9 +61,7 @@ class FreezeRun:
         model, freezing, snapshots = self.model(), self.callback_cls(self.config), Snapshots()
         callbacks: list[pl.Callback] = [freezing, ForcePlacement(dict(self.migrations)), snapshots]
         if self.dynmo:
-            callbacks.append(
-                DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
-            )
+            callbacks.append(rebalance_on_events())
         strategy = self.strategy_cls(
             schedule=self.schedule,
             num_microbatches=4,
@@ -92,18 +90,12 @@ class FreezeRun:
         return fit_reference(fit)
 
 
-class TrainableOnArrival(DynMoStrategy):
+class TrainableOnArrival(SpoilOnArrival):
     """Negative control: a layer that migrates arrives trainable (its frozen flag not applied)."""
 
-    def apply_placement(self, new: Any) -> Any:
-        report = super().apply_placement(new)
-        module = self.lightning_module
-        assert module is not None
-        for move in report.moves:
-            if move.dst == self.global_rank:
-                for param in module.get_submodule(move.name).parameters():
-                    param.requires_grad_(True)
-        return report
+    def spoil(self, block: torch.nn.Module) -> None:
+        for param in block.parameters():
+            param.requires_grad_(True)
 
 
 class NoFlagsOnResume(FreezingCallback):

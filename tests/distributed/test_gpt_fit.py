@@ -23,6 +23,7 @@ from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.case_fit import Fit, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.controls import SpoilOnArrival
 from tests.distributed.equivalence import assert_equivalent, state_diff
 from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder
 
@@ -76,19 +77,13 @@ class GPTRun:
         return fit_reference(Fit(self.model(), (data,), LossRecorder(), self.trainer(), outcome=_metrics))
 
 
-class DropMovedAdamState(DynMoStrategy):
+class DropMovedAdamState(SpoilOnArrival):
     """Negative control: a migration that loses the moved layers' optimizer state on arrival."""
 
-    def apply_placement(self, new: Any) -> Any:
-        report = super().apply_placement(new)
-        module = self.lightning_module
-        assert module is not None
-        for move in report.moves:
-            if move.dst == self.global_rank:
-                for param in module.get_submodule(move.name).parameters():
-                    for optimizer in self.optimizers:
-                        optimizer.state.pop(param, None)
-        return report
+    def spoil(self, block: torch.nn.Module) -> None:
+        for param in block.parameters():
+            for optimizer in self.optimizers:
+                optimizer.state.pop(param, None)
 
 
 def _metrics(trainer: pl.Trainer) -> dict[str, Any]:

@@ -30,7 +30,15 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.dynamism.moe import LOAD_BALANCE_LOSS, Z_LOSS, MoEOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.case_fit import Fit, MetricsRecorder, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.case_fit import (
+    Fit,
+    MetricsRecorder,
+    fit_case,
+    fit_reference,
+    resume_elsewhere,
+    trainer_kwargs,
+)
+from tests.distributed.controls import ForgetOnResume
 from tests.distributed.equivalence import assert_differs, assert_equivalent, state_diff
 
 pytestmark = pytest.mark.distributed
@@ -122,15 +130,10 @@ class LocalBiasGPT(GPT):
                 block.after_optimizer_step(group=None)
 
 
-class ForgetExpertBias(DynMoStrategy):
+class ForgetExpertBias(ForgetOnResume):
     """Negative control: resumes everything but the expert biases (they restart at zero)."""
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        for key, value in checkpoint["state_dict"].items():
-            if key.endswith("expert_bias"):
-                value.zero_()
-        return checkpoint
+    forget = "expert_bias"
 
 
 def _biases(state: dict[str, Tensor]) -> list[Tensor]:
@@ -181,17 +184,9 @@ def test_moe_gpt_repacked_onto_one_rank_continues_exactly(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_moe_gpt_resumed_at_another_placement_continues_exactly(tmp_path: Path) -> None:
     run = MoERun()
-    ckpt = tmp_path / "epoch1.ckpt"
-    first = fit_case(run, tmp_path, ckpt=ckpt)
-    saved = first[0]["placement"]
-    other = "0-2|3-3" if saved != "0-2|3-3" else "0-1|2-3"
-    # No callback in the second run: it starts, and stays, at `other`.
-    second = replace(run, epochs=2, placement=other, dynmo=None)
-    resumed = fit_case(second, tmp_path, ckpt=ckpt, resume=True)
+    # Negative control: the same resume without the expert biases.
+    second, resumed, forgot = resume_elsewhere(run, tmp_path, forgetful=ForgetExpertBias)
     ref = second.reference()
-    assert all(res["placement"] == other != saved for res in resumed)
     assert len(ref["losses"]) == 2 * run.steps
     assert_equivalent(resumed, ref, ref["losses"][run.steps :])
-    # Negative control: the same resume without the expert biases.
-    forgot = fit_case(replace(second, strategy_cls=ForgetExpertBias), tmp_path, ckpt=ckpt, resume=True)
     assert state_diff(forgot, ref) > 1e-6

@@ -23,7 +23,6 @@ import lightning.pytorch as pl
 import pytest
 from torch import nn
 
-from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.pruning import PruningConfig, prunable_linears
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
@@ -31,7 +30,8 @@ from lightning_dynmo.dynamism.sparse_linear import MaskedLinear
 from lightning_dynmo.dynamism_callbacks import PruningCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.case_fit import Fit, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.case_fit import Fit, fit_case, fit_reference, rebalance_on_events, trainer_kwargs
+from tests.distributed.controls import SpoilOnArrival
 from tests.distributed.equivalence import assert_equivalent, state_diff
 from tests.distributed.fitting import ForcePlacement, LossRecorder
 
@@ -68,9 +68,7 @@ class PruneRun:
         model, pruning = self.model(), self.pruning()
         callbacks: list[pl.Callback] = [pruning, ForcePlacement(dict(self.migrations)), *self.extra]
         if self.dynmo:
-            callbacks.append(
-                DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
-            )
+            callbacks.append(rebalance_on_events())
         strategy = self.strategy_cls(schedule="1F1B", num_microbatches=4, placement=self.placement)
         fit = Fit(
             model, (self.datamodule(),), LossRecorder(), trainer_kwargs(self.epochs), callbacks, strategy
@@ -86,17 +84,11 @@ class PruneRun:
         return fit_reference(fit)
 
 
-class DropMasksOnArrival(DynMoStrategy):
+class DropMasksOnArrival(SpoilOnArrival):
     """Negative control: a layer that migrates arrives without its masks (all weights kept again)."""
 
-    def apply_placement(self, new: Any) -> Any:
-        report = super().apply_placement(new)
-        module = self.lightning_module
-        assert module is not None
-        for move in report.moves:
-            if move.dst == self.global_rank:
-                forget_masks(module.get_submodule(move.name))
-        return report
+    def spoil(self, block: nn.Module) -> None:
+        forget_masks(block)
 
 
 def forget_masks(module: nn.Module) -> None:

@@ -29,7 +29,15 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.dynamism.sparse_attention import SparseAttentionOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.case_fit import Fit, MetricsRecorder, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.case_fit import (
+    Fit,
+    MetricsRecorder,
+    fit_case,
+    fit_reference,
+    resume_elsewhere,
+    trainer_kwargs,
+)
+from tests.distributed.controls import ForgetOnResume
 from tests.distributed.equivalence import assert_differs, assert_equivalent, state_diff
 
 pytestmark = pytest.mark.distributed
@@ -98,15 +106,10 @@ class SparseRun:
         return fit_reference(Fit(model, self.loaders(), self.recorder(), self.trainer()))
 
 
-class ForgetForwardCounts(DynMoStrategy):
+class ForgetForwardCounts(ForgetOnResume):
     """Negative control: resumes everything but the blocks' forward counts (they restart at zero)."""
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        for key, value in checkpoint["state_dict"].items():
-            if key.endswith("hash_forwards"):
-                value.zero_()
-        return checkpoint
+    forget = "hash_forwards"
 
 
 def _counts(state: dict[str, Tensor]) -> list[int]:
@@ -134,17 +137,9 @@ def test_sparse_attention_gpt_with_rebalancing_equals_single_process(tmp_path: P
 @pytest.mark.slow
 def test_sparse_attention_gpt_resumed_at_another_placement_continues_exactly(tmp_path: Path) -> None:
     run = SparseRun(epochs=1)
-    ckpt = tmp_path / "epoch1.ckpt"
-    first = fit_case(run, tmp_path, ckpt=ckpt)
-    saved = first[0]["placement"]
-    other = "0-2|3-3" if saved != "0-2|3-3" else "0-1|2-3"
-    # No callback in the second run: it starts, and stays, at `other`.
-    second = replace(run, epochs=2, placement=other, dynmo=None)
-    resumed = fit_case(second, tmp_path, ckpt=ckpt, resume=True)
+    # Negative control: the same resume with the forward counts lost.
+    second, resumed, forgot = resume_elsewhere(run, tmp_path, forgetful=ForgetForwardCounts)
     ref = second.reference()
-    assert all(res["placement"] == other != saved for res in resumed)
     first_epoch = run.steps + 1  # the training losses and the validation loss
     assert_equivalent(resumed, ref, ref["losses"][first_epoch:])
-    # Negative control: the same resume with the forward counts lost.
-    forgot = fit_case(replace(second, strategy_cls=ForgetForwardCounts), tmp_path, ckpt=ckpt, resume=True)
     assert state_diff(forgot, ref) > 1e-6
