@@ -23,11 +23,10 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import ForcePlacement
+from tests.distributed.fitting import ForcePlacement, local_state
 from tests.distributed.harness import run_distributed
 
 
@@ -49,11 +48,6 @@ def set_rank_env(rank: int) -> None:
     """LightningEnvironment's view of a forked rank: the processes are created externally."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
-
-
-def local_state(model: torch.nn.Module) -> dict[str, Tensor]:
-    """A detached copy of the tensors in ``model``'s state dict (a rank's share, under global keys)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
 
 
 class MetricsRecorder(pl.Callback):

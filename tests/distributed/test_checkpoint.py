@@ -34,7 +34,7 @@ from lightning_dynmo.pipeline.checkpoint.state import load_local_state
 from lightning_dynmo.pipeline.model.units import unit_of_key
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed import fitting
-from tests.distributed.fitting import TOL, Run, make_strategy, max_param_diff, reference
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_sharded import bytes_read_by_this_process
 
@@ -116,7 +116,7 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
         trainer.save_checkpoint(ckpt)
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": strategy.is_released,
         "placement": str(strategy.placement),
         "units": [] if strategy.is_released else sorted(strategy._local_units()),

@@ -29,7 +29,7 @@ from lightning_dynmo.demos import DemoGPT, RandomTokenDataset
 from lightning_dynmo.pipeline.step.evaluation import global_mean_loss
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed import fitting
-from tests.distributed.fitting import TOL, Run, make_strategy, max_param_diff, reference
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -143,7 +143,7 @@ def _execute(trainer: pl.Trainer, model: DemoGPT, run: EvalRun, train_batches: A
         epochs=evals.epochs,
         ppl=evals.ppl,
         global_step=trainer.global_step,
-        state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        state=local_state(model),
         hook_calls=getattr(model, "hook_calls", []),
     )
     ckpt = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)

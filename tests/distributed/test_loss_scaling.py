@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import TOL, LossRecorder
+from tests.distributed.fitting import TOL, LossRecorder, local_state
 from tests.distributed.harness import run_distributed
 from tests.quiet_trainer import quiet_trainer
 
@@ -136,7 +136,7 @@ def _fit(
         "scales": recorder.scales,
         "param_sums": recorder.param_sums,
         "grads": recorder.grads,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
     }
 
 
@@ -227,7 +227,7 @@ def _aux_worker(rank: int, world_size: int, strategy_cls: type) -> dict[str, Any
     trainer.fit(model, setup.replica_loader(0))
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
     }
 
 

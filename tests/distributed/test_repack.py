@@ -22,7 +22,7 @@ import torch
 from lightning_dynmo.pipeline.placement.release import ReleaseEvent
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed import fitting
-from tests.distributed.fitting import TOL, Run, make_strategy, max_param_diff, reference
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -73,7 +73,7 @@ def repack_worker(rank: int, world_size: int, run: Run, marker_dir: Path) -> dic
         (marker_dir / f"released-{rank}").touch()
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": strategy.is_released,
         "active_ranks": strategy.active_ranks,
         "stage_index": strategy.stage_index,
