@@ -3,13 +3,13 @@
 A case (a frozen dataclass in its test module) states only what is specific to it: per rank, the model,
 data, callbacks and strategy it trains, as a :class:`Fit`. This module runs it and compares::
 
-    results = fit_case(case, tmp_path)             # Trainer.fit on 2 forked ranks, one dict per rank
-    ref = fit_reference(case.reference_fit())      # the same Fit without a strategy, in this process
-    assert_equivalent(results, ref)                # see equivalence.py
+    results = fit_case(case, tmp_path)  # case.rank_fit(rank, ...) on 2 forked ranks: one dict per rank
+    ref = fit_reference(Fit(model, data, recorder, trainer_kwargs()))  # no strategy, in this process
+    assert_equivalent(results, ref)  # tests.distributed.equivalence
 
 Each rank returns its logged losses, its local state (global keys, so the ranks' union is the whole
 model), its placement, whether it was released, and what ``ForcePlacement`` and ``DynMoCallback`` did.
-The reference trains single-threaded, as every rank does. ``equivalence`` compares them.
+The reference trains single-threaded, as every rank does. :mod:`tests.distributed.equivalence` compares them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.strategy import DynMoStrategy
@@ -60,10 +61,12 @@ class MetricsRecorder(pl.Callback):
         self.names, self.validation, self.optional = names, validation, optional
         self.losses: list[tuple[float, ...]] = []
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         names = [k for k in self.names if k in trainer.callback_metrics] if self.optional else self.names
         self.losses.append(tuple(float(trainer.callback_metrics[k]) for k in names))
 
+    @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if self.validation is not None and not trainer.sanity_checking:
             self.losses.append((float(trainer.callback_metrics[self.validation]),))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -15,6 +16,7 @@ class SpoilOnArrival(DynMoStrategy):
     def spoil(self, block: torch.nn.Module) -> None:
         raise NotImplementedError
 
+    @override
     def apply_placement(self, new: Any) -> Any:
         report = super().apply_placement(new)
         module = self.lightning_module
@@ -30,6 +32,7 @@ class ForgetOnResume(DynMoStrategy):
 
     forget = ""
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         for key, value in checkpoint["state_dict"].items():
