@@ -2,20 +2,37 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
+# The sections of a per-case study (pruning, freezing).
+STUDY_SECTIONS = (
+    "### 1. Per-layer",
+    "### 2. Stage-load imbalance",
+    "### 3. Static vs DynMo",
+    "### 4. Projection",
+)
+
+
+def run_benchmark(name: str, tmp_path: Path, *argv: str) -> str:
+    """Run ``python -m benchmarks.<name> <argv> --out ...`` in this process; the report it wrote."""
+    out = tmp_path / f"{name}.md"
+    importlib.import_module(f"benchmarks.{name}").main([*argv, "--out", str(out)])
+    return out.read_text()
+
+
+def assert_contains(text: str, *labels: str) -> None:
+    missing = [label for label in labels if label not in text]
+    assert not missing, f"missing from the report: {missing}"
+
 
 def test_rebalance_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import rebalance
-
-    out = tmp_path / "rebalance.md"
     argv = ["--quick", "--steps", "9", "--change-at", "3", "--settle", "2", "--layers", "4", "--fwd-ms", "1"]
-    rebalance.main([*argv, "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("rebalance", tmp_path, *argv)
     for label in (
         "static",
         "DynMo partition/time",
@@ -28,20 +45,14 @@ def test_rebalance_benchmark_runs(tmp_path: Path) -> None:
 
 
 def test_overhead_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import overhead
-
-    out = tmp_path / "overhead.md"
-    overhead.main(["--quick", "--steps", "12", "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("overhead", tmp_path, "--quick", "--steps", "12")
     assert "| every_n_steps=40 | 12 |" in text and "| every_step (routing noise +-50%) | 12 |" in text
 
 
 def test_profiling_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import profiling
 
-    out = tmp_path / "profiling.md"
-    profiling.main(["--repeats", "1", "--steps", "2", "--allocator", "steady", "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("profiling", tmp_path, "--repeats", "1", "--steps", "2", "--allocator", "steady")
     assert "| steady | 1 | " in text
     assert text.count("| fwd |") == text.count("| bwd |") == len(profiling.HIDDEN)
     assert "python -m benchmarks.profiling --repeats 1" in text
@@ -55,30 +66,22 @@ def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
 
 
 def test_moe_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import moe
-
-    out = tmp_path / "moe.md"
     argv = ["--quick", "--spread", "0", "--steps", "5", "--skip", "2", "--projection-steps", "3"]
-    moe.main([*argv, "--out", str(out)])
-    text = out.read_text()
-    for label in (
+    text = run_benchmark("moe", tmp_path, *argv)
+    assert_contains(
+        text,
         "| static (uniform) (ideal) |",
         "| DynMo every_step |",
         "| static uniform split |",
         "Linear fit",
-    ):
-        assert label in text
+    )
     assert text.count("| per-step min-max partition") == 1
     assert "python -m benchmarks.moe --quick --spread 0" in text
 
 
 def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import sparse_attention
-
-    out = tmp_path / "sparse_attention.md"
     argv = ["--quick", "--spread", "0", "--steps", "5", "--measure-steps", "5", "--repeats", "1"]
-    sparse_attention.main([*argv, "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("sparse_attention", tmp_path, *argv)
     for label in (
         "| dense (SDPA) | 1.000 |",
         "Linear fit over the hashed rows",
@@ -95,30 +98,17 @@ def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
 
 
 def test_pruning_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import pruning
-
-    out = tmp_path / "pruning.md"
-    pruning.main(["--quick", "--out", str(out)])
-    text = out.read_text()
-    for heading in (
-        "### 1. Per-layer",
-        "### 2. Stage-load imbalance",
-        "### 3. Static vs DynMo",
-        "### 4. Projection",
-    ):
-        assert heading in text
-    for label in ("| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"):
-        assert label in text
+    text = run_benchmark("pruning", tmp_path, "--quick")
+    assert_contains(text, *STUDY_SECTIONS)
+    assert_contains(
+        text, "| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"
+    )
     assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
     assert "python -m benchmarks.pruning --quick" in text
 
 
 def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
-    from benchmarks import e2e
-
-    out = tmp_path / "e2e.md"
-    e2e.main(["--quick", "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("e2e", tmp_path, "--quick")
     assert "python -m benchmarks.e2e --quick" in text and "load average at start" in text
     assert "**Real compute**, 2 stages (the `ideal` row" in text
     assert "**Emulated cost**, 8 blocks on 2 stages" in text
@@ -129,11 +119,7 @@ def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
 
 
 def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import head_cost
-
-    out = tmp_path / "head_cost.md"
-    head_cost.main(["--quick", "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("head_cost", tmp_path, "--quick")
     for label in ("| fixed `0-0|1-3` |", "| fixed `0-1|2-3` |", "| fixed `0-2|3-3` |", "| DynMoCallback("):
         assert label in text
     assert "head + loss = nan" not in text  # the callback profiled a window and reported the parts
@@ -143,13 +129,8 @@ def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)  # 8 two-rank jobs
 def test_heterogeneous_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import heterogeneous
-
-    out = tmp_path / "heterogeneous.md"
-    heterogeneous.main(["--quick", "--out", str(out)])
-    text = out.read_text()
-    for heading in ("### 1a. Rank 1 an emulated worker", "### 1b. Rank 0 -> rank 1", "### 2. GPT"):
-        assert heading in text
+    text = run_benchmark("heterogeneous", tmp_path, "--quick")
+    assert_contains(text, "### 1a. Rank 1 an emulated worker", "### 1b. Rank 0 -> rank 1", "### 2. GPT")
     assert text.count("| static (uniform) |") == 2 and text.count("| DynMoCallback |") == 2
     assert text.count("(best candidate)") == 2
     assert "| re-pack, micro-batches kept |" in text and "| re-pack + re-tune |" in text
@@ -169,37 +150,23 @@ def test_a_dated_results_file_is_kept_unless_forced(tmp_path: Path, monkeypatch:
 
 
 def test_freezing_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import freezing
-
-    out = tmp_path / "freezing.md"
-    freezing.main(["--quick", "--spread", "0", "--out", str(out)])
-    text = out.read_text()
-    for heading in (
-        "### 1. Per-layer",
-        "### 2. Stage-load imbalance",
-        "### 3. Static vs DynMo",
-        "### 4. Projection",
-    ):
-        assert heading in text
-    for label in (
+    text = run_benchmark("freezing", tmp_path, "--quick", "--spread", "0")
+    assert_contains(text, *STUDY_SECTIONS)
+    assert_contains(
+        text,
         "| static uniform |",
         "| DynMo partition/time |",
         "| fixed 0-0|1-3 |",
         "| DynMo (re-partition per level) |",
         "| best fixed for the run |",
         "| first parts |",
-    ):
-        assert label in text
+    )
     assert text.count("| 2 | uniform |") == 1 and "75% frozen" in text
     assert "python -m benchmarks.freezing --quick --spread 0" in text
 
 
 def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
-    from benchmarks import callback_cost
-
-    out = tmp_path / "callback_cost.md"
-    callback_cost.main(["--quick", "--out", str(out)])
-    text = out.read_text()
+    text = run_benchmark("callback_cost", tmp_path, "--quick")
     for label in ("no callback", "DynMo idle", "DynMo every step", "DynMo every step, no skipping"):
         assert f"| {label} |" in text
     assert "python -m benchmarks.callback_cost --quick" in text

@@ -81,6 +81,11 @@ class Run:
         }
 
 
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the tensors in ``model``'s state dict (a rank's share, under global keys)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
 class LossRecorder(pl.Callback):
     """Records the logged ``train_loss`` after every batch and the gradient norm before each step."""
 
@@ -154,7 +159,7 @@ def fit_worker(rank: int, world_size: int, run: Run, strategy_overrides: dict[st
     assert isinstance(strategy, DynMoStrategy)
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "placement": str(strategy.placement),
         "applied": mover.applied,
         "layers": sorted(strategy.local_layers),

@@ -33,15 +33,8 @@ from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.pipeline.checkpoint.state import load_local_state
 from lightning_dynmo.pipeline.model.units import unit_of_key
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import (
-    TOL,
-    ForcePlacement,
-    LossRecorder,
-    Run,
-    make_strategy,
-    max_param_diff,
-    reference,
-)
+from tests.distributed import fitting
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_sharded import bytes_read_by_this_process
 
@@ -88,8 +81,8 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
     """Train ``run``; without ``resume`` save ``ckpt`` at the end, with it start from ``ckpt``."""
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
-    recorder = LossRecorder()
-    callbacks: list[pl.Callback] = [recorder, ForcePlacement(dict(run.migrations))]
+    recorder = fitting.LossRecorder()
+    callbacks: list[pl.Callback] = [recorder, fitting.ForcePlacement(dict(run.migrations))]
     if run.checkpoint_callback:
         callbacks.append(ModelCheckpoint(dirpath=ckpt.parent, filename=ckpt.stem, save_top_k=1))
     cls = (
@@ -123,7 +116,7 @@ def ckpt_worker(rank: int, world_size: int, run: EpochRun, ckpt: Path, resume: b
         trainer.save_checkpoint(ckpt)
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": strategy.is_released,
         "placement": str(strategy.placement),
         "units": [] if strategy.is_released else sorted(strategy._local_units()),

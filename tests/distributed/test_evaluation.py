@@ -28,15 +28,8 @@ from torch.utils.data import DataLoader
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataset
 from lightning_dynmo.pipeline.step.evaluation import global_mean_loss
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import (
-    TOL,
-    ForcePlacement,
-    LossRecorder,
-    Run,
-    make_strategy,
-    max_param_diff,
-    reference,
-)
+from tests.distributed import fitting
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -119,8 +112,8 @@ class EvalRecorder(pl.Callback):
 
 
 def _callbacks(run: EvalRun, ckpt_dir: str) -> list[pl.Callback]:
-    mover = ForcePlacement(dict(run.train.migrations))
-    callbacks: list[pl.Callback] = [LossRecorder(), EvalRecorder(), mover]
+    mover = fitting.ForcePlacement(dict(run.train.migrations))
+    callbacks: list[pl.Callback] = [fitting.LossRecorder(), EvalRecorder(), mover]
     if run.early_stopping:
         # min_delta larger than any improvement: the second validation stops training.
         callbacks.append(EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0))
@@ -142,7 +135,7 @@ def _execute(trainer: pl.Trainer, model: DemoGPT, run: EvalRun, train_batches: A
             with torch.no_grad():
                 predictions = [model(model.pipeline_batch(b)[0]) for b in run.val_loader()]
         out["predictions"] = [p.detach().clone() for p in predictions or []]
-    recorder = next(c for c in trainer.callbacks if isinstance(c, LossRecorder))
+    recorder = next(c for c in trainer.callbacks if isinstance(c, fitting.LossRecorder))
     evals = next(c for c in trainer.callbacks if isinstance(c, EvalRecorder))
     out.update(
         losses=recorder.losses,
@@ -150,7 +143,7 @@ def _execute(trainer: pl.Trainer, model: DemoGPT, run: EvalRun, train_batches: A
         epochs=evals.epochs,
         ppl=evals.ppl,
         global_step=trainer.global_step,
-        state={k: v.detach().clone() for k, v in model.state_dict().items()},
+        state=local_state(model),
         hook_calls=getattr(model, "hook_calls", []),
     )
     ckpt = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)

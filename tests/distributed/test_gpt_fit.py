@@ -22,8 +22,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder, max_param_diff
-from tests.distributed.harness import run_distributed
+from tests.distributed.case_fit import Fit, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.controls import SpoilOnArrival
+from tests.distributed.equivalence import assert_equivalent, state_diff
+from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder
 
 pytestmark = pytest.mark.distributed
 
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.distributed
 class GPTRun:
     """One training configuration, shared by the distributed run and its single-process reference."""
 
+    cache_dir: Path  # the corpus's tokens, prepared once before the ranks start
     pipeline_size: int | None = None
     placement: str = "0-1|2-3"
     # (batch_idx, placement) applied at on_train_batch_start.
@@ -41,115 +44,72 @@ class GPTRun:
     num_microbatches: int = 4
     val_batches: int = 2
     use_sampler: bool = False
+    strategy_cls: type[DynMoStrategy] = DynMoStrategy
 
     def model(self) -> GPT:
         config = GPTConfig(num_layers=4, d_model=16, num_heads=2, seq_len=16, tie_embeddings=True)
         return GPT(config, OptimizerConfig(lr=1e-2, warmup_steps=2, decay_steps=6))
 
-    def datamodule(self, cache_dir: Path) -> TextDataModule:
+    def datamodule(self) -> TextDataModule:
         corpus = StdlibCorpus(max_bytes=60_000)
-        return TextDataModule(corpus=corpus, seq_len=16, batch_size=self.batch_size, cache_dir=cache_dir)
+        return TextDataModule(corpus=corpus, seq_len=16, batch_size=self.batch_size, cache_dir=self.cache_dir)
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        return {
-            "accelerator": "cpu",
-            "precision": "64-true",
-            "max_epochs": 1,
-            "limit_train_batches": self.steps,
-            "limit_val_batches": self.val_batches,
-            "num_sanity_val_steps": 0,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        }
+    def trainer(self) -> dict[str, Any]:
+        return trainer_kwargs(
+            limit_train_batches=self.steps, limit_val_batches=self.val_batches, num_sanity_val_steps=0
+        )
+
+    def rank_fit(self, rank: int, world_size: int, resume: bool) -> Fit:
+        strategy = self.strategy_cls(
+            pipeline_size=self.pipeline_size,
+            schedule="1F1B",
+            num_microbatches=self.num_microbatches,
+            placement=self.placement,
+        )
+        mover = [ForcePlacement(dict(self.migrations))]
+        data = (self.datamodule(),)
+        return Fit(
+            self.model(), data, LossRecorder(), self.trainer(), mover, strategy, self.use_sampler, _metrics
+        )
+
+    def reference(self, batches: list[torch.Tensor] | None = None) -> dict[str, Any]:
+        data = self.datamodule() if batches is None else DataLoader(batches, batch_size=None)
+        return fit_reference(Fit(self.model(), (data,), LossRecorder(), self.trainer(), outcome=_metrics))
 
 
-class DropMovedAdamState(DynMoStrategy):
+class DropMovedAdamState(SpoilOnArrival):
     """Negative control: a migration that loses the moved layers' optimizer state on arrival."""
 
-    def apply_placement(self, new: Any) -> Any:
-        report = super().apply_placement(new)
-        module = self.lightning_module
-        assert module is not None
-        for move in report.moves:
-            if move.dst == self.global_rank:
-                for param in module.get_submodule(move.unit).parameters():
-                    for optimizer in self.optimizers:
-                        optimizer.state.pop(param, None)
-        return report
+    def spoil(self, block: torch.nn.Module) -> None:
+        for param in block.parameters():
+            for optimizer in self.optimizers:
+                optimizer.state.pop(param, None)
 
 
-def _outcome(trainer: pl.Trainer, model: GPT, recorder: LossRecorder) -> dict[str, Any]:
+def _metrics(trainer: pl.Trainer) -> dict[str, Any]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k in ("val_loss", "val_ppl")}
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"losses": recorder.losses, "state": state, "metrics": metrics}
+    return {"metrics": metrics}
 
 
-def _fit_worker(
-    rank: int, world_size: int, run: GPTRun, cache_dir: Path, strategy_cls: type[DynMoStrategy]
-) -> dict[str, Any]:
-    os.environ["LOCAL_RANK"] = str(rank)  # LightningEnvironment: processes are created externally
-    os.environ["NODE_RANK"] = "0"
-    recorder, mover = LossRecorder(), ForcePlacement(dict(run.migrations))
-    strategy = strategy_cls(
-        pipeline_size=run.pipeline_size,
-        schedule="1F1B",
-        num_microbatches=run.num_microbatches,
-        placement=run.placement,
-    )
-    trainer = pl.Trainer(
-        devices=world_size,
-        strategy=strategy,
-        use_distributed_sampler=run.use_sampler,
-        callbacks=[recorder, mover],
-        **run.trainer_kwargs(),
-    )
-    model = run.model()
-    trainer.fit(model, run.datamodule(cache_dir))
-    return {**_outcome(trainer, model, recorder), "applied": mover.applied}
-
-
-def _fit_distributed(
-    run: GPTRun, tmp_path: Path, strategy_cls: type[DynMoStrategy] = DynMoStrategy
-) -> list[dict[str, Any]]:
-    run.datamodule(tmp_path / "cache").prepare_data()  # the ranks then start from a warm cache
-    args = (run, tmp_path / "cache", strategy_cls)
-    return run_distributed(_fit_worker, 2, tmp_path, timeout_s=120, args=args)
-
-
-def _fit_reference(run: GPTRun, cache_dir: Path, batches: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    recorder = LossRecorder()
-    trainer = pl.Trainer(devices=1, callbacks=[recorder], **run.trainer_kwargs())
-    model = run.model()
-    if batches is None:
-        trainer.fit(model, run.datamodule(cache_dir))
-    else:
-        trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
-    return _outcome(trainer, model, recorder)
-
-
-def _worst_loss_diff(results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
-    for res in results:
-        assert len(res["losses"]) == len(ref["losses"]), "every rank logs one loss per step"
-    return max(abs(a - b) for res in results for a, b in zip(res["losses"], ref["losses"], strict=True))
+def _fit_distributed(run: GPTRun, tmp_path: Path) -> list[dict[str, Any]]:
+    run.datamodule().prepare_data()  # the ranks then start from a warm cache
+    return fit_case(run, tmp_path)
 
 
 def test_pipelined_gpt_with_migrations_equals_single_process(tmp_path: Path) -> None:
-    run = GPTRun()
+    run = GPTRun(cache_dir=tmp_path / "cache")
     results = _fit_distributed(run, tmp_path)
-    ref = _fit_reference(run, tmp_path / "cache")
+    ref = run.reference()
     assert all(res["applied"] == [p for _, p in run.migrations] for res in results)
     assert len(ref["losses"]) == run.steps
-    assert _worst_loss_diff(results, ref) < TOL
-    assert max_param_diff(results, ref) < TOL
+    assert_equivalent(results, ref)
     for res in results:  # validation: the strategy's val_loss and the model's perplexity, on every rank
         assert abs(res["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < TOL
         assert res["metrics"]["val_ppl"] == pytest.approx(ref["metrics"]["val_ppl"], rel=1e-6)
         assert res["metrics"]["val_ppl"] == pytest.approx(math.exp(ref["metrics"]["val_loss"]), rel=1e-6)
     # Negative control: losing the moved layers' Adam moments must show up in the same comparison.
-    dropped = _fit_distributed(run, tmp_path, strategy_cls=DropMovedAdamState)
-    assert max_param_diff(dropped, ref) > 1e-4
+    dropped = _fit_distributed(replace(run, strategy_cls=DropMovedAdamState), tmp_path)
+    assert state_diff(dropped, ref) > 1e-4
 
 
 def _replica_batches(run: GPTRun, dm: TextDataModule, replicas: list[int]) -> list[torch.Tensor]:
@@ -168,6 +128,7 @@ def _replica_batches(run: GPTRun, dm: TextDataModule, replicas: list[int]) -> li
 
 def test_data_parallel_replicas_read_disjoint_shards_of_the_corpus(tmp_path: Path) -> None:
     run = GPTRun(
+        cache_dir=tmp_path / "cache",
         pipeline_size=1,
         placement="uniform",
         migrations=(),
@@ -177,10 +138,10 @@ def test_data_parallel_replicas_read_disjoint_shards_of_the_corpus(tmp_path: Pat
         use_sampler=True,
     )
     results = _fit_distributed(run, tmp_path)
-    dm = run.datamodule(tmp_path / "cache")
-    ref = _fit_reference(replace(run, batch_size=8), tmp_path / "cache", _replica_batches(run, dm, [0, 1]))
-    assert _worst_loss_diff(results, ref) < TOL
-    assert max_param_diff(results[:1], ref) < TOL and max_param_diff(results[1:], ref) < TOL
+    dm = run.datamodule()
+    ref = replace(run, batch_size=8).reference(_replica_batches(run, dm, [0, 1]))
+    assert_equivalent(results[:1], ref)
+    assert_equivalent(results[1:], ref)
     # Negative control: one replica's data alone is not what the two replicas trained on together.
-    alone = _fit_reference(run, tmp_path / "cache", _replica_batches(run, dm, [0]))
-    assert max_param_diff(results[:1], alone) > 1e-4
+    alone = run.reference(_replica_batches(run, dm, [0]))
+    assert state_diff(results[:1], alone) > 1e-4

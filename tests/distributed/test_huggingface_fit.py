@@ -13,8 +13,7 @@ and round-trips it through ``save_pretrained``.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,13 @@ from torch.utils.data import DataLoader
 from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
 from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.harness import run_distributed
+from tests.distributed.case_fit import Fit, MetricsRecorder, fit_case, fit_reference, trainer_kwargs
+from tests.distributed.equivalence import assert_differs, assert_equivalent
+from tests.distributed.fitting import TOL, ForcePlacement
 from tests.distributed.hf_reference import HFReference, PaddedBatches, tiny_model, transformers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-TOL = 1e-9
 AUX = "train_aux/router_load_balance"
 
 
@@ -48,6 +48,8 @@ class Setup:
     sharded_checkpoint: bool = False
     # A migration, then a re-pack onto rank 0 (rank 1 is released).
     migrations: tuple[tuple[int, str], ...] = ((1, "0-0|1-3"), (3, "0-3"))
+    # Where the ranks save a checkpoint after the fit, then validate from it at another placement.
+    checkpoint: Path | None = None
 
     def hf_model(self) -> Any:
         return tiny_model(self.kind, attn=self.attn, num_layers=self.num_layers)
@@ -56,103 +58,56 @@ class Setup:
         data = PaddedBatches(self.batch_size * self.steps, self.padding)
         return DataLoader(data, batch_size=self.batch_size, drop_last=True)
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        return {
-            "accelerator": "cpu",
-            "precision": "64-true",
-            "max_epochs": 1,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        }
+    def recorder(self) -> MetricsRecorder:
+        return MetricsRecorder("train_loss", AUX, optional=True)  # only Mixtral logs a router loss
 
+    def rank_fit(self, rank: int, world_size: int, resume: bool) -> Fit:
+        strategy = DynMoStrategy(
+            num_microbatches=self.num_microbatches,
+            placement="0-1|2-3",
+            save_distributed_checkpoint=self.sharded_checkpoint,
+        )
+        model = HuggingFaceCausalLM(self.hf_model(), lr=self.lr)
 
-class Recorder(pl.Callback):
-    def __init__(self, migrations: dict[int, str] | None = None) -> None:
-        self.migrations = migrations or {}
-        self.losses: list[tuple[float, ...]] = []
+        def report(trainer: pl.Trainer) -> dict[str, Any]:
+            state = {model.huggingface_name(k): v.detach().clone() for k, v in model.state_dict().items()}
+            return {"state": state, **self._save_and_validate(trainer, world_size)}
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx in self.migrations:
-            trainer.strategy.apply_placement(self.migrations[batch_idx])  # type: ignore[attr-defined]
+        mover = [ForcePlacement(dict(self.migrations))]
+        return Fit(
+            model, (self.loader(),), self.recorder(), trainer_kwargs(), mover, strategy, outcome=report
+        )
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        metrics = trainer.callback_metrics
-        self.losses.append(tuple(float(metrics[k]) for k in ("train_loss", AUX) if k in metrics))
-
-
-def _fit_worker(rank: int, world_size: int, setup: Setup, checkpoint: Path | None) -> dict[str, Any]:
-    os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["NODE_RANK"] = "0"
-    recorder = Recorder(dict(setup.migrations))
-    strategy = DynMoStrategy(
-        num_microbatches=setup.num_microbatches,
-        placement="0-1|2-3",
-        save_distributed_checkpoint=setup.sharded_checkpoint,
-    )
-    trainer = pl.Trainer(
-        devices=world_size, strategy=strategy, use_distributed_sampler=False, callbacks=[recorder],
-        **setup.trainer_kwargs(),
-    )  # fmt: skip
-    model = HuggingFaceCausalLM(setup.hf_model(), lr=setup.lr)
-    trainer.fit(model, setup.loader())
-    result: dict[str, Any] = {
-        "losses": recorder.losses,
-        "state": {model.huggingface_name(k): v.detach().clone() for k, v in model.state_dict().items()},
-        "released": strategy.is_released,
-        "placement": str(strategy.placement),
-    }
-    if checkpoint is not None:
-        trainer.save_checkpoint(checkpoint)
+    def _save_and_validate(self, trainer: pl.Trainer, world_size: int) -> dict[str, Any]:
+        if self.checkpoint is None:
+            return {}
+        trainer.save_checkpoint(self.checkpoint)
         # Validate from the checkpoint at another placement on fresh ranks' models (weights by HF name).
         fresh = DynMoStrategy(
-            num_microbatches=2, placement="0-0|1-3", save_distributed_checkpoint=setup.sharded_checkpoint
+            num_microbatches=2, placement="0-0|1-3", save_distributed_checkpoint=self.sharded_checkpoint
         )
         validator = pl.Trainer(devices=world_size, strategy=fresh, use_distributed_sampler=False,
-                               **setup.trainer_kwargs())  # fmt: skip
+                               **trainer_kwargs())  # fmt: skip
         metrics = validator.validate(
-            HuggingFaceCausalLM(setup.hf_model()), setup.loader(), ckpt_path=checkpoint
+            HuggingFaceCausalLM(self.hf_model()), self.loader(), ckpt_path=self.checkpoint
         )
-        result["val_loss"] = metrics[0]["val_loss"]
-    return result
+        return {"val_loss": metrics[0]["val_loss"]}
 
-
-def _fit_reference(setup: Setup, **switches: Any) -> dict[str, Any]:
-    recorder = Recorder()
-    trainer = pl.Trainer(devices=1, callbacks=[recorder], **setup.trainer_kwargs())
-    model = HFReference(setup.hf_model(), lr=setup.lr, microbatches=setup.num_microbatches, **switches)
-    trainer.fit(model, setup.loader())
-    state = {k.removeprefix("hf."): v for k, v in model.state_dict().items()}
-    return {"losses": recorder.losses, "state": state, "model": model}
-
-
-def _loss_diff(res: dict[str, Any], ref: dict[str, Any]) -> float:
-    # A released rank logged the steps before the re-pack only.
-    pairs = zip(res["losses"], ref["losses"][: len(res["losses"])], strict=True)
-    return max(abs(a - b) for ours, theirs in pairs for a, b in zip(ours, theirs, strict=True))
-
-
-def _param_diff(res: dict[str, Any], ref: dict[str, Any]) -> float:
-    assert set(res["state"]) == set(ref["state"]), set(res["state"]) ^ set(ref["state"])
-    return max((res["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    def reference(self, **switches: Any) -> dict[str, Any]:
+        """The plain model trained by its own forward in one process (``switches``: negative controls)."""
+        model = HFReference(self.hf_model(), lr=self.lr, microbatches=self.num_microbatches, **switches)
+        ref = fit_reference(Fit(model, (self.loader(),), self.recorder(), trainer_kwargs()))
+        return {**ref, "state": {k.removeprefix("hf."): v for k, v in ref["state"].items()}}
 
 
 def _fit_and_compare(setup: Setup, tmp_path: Path, controls: dict[str, dict[str, Any]]) -> None:
-    results = run_distributed(_fit_worker, 2, tmp_path, timeout_s=240, args=(setup, None))
+    results = fit_case(setup, tmp_path)
     kept, released = results
     assert released["released"] and not kept["released"] and kept["placement"] == "0-3"
     assert len(kept["losses"]) == setup.steps and len(released["losses"]) == setup.migrations[-1][0]
-    ref = _fit_reference(setup)
-    for res in results:
-        assert _loss_diff(res, ref) < TOL, f"losses differ by {_loss_diff(res, ref):.3e}"
-    assert _param_diff(kept, ref) < TOL, f"parameters differ by up to {_param_diff(kept, ref):.3e}"
+    assert_equivalent(results, setup.reference())  # the released rank: the steps before the re-pack
     for what, switches in controls.items():
-        control = _fit_reference(setup, **switches)
-        differs = max(_loss_diff(kept, control), _param_diff(kept, control))
-        assert differs > 1e3 * TOL, f"{what} should change the result (changed it by {differs:.1e})"
+        assert_differs([kept], setup.reference(**switches), what)
 
 
 def test_gpt2_with_a_tied_head_eager_attention_and_left_and_right_padding(tmp_path: Path) -> None:
@@ -197,7 +152,7 @@ def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained
         kind="gpt2", attn="eager", steps=3, migrations=((1, "0-2|3-3"),), sharded_checkpoint=sharded
     )
     path = tmp_path / "hf.ckpt"
-    kept, other = run_distributed(_fit_worker, 2, tmp_path, timeout_s=240, args=(setup, path))
+    kept, other = fit_case(replace(setup, checkpoint=path), tmp_path)
     trained = {**other["state"], **kept["state"]}
     if sharded:
         checkpoint = torch.load(export_full_checkpoint(path, tmp_path / "full.ckpt"), weights_only=False)

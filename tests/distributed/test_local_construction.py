@@ -34,15 +34,8 @@ from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.pipeline.model import construction
 from lightning_dynmo.pipeline.model.construction import materialize_model
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import (
-    TOL,
-    ForcePlacement,
-    LossRecorder,
-    Run,
-    make_strategy,
-    max_param_diff,
-    reference,
-)
+from tests.distributed import fitting
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.meta_model import ConfiguredGPT, MetaGPT, model_bytes
 
@@ -133,7 +126,7 @@ class Watch(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.setup_growth = (resident_kib("VmHWM") - self.baseline_kib) * 1024
-        self.initial = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.initial = local_state(pl_module)
         self.held.append(model_bytes(pl_module))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
@@ -146,7 +139,7 @@ def construction_worker(rank: int, world_size: int, run: MetaRun) -> dict[str, A
     if run.shared_stream:
         counter = itertools.count()
         construction.unit_seed = lambda seed, unit: next(counter)  # type: ignore[assignment]
-    recorder, mover = LossRecorder(), ForcePlacement(dict(run.migrations))
+    recorder, mover = fitting.LossRecorder(), fitting.ForcePlacement(dict(run.migrations))
     strategy = make_strategy(run)
     trainer = pl.Trainer(
         devices=world_size,
@@ -162,7 +155,7 @@ def construction_worker(rank: int, world_size: int, run: MetaRun) -> dict[str, A
     assert isinstance(strategy, DynMoStrategy)
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "initial": watch.initial,
         "setup_growth": watch.setup_growth,
         "held": watch.held,

@@ -25,8 +25,9 @@ from torch import Tensor
 
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import TOL, LossRecorder
+from tests.distributed.fitting import TOL, LossRecorder, local_state
 from tests.distributed.harness import run_distributed
+from tests.quiet_trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -118,16 +119,11 @@ def _fit(
     world_size: int, kind: str, overflow_at: int | None, strategy_cls: type | None, steps: int
 ) -> dict[str, Any]:
     recorder = Recorder()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=strategy_cls(num_microbatches=4) if strategy_cls else "auto",
         plugins=[_plugin(kind)],
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[recorder],
     )
@@ -140,7 +136,7 @@ def _fit(
         "scales": recorder.scales,
         "param_sums": recorder.param_sums,
         "grads": recorder.grads,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
     }
 
 
@@ -231,7 +227,7 @@ def _aux_worker(rank: int, world_size: int, strategy_cls: type) -> dict[str, Any
     trainer.fit(model, setup.replica_loader(0))
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
     }
 
 

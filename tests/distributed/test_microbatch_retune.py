@@ -18,7 +18,15 @@ import pytest
 
 from lightning_dynmo.pipeline.step.microbatches import MicrobatchCount
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy, max_param_diff, reference
+from tests.distributed.fitting import (
+    TOL,
+    LossRecorder,
+    Run,
+    local_state,
+    make_strategy,
+    max_param_diff,
+    reference,
+)
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -87,7 +95,7 @@ def retune_worker(rank: int, world_size: int, count: int, negative: bool) -> dic
     trainer.fit(model, RUN.datamodule())
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": strategy.is_released,
         "counts": repack.counts,
         "bad_error": repack.bad_error,

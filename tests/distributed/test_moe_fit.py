@@ -16,7 +16,6 @@ and buffer (the expert biases included) in float64, and has a negative control:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,19 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.dynamism.moe import LOAD_BALANCE_LOSS, Z_LOSS, MoEOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.harness import run_distributed
+from tests.distributed.case_fit import (
+    Fit,
+    MetricsRecorder,
+    fit_case,
+    fit_reference,
+    resume_elsewhere,
+    trainer_kwargs,
+)
+from tests.distributed.controls import ForgetOnResume
+from tests.distributed.equivalence import assert_differs, assert_equivalent, state_diff
 
 pytestmark = pytest.mark.distributed
 
-TOL = 1e-9
 LOGGED = ("train_loss", f"train_aux/{LOAD_BALANCE_LOSS}", f"train_aux/{Z_LOSS}")
 # Every step decides again: these tests need a move off the lopsided start, and the busy times of such
 # tiny blocks on a shared 2-core machine can call it balanced (skip_balanced is tested with the callback).
@@ -55,6 +62,8 @@ class MoERun:
     epochs: int = 1
     # DynMoCallback's keyword arguments; None: no callback.
     dynmo: tuple[tuple[str, Any], ...] | None = EVERY_STEP
+    strategy_cls: type[DynMoStrategy] = DynMoStrategy
+    model_cls: type[GPT] = GPT
 
     @property
     def replicas(self) -> int:
@@ -74,8 +83,8 @@ class MoERun:
         ]
         return GPTConfig(vocab_size=64, seq_len=8, num_layers=4, d_model=16, num_heads=2, blocks=blocks)
 
-    def model(self, microbatches: int = 1, model_cls: type[GPT] = GPT) -> GPT:
-        return model_cls(self.config(), OptimizerConfig(lr=1e-2), microbatches=microbatches)
+    def model(self, microbatches: int = 1) -> GPT:
+        return self.model_cls(self.config(), OptimizerConfig(lr=1e-2), microbatches=microbatches)
 
     def tokens(self) -> Tensor:
         rows = self.batch_size * self.replicas * self.steps
@@ -89,28 +98,24 @@ class MoERun:
         loaders = [list(self.replica_loader(r)) for r in range(self.replicas)]
         return DataLoader([torch.cat(group) for group in zip(*loaders, strict=True)], batch_size=None)
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        return {
-            "accelerator": "cpu",
-            "precision": "64-true",
-            "max_epochs": self.epochs,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        }
+    def rank_fit(self, rank: int, world_size: int, resume: bool) -> Fit:
+        dynmo = [DynMoCallback(**dict(self.dynmo))] if self.dynmo is not None else []
+        strategy = self.strategy_cls(
+            pipeline_size=self.pipeline_size,
+            schedule="1F1B",
+            num_microbatches=self.num_microbatches,
+            placement=self.placement,
+        )
+        loader = self.replica_loader(rank // (self.pipeline_size or world_size))
+        return Fit(
+            self.model(), (loader,), MetricsRecorder(*LOGGED), trainer_kwargs(self.epochs), dynmo, strategy
+        )
 
-
-class Recorder(pl.Callback):
-    """The logged main and auxiliary losses of every step."""
-
-    def __init__(self) -> None:
-        self.losses: list[tuple[float, ...]] = []
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        self.losses.append(tuple(float(trainer.callback_metrics[name]) for name in LOGGED))
+    def reference(self, microbatches: int | None = None) -> dict[str, Any]:
+        """Routing, capacity, aux losses and expert-bias counts per micro-batch of the pipeline's split."""
+        model = self.model(microbatches=microbatches or self.num_microbatches * self.replicas)
+        recorder = MetricsRecorder(*LOGGED)
+        return fit_reference(Fit(model, (self.reference_loader(),), recorder, trainer_kwargs(self.epochs)))
 
 
 class LocalBiasGPT(GPT):
@@ -125,104 +130,10 @@ class LocalBiasGPT(GPT):
                 block.after_optimizer_step(group=None)
 
 
-class ForgetExpertBias(DynMoStrategy):
+class ForgetExpertBias(ForgetOnResume):
     """Negative control: resumes everything but the expert biases (they restart at zero)."""
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        for key, value in checkpoint["state_dict"].items():
-            if key.endswith("expert_bias"):
-                value.zero_()
-        return checkpoint
-
-
-def _worker(
-    rank: int,
-    world_size: int,
-    run: MoERun,
-    ckpt: Path | None,
-    resume: bool,
-    strategy_cls: type[DynMoStrategy],
-    model_cls: type[GPT],
-) -> dict[str, Any]:
-    os.environ["LOCAL_RANK"] = str(rank)
-    os.environ["NODE_RANK"] = "0"
-    recorder = Recorder()
-    dynmo = DynMoCallback(**dict(run.dynmo)) if run.dynmo is not None else None
-    strategy = strategy_cls(
-        pipeline_size=run.pipeline_size,
-        schedule="1F1B",
-        num_microbatches=run.num_microbatches,
-        placement=run.placement,
-    )
-    trainer = pl.Trainer(
-        devices=world_size,
-        strategy=strategy,
-        use_distributed_sampler=False,
-        callbacks=[recorder, *([dynmo] if dynmo is not None else [])],
-        **run.trainer_kwargs(),
-    )
-    model = run.model(model_cls=model_cls)
-    loader = run.replica_loader(rank // (run.pipeline_size or world_size))
-    trainer.fit(model, loader, ckpt_path=ckpt if resume else None)
-    if ckpt is not None and not resume:
-        trainer.save_checkpoint(ckpt)
-    return {
-        "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "placement": str(strategy.placement),
-        "released": strategy.is_released,
-        "rebalances": [r for r in dynmo.rebalances if r["applied"]] if dynmo is not None else [],
-    }
-
-
-def _fit(
-    run: MoERun,
-    tmp_path: Path,
-    *,
-    ckpt: Path | None = None,
-    resume: bool = False,
-    strategy_cls: type[DynMoStrategy] = DynMoStrategy,
-    model_cls: type[GPT] = GPT,
-) -> list[dict[str, Any]]:
-    args = (run, ckpt, resume, strategy_cls, model_cls)
-    return run_distributed(_worker, run.world_size, tmp_path, timeout_s=240, args=args)
-
-
-def _reference(run: MoERun, microbatches: int | None = None) -> dict[str, Any]:
-    recorder = Recorder()
-    trainer = pl.Trainer(devices=1, callbacks=[recorder], **run.trainer_kwargs())
-    model = run.model(microbatches=microbatches or run.num_microbatches * run.replicas)
-    trainer.fit(model, run.reference_loader())
-    return {"losses": recorder.losses, "state": model.state_dict()}
-
-
-def _param_diff(results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
-    merged: dict[str, Tensor] = {}
-    for res in results:
-        merged.update(res["state"])  # replicas hold identical copies
-    assert set(merged) == set(ref["state"]), set(merged) ^ set(ref["state"])
-    return max((merged[k] - ref["state"][k]).abs().max().item() for k in ref["state"])
-
-
-def _loss_diff(res: dict[str, Any], ref_losses: list[tuple[float, ...]]) -> float:
-    assert len(res["losses"]) == len(ref_losses), (
-        f"{len(res['losses'])} steps logged, {len(ref_losses)} expected"
-    )
-    return max(
-        abs(a - b)
-        for mine, theirs in zip(res["losses"], ref_losses, strict=True)
-        for a, b in zip(mine, theirs, strict=True)
-    )
-
-
-def _assert_equal(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
-    active = [r for r in results if not r["released"]]
-    for rank, res in enumerate(active):
-        diff = _loss_diff(res, ref["losses"])
-        assert diff < TOL, f"rank {rank}: main/aux losses differ from the reference by {diff:.3e}"
-    worst = _param_diff(active, ref)
-    assert worst < TOL, f"parameters and buffers differ from the reference by up to {worst:.3e}"
+    forget = "expert_bias"
 
 
 def _biases(state: dict[str, Tensor]) -> list[Tensor]:
@@ -232,18 +143,17 @@ def _biases(state: dict[str, Tensor]) -> list[Tensor]:
 @pytest.mark.slow
 def test_moe_gpt_with_every_step_rebalancing_equals_single_process(tmp_path: Path) -> None:
     run = MoERun()
-    results = _fit(run, tmp_path)
-    ref = _reference(run)
+    results = fit_case(run, tmp_path)
+    ref = run.reference()
     for res in results:
-        assert res["rebalances"], "the callback must move layers off the lopsided start placement"
+        assert res["moved"], "the callback must move layers off the lopsided start placement"
         assert res["placement"] != run.placement
     assert len(_biases(ref["state"])) == 2 and all(b.abs().max() > 0 for b in _biases(ref["state"]))
     assert all(aux > 0 for _, *auxes in ref["losses"] for aux in auxes)
-    _assert_equal(results, ref)
+    assert_equivalent(results, ref)
     # Negative control: routing the whole batch at once (capacity, aux losses and loads per batch, not
     # per micro-batch) is another model; the comparison sees it.
-    whole = _reference(run, microbatches=1)
-    assert max(_param_diff(results, whole), _loss_diff(results[0], whole["losses"])) > 1e-6
+    assert_differs(results, run.reference(microbatches=1), "routing whole batches")
 
 
 @pytest.mark.slow
@@ -251,40 +161,32 @@ def test_moe_gpt_on_2_data_parallel_x_2_pipeline_equals_single_process(tmp_path:
     # Balanced by parameter count, so the move off the lopsided start does not hang on the timings of
     # tiny blocks on 4 processes sharing 2 cores (measured, they can call the start balanced).
     run = MoERun(world_size=4, pipeline_size=2, steps=4, dynmo=(*EVERY_STEP, ("cost", "params")))
-    results = _fit(run, tmp_path)
-    ref = _reference(run)
-    assert all(res["rebalances"] for res in results)
-    _assert_equal(results, ref)
+    results = fit_case(run, tmp_path, world_size=run.world_size)
+    ref = run.reference()
+    assert all(res["moved"] for res in results)
+    assert_equivalent(results, ref)
     # Negative control: without summing the loads over the replicas, each replica's bias follows its
     # own data: they drift from the reference (and from each other).
-    local = _fit(run, tmp_path, model_cls=LocalBiasGPT)
-    assert _param_diff(local[:2], ref) > 1e-6 or _param_diff(local[2:], ref) > 1e-6
+    local = fit_case(replace(run, model_cls=LocalBiasGPT), tmp_path, world_size=run.world_size)
+    assert state_diff(local[:2], ref) > 1e-6 or state_diff(local[2:], ref) > 1e-6
 
 
 @pytest.mark.slow
 def test_moe_gpt_repacked_onto_one_rank_continues_exactly(tmp_path: Path) -> None:
     dynmo = (*EVERY_STEP, ("repack", True), ("target_num_stages", 1), ("max_slowdown", 4.0))
     run = MoERun(placement="0-1|2-3", dynmo=(*dynmo, ("memory_capacity_bytes", 2**40)))
-    rank0, rank1 = _fit(run, tmp_path)
+    rank0, rank1 = fit_case(run, tmp_path)
     assert not rank0["released"] and rank1["released"]
     assert rank0["placement"] == "0-3" and len(rank1["losses"]) < run.steps == len(rank0["losses"])
-    _assert_equal([rank0, rank1], _reference(run))
+    assert_equivalent([rank0, rank1], run.reference())
 
 
 @pytest.mark.slow
 def test_moe_gpt_resumed_at_another_placement_continues_exactly(tmp_path: Path) -> None:
     run = MoERun()
-    ckpt = tmp_path / "epoch1.ckpt"
-    first = _fit(run, tmp_path, ckpt=ckpt)
-    saved = first[0]["placement"]
-    other = "0-2|3-3" if saved != "0-2|3-3" else "0-1|2-3"
-    # No callback in the second run: it starts, and stays, at `other`.
-    second = replace(run, epochs=2, placement=other, dynmo=None)
-    resumed = _fit(second, tmp_path, ckpt=ckpt, resume=True)
-    ref = _reference(second)
-    assert all(res["placement"] == other != saved for res in resumed)
-    assert len(ref["losses"]) == 2 * run.steps
-    _assert_equal(resumed, {**ref, "losses": ref["losses"][run.steps :]})
     # Negative control: the same resume without the expert biases.
-    forgot = _fit(second, tmp_path, ckpt=ckpt, resume=True, strategy_cls=ForgetExpertBias)
-    assert _param_diff(forgot, ref) > 1e-6
+    second, resumed, forgot = resume_elsewhere(run, tmp_path, forgetful=ForgetExpertBias)
+    ref = second.reference()
+    assert len(ref["losses"]) == 2 * run.steps
+    assert_equivalent(resumed, ref, ref["losses"][run.steps :])
+    assert state_diff(forgot, ref) > 1e-6

@@ -15,17 +15,14 @@ entries again before any forward uses them (they are tiny, and a step's pruning 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from torch import nn
 
-from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.pruning import PruningConfig, prunable_linears
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
@@ -33,8 +30,10 @@ from lightning_dynmo.dynamism.sparse_linear import MaskedLinear
 from lightning_dynmo.dynamism_callbacks import PruningCallback
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import TOL, ForcePlacement, LossRecorder
-from tests.distributed.harness import run_distributed
+from tests.distributed.case_fit import Fit, fit_case, fit_reference, rebalance_on_events, trainer_kwargs
+from tests.distributed.controls import SpoilOnArrival
+from tests.distributed.equivalence import assert_equivalent, state_diff
+from tests.distributed.fitting import ForcePlacement, LossRecorder
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -52,6 +51,8 @@ class PruneRun:
     schedule: PruningSchedule = field(
         default_factory=lambda: PruningSchedule(final_sparsity=0.8, start_step=1, frequency=2, num_steps=4)
     )
+    strategy_cls: type[DynMoStrategy] = DynMoStrategy
+    extra: tuple[pl.Callback, ...] = ()
 
     def model(self) -> GPT:
         config = GPTConfig(num_layers=4, d_model=16, num_heads=2, seq_len=16, vocab_size=64)
@@ -63,29 +64,31 @@ class PruneRun:
     def datamodule(self) -> RandomTokenDataModule:
         return RandomTokenDataModule(batch_size=8, num_samples=8 * self.steps, seq_len=16, vocab_size=64)
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        return {
-            "accelerator": "cpu",
-            "precision": "64-true",
-            "max_epochs": self.epochs,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-        }
+    def rank_fit(self, rank: int, world_size: int, resume: bool) -> Fit:
+        model, pruning = self.model(), self.pruning()
+        callbacks: list[pl.Callback] = [pruning, ForcePlacement(dict(self.migrations)), *self.extra]
+        if self.dynmo:
+            callbacks.append(rebalance_on_events())
+        strategy = self.strategy_cls(schedule="1F1B", num_microbatches=4, placement=self.placement)
+        fit = Fit(
+            model, (self.datamodule(),), LossRecorder(), trainer_kwargs(self.epochs), callbacks, strategy
+        )
+        fit.outcome = lambda trainer: outcome(model, pruning)
+        return fit
+
+    def reference(self) -> dict[str, Any]:
+        """The same training in this process, on one device, without migrations or DynMo."""
+        model, pruning = self.model(), self.pruning()
+        fit = Fit(model, (self.datamodule(),), LossRecorder(), trainer_kwargs(self.epochs), [pruning])
+        fit.outcome = lambda trainer: outcome(model, pruning)
+        return fit_reference(fit)
 
 
-class DropMasksOnArrival(DynMoStrategy):
+class DropMasksOnArrival(SpoilOnArrival):
     """Negative control: a layer that migrates arrives without its masks (all weights kept again)."""
 
-    def apply_placement(self, new: Any) -> Any:
-        report = super().apply_placement(new)
-        module = self.lightning_module
-        assert module is not None
-        for move in report.moves:
-            if move.dst == self.global_rank:
-                forget_masks(module.get_submodule(move.unit))
-        return report
+    def spoil(self, block: nn.Module) -> None:
+        forget_masks(block)
 
 
 def forget_masks(module: nn.Module) -> None:
@@ -102,108 +105,19 @@ class DropMasksOnResume(pl.Callback):
         forget_masks(pl_module)
 
 
-def outcome(model: GPT, recorder: LossRecorder, pruning: PruningCallback) -> dict[str, Any]:
+def outcome(model: GPT, pruning: PruningCallback) -> dict[str, Any]:
     layers = {int(k): b for k, b in model.layers.items()}
     return {
-        "losses": recorder.losses,
-        "state": {
-            k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)
-        },
         "kernels": {n: m.kernel for _, n, m in prunable_linears(layers)},
         "history": [(r.step, r.sparsity) for r in pruning.history],
     }
 
 
-def fit_worker(
-    rank: int,
-    world_size: int,
-    run: PruneRun,
-    strategy_cls: type[DynMoStrategy],
-    ckpt: Path | None,
-    resume: bool,
-    extra: list[pl.Callback],
-) -> dict[str, Any]:
-    os.environ["LOCAL_RANK"] = str(rank)  # LightningEnvironment: processes are created externally
-    os.environ["NODE_RANK"] = "0"
-    recorder, pruning, mover = LossRecorder(), run.pruning(), ForcePlacement(dict(run.migrations))
-    callbacks: list[pl.Callback] = [recorder, pruning, mover, *extra]
-    dynmo = DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
-    if run.dynmo:
-        callbacks.append(dynmo)
-    strategy = strategy_cls(schedule="1F1B", num_microbatches=4, placement=run.placement)
-    trainer = pl.Trainer(
-        devices=world_size,
-        strategy=strategy,
-        use_distributed_sampler=False,
-        callbacks=callbacks,
-        **run.trainer_kwargs(),
-    )
-    model = run.model()
-    trainer.fit(model, run.datamodule(), ckpt_path=ckpt if resume else None)
-    if ckpt is not None and not resume:
-        trainer.save_checkpoint(ckpt)
-    return {
-        **outcome(model, recorder, pruning),
-        "released": strategy.is_released,
-        "applied": mover.applied,
-        "rebalances": dynmo.rebalances,
-        "events": [(e.kind, e.layers, e.step) for e in dynmo.events],
-    }
-
-
-def fit_distributed(
-    run: PruneRun,
-    tmp_path: Path,
-    strategy_cls: type[DynMoStrategy] = DynMoStrategy,
-    ckpt: Path | None = None,
-    resume: bool = False,
-    extra: tuple[pl.Callback, ...] = (),
-) -> list[dict[str, Any]]:
-    args = (run, strategy_cls, ckpt, resume, list(extra))
-    return run_distributed(fit_worker, 2, tmp_path, timeout_s=180, args=args)
-
-
-def reference(run: PruneRun) -> dict[str, Any]:
-    """The same training in this process, on one device, without migrations or DynMo."""
-    recorder, pruning = LossRecorder(), run.pruning()
-    trainer = pl.Trainer(devices=1, callbacks=[recorder, pruning], **run.trainer_kwargs())
-    model = run.model()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run: tiny matrices are much slower on 2 threads here
-    try:
-        trainer.fit(model, run.datamodule())
-    finally:
-        torch.set_num_threads(threads)
-    return outcome(model, recorder, pruning)
-
-
-def state_diff(results: list[dict[str, Any]], ref: dict[str, Any]) -> float:
-    """Largest difference of a float tensor; masks must be identical (inf if not)."""
-    merged: dict[str, torch.Tensor] = {}
-    for res in results:
-        merged.update(res["state"])
-    assert set(merged) == set(ref["state"]), set(merged) ^ set(ref["state"])
-    worst = 0.0
-    for key, want in ref["state"].items():
-        if want.dtype == torch.bool:
-            if not torch.equal(merged[key], want):
-                return float("inf")
-        else:
-            worst = max(worst, (merged[key] - want).abs().max().item())
-    return worst
-
-
 def assert_equal_to_reference(
     results: list[dict[str, Any]], ref: dict[str, Any], losses: list[float]
 ) -> None:
+    assert_equivalent(results, ref, losses)  # masks must be identical
     active = [res for res in results if not res["released"]]
-    for res in results:
-        n = len(res["losses"])
-        diff = max(abs(a - b) for a, b in zip(res["losses"], losses[:n], strict=True))
-        assert diff < TOL, f"losses differ from the reference by {diff:.3e}"
-    for res in active:
-        assert len(res["losses"]) == len(losses)
-    assert state_diff(active, ref) < TOL
     kernels = {k: v for res in active for k, v in res["kernels"].items()}
     assert kernels == ref["kernels"]
     for key, mask in ref["state"].items():  # the pruned weights are exactly zero where the ranks left them
@@ -214,10 +128,10 @@ def assert_equal_to_reference(
 
 def test_pruning_events_drive_dynmo_and_training_equals_single_process(tmp_path: Path) -> None:
     run = PruneRun(dynmo=True)
-    ref = reference(run)
+    ref = run.reference()
     assert [step for step, _ in ref["history"]] == [1, 3, 5, 7, 9]
     assert ref["history"][-1][1] == pytest.approx(0.8, abs=1e-4)
-    results = fit_distributed(run, tmp_path)
+    results = fit_case(run, tmp_path)
     assert_equal_to_reference(results, ref, ref["losses"])
     for res in results:
         assert res["history"] == ref["history"]  # the same global sparsity on every rank
@@ -234,20 +148,20 @@ def test_pruned_layers_migrate_exactly(tmp_path: Path) -> None:
     # be healed by the next selection (which would re-prune the few regrown entries before any forward).
     schedule = PruningSchedule(final_sparsity=0.8, start_step=1, frequency=2, num_steps=3)
     run = PruneRun(steps=11, schedule=schedule, migrations=((4, "0-2|3-3"), (8, "0-0|1-3")))
-    ref = reference(run)
-    results = fit_distributed(run, tmp_path)
+    ref = run.reference()
+    results = fit_case(run, tmp_path)
     assert all(res["applied"] == ["0-2|3-3", "0-0|1-3"] for res in results)
     assert_equal_to_reference(results, ref, ref["losses"])
     # Negative control: layers that lose their masks when they move regrow their pruned weights.
-    dropped = fit_distributed(run, tmp_path, strategy_cls=DropMasksOnArrival)
+    dropped = fit_case(replace(run, strategy_cls=DropMasksOnArrival), tmp_path)
     assert state_diff(dropped, ref) > 1e-4
 
 
 def test_pruning_after_a_repack_stays_global_and_exact(tmp_path: Path) -> None:
     # Re-pack onto rank 0 at step 6; steps 7 and 9 prune on the one-rank pipeline.
     run = PruneRun(steps=11, migrations=((6, "0-3"),))
-    ref = reference(run)
-    results = fit_distributed(run, tmp_path)
+    ref = run.reference()
+    results = fit_case(run, tmp_path)
     assert results[0]["applied"] == ["0-3"] and results[1]["released"]
     assert_equal_to_reference(results, ref, ref["losses"])
     assert results[0]["history"] == ref["history"]
@@ -259,21 +173,16 @@ def test_resume_on_another_placement_keeps_pruning_exactly(num_steps: int, tmp_p
     # Epoch 1 is steps 0-5 (pruning at 1, 3, 5), epoch 2 steps 6-11 (pruning at 7, 9 with num_steps=4).
     schedule = PruningSchedule(final_sparsity=0.8, start_step=1, frequency=2, num_steps=num_steps)
     whole = PruneRun(steps=6, epochs=2, schedule=schedule)
-    ref = reference(whole)
+    ref = whole.reference()
     ckpt = tmp_path / "epoch1.ckpt"
-    fit_distributed(replace(whole, epochs=1), tmp_path, ckpt=ckpt)
-    resumed = fit_distributed(replace(whole, placement="0-2|3-3"), tmp_path, ckpt=ckpt, resume=True)
+    fit_case(replace(whole, epochs=1), tmp_path, ckpt=ckpt)
+    resumed = fit_case(replace(whole, placement="0-2|3-3"), tmp_path, ckpt=ckpt, resume=True)
     assert_equal_to_reference(resumed, ref, ref["losses"][6:])
     for res in resumed:
         assert res["history"] == ref["history"]  # restored from the checkpoint (and continued)
     if num_steps == 2:
         # Negative control: a resume that loses the masks regrows the pruned weights. (With pruning steps
         # after the resume the next selection would prune the regrown entries again before any forward.)
-        lost = fit_distributed(
-            replace(whole, placement="0-2|3-3"),
-            tmp_path,
-            ckpt=ckpt,
-            resume=True,
-            extra=(DropMasksOnResume(),),
-        )
+        forgetful = replace(whole, placement="0-2|3-3", extra=(DropMasksOnResume(),))
+        lost = fit_case(forgetful, tmp_path, ckpt=ckpt, resume=True)
         assert state_diff(lost, ref) > 1e-4

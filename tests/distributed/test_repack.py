@@ -21,15 +21,8 @@ import torch
 
 from lightning_dynmo.pipeline.placement.release import ReleaseEvent
 from lightning_dynmo.strategy import DynMoStrategy
-from tests.distributed.fitting import (
-    TOL,
-    ForcePlacement,
-    LossRecorder,
-    Run,
-    make_strategy,
-    max_param_diff,
-    reference,
-)
+from tests.distributed import fitting
+from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -64,7 +57,7 @@ def repack_worker(rank: int, world_size: int, run: Run, marker_dir: Path) -> dic
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
     hook_events: list[ReleaseEvent] = []
-    recorder, mover = LossRecorder(), ForcePlacement(dict(run.migrations))
+    recorder, mover = fitting.LossRecorder(), fitting.ForcePlacement(dict(run.migrations))
     watcher = ReleaseWatcher(marker_dir, wait_at=run.steps - 1)
     strategy = make_strategy(run, on_release=hook_events.append)
     trainer = pl.Trainer(
@@ -80,7 +73,7 @@ def repack_worker(rank: int, world_size: int, run: Run, marker_dir: Path) -> dic
         (marker_dir / f"released-{rank}").touch()
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": strategy.is_released,
         "active_ranks": strategy.active_ranks,
         "stage_index": strategy.stage_index,
@@ -213,7 +206,7 @@ def _fit_with_forced_placements(rank: int, world_size: int, run: Run) -> DynMoSt
     trainer = pl.Trainer(
         devices=world_size,
         strategy=strategy,
-        callbacks=[ForcePlacement(dict(run.migrations))],
+        callbacks=[fitting.ForcePlacement(dict(run.migrations))],
         **run.trainer_kwargs(),
     )
     trainer.fit(run.model(), run.datamodule())

@@ -11,7 +11,7 @@ auxiliary gradient each change the result by far more than the tolerance.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_dynmo.strategy import DynMoStrategy
+from tests.distributed.fitting import Run, local_state
 from tests.distributed.harness import run_distributed
 from tests.distributed.interface_model import MaskedGPT, PaddedTokens, exit_fraction
 
@@ -30,17 +31,10 @@ AUX = "train_aux/router_z"
 
 
 @dataclass(frozen=True)
-class Setup:
-    world_size: int = 2
-    pipeline_size: int | None = None
-    schedule: str = "1F1B"
-    num_microbatches: int = 4
-    num_layers: int = 4
-    placement: str = "uniform"
-    batch_size: int = 8  # per replica
+class Setup(Run):
+    """A :class:`Run` of ``MaskedGPT`` on left-padded batches (``batch_size`` per replica)."""
+
     steps: int = 5
-    accumulate: int = 1
-    migrations: tuple[tuple[int, str], ...] = field(default_factory=tuple)
 
     @property
     def replicas(self) -> int:
@@ -63,24 +57,12 @@ class Setup:
         ]
         return DataLoader(batches, batch_size=None)
 
-    def model(self, **overrides: Any) -> MaskedGPT:
+    def model(self, **overrides: Any) -> MaskedGPT:  # type: ignore[override]
         kwargs = {
             "num_layers": self.num_layers,
             "reference_microbatches": self.num_microbatches * self.replicas,
         }
         return MaskedGPT(**{**kwargs, **overrides}).double()
-
-    def trainer_kwargs(self) -> dict[str, Any]:
-        return {
-            "accelerator": "cpu",
-            "precision": "64-true",
-            "max_epochs": 1,
-            "logger": False,
-            "enable_checkpointing": False,
-            "enable_progress_bar": False,
-            "enable_model_summary": False,
-            "accumulate_grad_batches": self.accumulate,
-        }
 
 
 class Recorder(pl.Callback):
@@ -123,7 +105,7 @@ def _fit_worker(rank: int, world_size: int, setup: Setup) -> dict[str, Any]:
     predictions = trainer.predict(model, DataLoader(list(loader)[:1], batch_size=None))
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "placement": str(strategy.placement),
         "prediction": predictions[0] if predictions else None,
     }

@@ -12,6 +12,7 @@ import torch
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.harness import run_distributed
+from tests.quiet_trainer import quiet_trainer
 
 pytestmark = pytest.mark.distributed
 
@@ -45,15 +46,10 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
     if case.get("tie_blocks"):
         model.layers["1"].ln1.weight = model.layers["0"].ln1.weight
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         devices=world_size,
         strategy=DynMoStrategy(**case.get("strategy", {})),
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[_ApplyPerRank(case["per_rank"])] if "per_rank" in case else [],
     )

@@ -31,7 +31,7 @@ from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, EmulatedCost
 from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
 from lightning_dynmo.profiling import module_has_hooks
-from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy
+from tests.distributed.fitting import TOL, LossRecorder, Run, local_state, make_strategy
 from tests.distributed.harness import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -80,7 +80,7 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
     hardware = dynmo.last_hardware
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "placement": str(trainer.strategy.placement),
         "rebalances": dynmo.rebalances,
         "costs": dynmo.last_costs,

@@ -23,7 +23,7 @@ from lightning_dynmo.callback import dynmo_callback as callback_module
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import DynamismEvent, notify_dynamism
 from lightning_dynmo.profiling import module_has_hooks
-from tests.distributed.fitting import TOL, LossRecorder, Run, make_strategy, reference
+from tests.distributed.fitting import TOL, LossRecorder, Run, local_state, make_strategy, reference
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -75,7 +75,7 @@ def fit_with_callback(
     trainer.fit(model, run.datamodule())
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "placement": str(trainer.strategy.placement),
         "rebalances": dynmo.rebalances,
         "events": dynmo.events,

@@ -24,7 +24,7 @@ import pytest
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import notify_dynamism
-from tests.distributed.fitting import TOL, LossRecorder, make_strategy, reference
+from tests.distributed.fitting import TOL, LossRecorder, local_state, make_strategy, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_checkpoint import EpochRun
 
@@ -84,7 +84,7 @@ def worker(
         trainer.save_checkpoint(ckpt)
     return {
         "losses": recorder.losses,
-        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": local_state(model),
         "released": trainer.strategy.is_released,
         "placement": str(trainer.strategy.placement),
         "placement_at_start": probe.placement,

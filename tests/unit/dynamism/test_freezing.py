@@ -20,6 +20,7 @@ from lightning_dynmo.dynamism.freezing import (
 from lightning_dynmo.dynamism_callbacks import FreezingCallback
 from lightning_dynmo.events import DynamismEvent, EventBus
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
+from tests.quiet_trainer import quiet_trainer
 
 
 def blocks(num: int = 4) -> dict[int, nn.Module]:
@@ -197,15 +198,7 @@ def train(config: FreezingConfig | None, steps: int = 6) -> Snapshots:
     )
     snapshots = Snapshots()
     callbacks: list[pl.Callback] = [snapshots] + ([FreezingCallback(config)] if config else [])
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = quiet_trainer(max_epochs=1, callbacks=callbacks)
     trainer.fit(model, RandomTokenDataModule(batch_size=4, num_samples=4 * steps, seq_len=16, vocab_size=64))
     return snapshots
 
@@ -254,15 +247,7 @@ class UnfreezeAt(pl.Callback):
 def test_callback_unfreezes_only_when_asked_at_the_next_step() -> None:
     model = GPT(GPTConfig(num_layers=4, d_model=16, num_heads=2, seq_len=16, vocab_size=64))
     freezing = FreezingCallback(FreezingConfig(criterion="schedule", schedule=((1, 3),)))
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[freezing, UnfreezeAt(freezing, at=2, layer=1)],
-    )
+    trainer = quiet_trainer(max_epochs=1, callbacks=[freezing, UnfreezeAt(freezing, at=2, layer=1)])
     trainer.fit(model, RandomTokenDataModule(batch_size=4, num_samples=16, seq_len=16, vocab_size=64))
     assert [(r.step, r.num_frozen, r.reason) for r in freezing.history] == [
         (1, 3, "schedule"),

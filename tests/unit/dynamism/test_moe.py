@@ -4,10 +4,8 @@ numbers, capacity drops, gradients, the expert bias, loads and routing events, a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
@@ -28,6 +26,7 @@ from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
 from lightning_dynmo.pipeline.model.contract import check_model_contract
 from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 from lightning_dynmo.pipeline.step.stage import StageModule
+from tests.quiet_trainer import quiet_trainer
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, num_layers=2, d_model=16, num_heads=2, d_ff=24)
 
@@ -303,12 +302,6 @@ def test_moe_gpt_config_builds_a_gpt_that_declares_the_aux_losses() -> None:
     assert no_z.pipeline_aux_losses == (LOAD_BALANCE_LOSS,)
 
 
-@pytest.fixture
-def tokens() -> Iterator[DataLoader[Tensor]]:
-    data = torch.randint(0, 256, (12, 9), generator=torch.Generator().manual_seed(0))
-    yield DataLoader(list(data), batch_size=4)
-
-
 def test_the_gpt_updates_the_expert_bias_after_each_optimizer_step(tokens: DataLoader[Tensor]) -> None:
     config = moe_gpt_config(
         num_layers=2,
@@ -320,13 +313,8 @@ def test_the_gpt_updates_the_expert_bias_after_each_optimizer_step(tokens: DataL
         bias_update_rate=0.01,
     )
     model = GPT(config, microbatches=2)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(model, tokens)
     bias = model.layers["0"].expert_bias

@@ -3,7 +3,6 @@ AdamW, events, kernel choice, bad settings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,14 +23,8 @@ from lightning_dynmo.dynamism.sparse_linear import MaskedLinear
 from lightning_dynmo.events import DynamismEvent, EventBus
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Small matrices on a shared 2-core machine: a second intra-op thread makes each op ~30x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Single-threaded (conftest.py): small matrices are much faster so on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 CONFIG = GPTConfig(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=32)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,27 +17,14 @@ from lightning_dynmo.dynamism.sparse_linear import MaskedLinear
 from lightning_dynmo.dynamism_callbacks import PruningCallback
 from lightning_dynmo.events import EventBus
 from lightning_dynmo.models import GPT, GPTConfig
+from tests.quiet_trainer import quiet_trainer
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Single-threaded (conftest.py): small matrices are much faster so on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def trainer(callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return quiet_trainer(max_epochs=1, callbacks=callbacks, **kwargs)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])

@@ -5,10 +5,8 @@ seeded rotations and their forward count, the work signal, and bad options."""
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,6 +27,7 @@ from lightning_dynmo.dynamism.sparse_attention import (
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
 from lightning_dynmo.pipeline.model.contract import check_model_contract
 from lightning_dynmo.pipeline.step.stage import StageModule
+from tests.quiet_trainer import quiet_trainer
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=16, num_layers=2, d_model=16, num_heads=2, d_ff=24)
 TOL = 1e-12
@@ -249,25 +248,14 @@ def test_the_active_fraction_is_the_last_steps_active_over_causal_tiles() -> Non
     assert dense.active_fraction == 1.0
 
 
-@pytest.fixture
-def tokens() -> Iterator[DataLoader[Tensor]]:
-    data = torch.randint(0, 256, (12, 9), generator=torch.Generator().manual_seed(0))
-    yield DataLoader(list(data), batch_size=4)
-
-
 def test_the_gpt_counts_forwards_and_closes_steps(tokens: DataLoader[Tensor]) -> None:
     config = sparse_attention_gpt_config(
         num_layers=2, d_model=16, num_heads=2, seq_len=8, num_buckets=4, block_size=2
     )
     model = GPT(config, microbatches=2)
     assert [block.layer_index for block in model.layers.values()] == [0, 1]
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model, tokens)

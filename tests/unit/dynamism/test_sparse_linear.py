@@ -4,7 +4,6 @@ its state (mask, kernel) survives conversion, migration packing and state_dict; 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,14 +13,8 @@ from torch import nn
 from lightning_dynmo.dynamism.sparse_linear import MaskedLinear, SparsePattern, time_kernels
 from lightning_dynmo.pipeline.migration.pack import pack_unit, unpack_unit
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # Small matrices on a shared 2-core machine: a second intra-op thread makes each op ~30x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Single-threaded (conftest.py): small matrices are much faster so on a shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def masked_layer(in_features: int, out_features: int, sparsity: float, bias: bool = True) -> MaskedLinear:

@@ -15,6 +15,7 @@ from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig, build_unit, unit_names, unit_seed
 from lightning_dynmo.models.optim import WarmupCosine
 from lightning_dynmo.pipeline.model.contract import check_model_contract
+from tests.quiet_trainer import quiet_trainer
 
 TINY: dict[str, Any] = {"num_layers": 3, "d_model": 16, "num_heads": 2, "seq_len": 8}
 
@@ -194,16 +195,11 @@ def test_single_process_training_learns_the_embedded_corpus(tmp_path: Path) -> N
     )
     model = GPT(GPTConfig(num_layers=2, d_model=32, num_heads=2, seq_len=32), OptimizerConfig(lr=1e-2))
     recorder = _Losses()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_epochs=1,
         limit_train_batches=25,
         limit_val_batches=3,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
     )
     trainer.fit(model, data)
