@@ -493,12 +493,10 @@ def _worth_it(
     return False, f"predicted gain below min_gain={config.min_gain}"
 
 
-def _stage_caps_per_worker(
-    caps: float | Sequence[float] | None, stage_workers: Sequence[int]
-) -> float | dict[int, float] | None:
+def _stage_caps_per_worker(caps: MemoryCapacity, stage_workers: Sequence[int]) -> MemoryCapacity:
     """Per-stage memory caps as per-worker caps: a worker gets the smallest cap among its stages."""
-    if caps is None or isinstance(caps, (int, float)):
-        return caps
+    if caps is None or isinstance(caps, (int, float, Mapping)):
+        return caps  # one cap for all, or already one per worker
     per_stage = memory_caps(caps, len(stage_workers))  # checks one entry per stage
     per_worker: dict[int, float] = {}
     for stage, worker in enumerate(stage_workers):
