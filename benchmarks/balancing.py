@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
     LayerCost,
     Placement,
     by_parameters,
@@ -144,11 +146,11 @@ def balancers(costs: list[LayerCost], stages: int) -> dict[str, Callable[[], Pla
     found: dict[str, Callable[[], Placement]] = {
         "uniform (Megatron)": lambda: uniform(len(costs), stages),
         "by_parameters (exact)": lambda: by_parameters(costs, stages),
-        "partition by time": lambda: solve_partition(costs, stages).placement,
+        "partition by time": lambda: solve_partition(BalanceProblem(costs), stages).placement,
         "partition by time + comm (DP probe)": lambda: (
-            solve_partition(costs, stages, comm_time_s=comm).placement
+            solve_partition(BalanceProblem(costs, hardware=Hardware(comm_time_s=comm)), stages).placement
         ),
-        "diffuse by time (from uniform)": lambda: diffuse(costs, start).placement,
+        "diffuse by time (from uniform)": lambda: diffuse(BalanceProblem(costs), start).placement,
     }
     if len(costs) * stages <= DEEPSPEED_MAX_WORK:
         found["DeepSpeed partition_balanced (ours)"] = lambda: deepspeed_partition_balanced(weights, stages)
@@ -158,7 +160,7 @@ def balancers(costs: list[LayerCost], stages: int) -> dict[str, Callable[[], Pla
 def measure(case: str, layers: int, stages: int, repeats: int) -> list[tuple[str, float, float, float]]:
     """(balancer, bottleneck / optimum, imbalance, median decision seconds) for one problem."""
     costs = dynamism_profile(case, layers)
-    optimum = solve_partition(costs, stages).bottleneck
+    optimum = solve_partition(BalanceProblem(costs), stages).bottleneck
     rows = []
     for name, decide in balancers(costs, stages).items():
         placement, seconds = _median_time(decide, repeats)
@@ -182,10 +184,10 @@ def _worker_search_vs_brute_force(problems: int) -> tuple[int, float]:
         n = rng.randint(len(workers), 10)
         costs = [LayerCost(fwd_time_s=rng.choice([rng.random(), 10 * rng.random()])) for _ in range(n)]
         best = min(
-            max(worker_loads(costs, Placement((0, *cuts, n)), workers).values())
+            max(worker_loads(BalanceProblem(costs), Placement((0, *cuts, n)), workers).values())
             for cuts in itertools.combinations(range(1, n), len(workers) - 1)
         )
-        ratio = partition_workers(costs, workers).bottleneck / best
+        ratio = partition_workers(BalanceProblem(costs), workers).bottleneck / best
         optimal += ratio <= 1 + 1e-9
         worst = max(worst, ratio)
     return optimal, worst
@@ -217,10 +219,14 @@ def virtual_stage_section(cases: Sequence[str], sizes: Sequence[tuple[int, int]]
             for layout, make in LAYOUTS.items():
                 workers = make(stages // 2)
                 per_stage = max(
-                    worker_loads(costs, solve_partition(costs, stages).placement, workers).values()
+                    worker_loads(
+                        BalanceProblem(costs),
+                        solve_partition(BalanceProblem(costs), stages).placement,
+                        workers,
+                    ).values()
                 )
                 start = time.perf_counter()
-                found = partition_workers(costs, workers)
+                found = partition_workers(BalanceProblem(costs), workers)
                 seconds = time.perf_counter() - start
                 lines.append(
                     f"| {case} | {layers}x{stages} | {layout} | {per_stage / bound:.3f} "

@@ -78,7 +78,15 @@ from benchmarks import paired
 from benchmarks.common import RESULTS, StepTimer, benchmark_trainer, launch, write_report
 from benchmarks.early_exit_mod import Setup, calibrate_exit_threshold, layer_times, step_time_s
 from benchmarks.gpt_pipeline import JobSpec, PlacementSweep, median_ms, run_job, visit_schedule
-from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, diffuse, partition, uniform
+from lightning_dynmo.balancing import (
+    BalanceProblem,
+    LayerCost,
+    Placement,
+    by_parameters,
+    diffuse,
+    partition,
+    uniform,
+)
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.dynamism.early_exit import early_exit_config
@@ -476,7 +484,7 @@ def emulated_case(
     fwd = tuple(round(1e3 * c.fwd_time_s * scale, 3) for c in layers)
     bwd = tuple(round(1e3 * c.bwd_time_s * scale, 3) for c in layers)
     fixed = {k: str(p) for k, p in static_placements([c.num_params for c in layers], stages).items()}
-    fixed["ideal"] = str(partition(layers, stages, by="time"))
+    fixed["ideal"] = str(partition(BalanceProblem(layers, by="time"), stages))
     base = EmulatedJob(fwd, bwd, stages, steps)
     jobs = {
         **{p: replace(base, candidates=(p,), warmup=steps // 2) for p in dict.fromkeys(fixed.values())},
@@ -526,7 +534,7 @@ def settled_diffusion(
     """Where repeated diffusion rebalances on the same costs settle (each call: one of DynMo's rebalances)."""
     placement = start
     for _ in range(rebalances):
-        moved = diffuse(costs, placement, by=by).placement
+        moved = diffuse(BalanceProblem(costs, by=by), placement).placement
         if moved == placement:
             break
         placement = moved
@@ -541,9 +549,11 @@ def project_case(costs: Sequence[LayerCost], num_layers: int, num_stages: int) -
     placements: dict[str, Placement] = dict(statics)
     for b, c in VARIANTS:
         placements[f"DynMo {b}/{c}"] = (
-            partition(layers, num_stages, by=c) if b == "partition" else settled_diffusion(layers, start, c)
+            partition(BalanceProblem(layers, by=c), num_stages)
+            if b == "partition"
+            else settled_diffusion(layers, start, c)
         )
-    placements["ideal"] = partition(layers, num_stages, by="time")
+    placements["ideal"] = partition(BalanceProblem(layers, by="time"), num_stages)
     none = (LayerCost(), LayerCost())
     microbatches = 4 * num_stages
     rows = {

@@ -46,7 +46,15 @@ from torch import Tensor, nn
 
 from benchmarks.common import launch, write_report
 from benchmarks.gpt_pipeline import JobSpec, median_ms, run_job
-from lightning_dynmo.balancing import LayerCost, Placement, partition, simulate_pipeline, uniform
+from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
+    LayerCost,
+    Placement,
+    partition,
+    simulate_pipeline,
+    uniform,
+)
 from lightning_dynmo.dynamism.early_exit import EarlyExitBlock, early_exit_config
 from lightning_dynmo.dynamism.mod import MoDBlock, MoDOptions, mod_config
 from lightning_dynmo.dynamism.tokens import token_counts
@@ -343,7 +351,10 @@ def step_time_s(
 def dynmo_placement(
     costs: Sequence[LayerCost], stages: int, extras: tuple[LayerCost, LayerCost]
 ) -> Placement:
-    return partition(costs, stages, first_stage_extra=extras[0], last_stage_extra=extras[1])
+    return partition(
+        BalanceProblem(costs, hardware=Hardware(first_stage_extra=extras[0], last_stage_extra=extras[1])),
+        stages,
+    )
 
 
 def _cost_at(fits: tuple[tuple[float, float], tuple[float, float]], share: float) -> LayerCost:

@@ -52,7 +52,16 @@ from torch import Tensor
 
 from benchmarks.common import StepTimer, benchmark_trainer, job_report, launch, write_report
 from benchmarks.pruning import fastest, fwd_bwd_s
-from lightning_dynmo.balancing import LayerCost, Placement, imbalance, partition, simulate_pipeline, uniform
+from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
+    LayerCost,
+    Placement,
+    imbalance,
+    partition,
+    simulate_pipeline,
+    uniform,
+)
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.freezing import FreezingConfig
@@ -218,11 +227,15 @@ def static_splits(
     levels: list[Level], num_stages: int, embed_params: int, head_params: int
 ) -> dict[str, Placement]:
     by_params = partition(
-        levels[0].costs,
+        BalanceProblem(
+            levels[0].costs,
+            by="params",
+            hardware=Hardware(
+                first_stage_extra=LayerCost(num_params=embed_params),
+                last_stage_extra=LayerCost(num_params=head_params),
+            ),
+        ),
         num_stages,
-        by="params",
-        first_stage_extra=LayerCost(num_params=embed_params),
-        last_stage_extra=LayerCost(num_params=head_params),
     )
     return {"uniform": uniform(len(levels[0].costs), num_stages), "params": by_params}
 
@@ -356,10 +369,14 @@ def project(
 ) -> list[dict[str, Any]]:
     dynmo = [
         partition(
-            lv.costs,
+            BalanceProblem(
+                lv.costs,
+                hardware=Hardware(
+                    first_stage_extra=LayerCost(fwd_time_s=lv.first[0], bwd_time_s=lv.first[1]),
+                    last_stage_extra=LayerCost(fwd_time_s=lv.last[0], bwd_time_s=lv.last[1]),
+                ),
+            ),
             num_stages,
-            first_stage_extra=LayerCost(fwd_time_s=lv.first[0], bwd_time_s=lv.first[1]),
-            last_stage_extra=LayerCost(fwd_time_s=lv.last[0], bwd_time_s=lv.last[1]),
         )
         for lv in levels
     ]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
-from lightning_dynmo.balancing import partition
+from lightning_dynmo.balancing import BalanceProblem, partition
 from lightning_dynmo.balancing.placement import Placement
 
 
@@ -119,7 +119,7 @@ def train(job: Job) -> dict[str, Any]:
         block_s = statistics.fmean(c.time_s for c in costs)
         last = hardware.last_stage_extra
         first = hardware.first_stage_extra
-        out["block_only"] = str(partition(costs, 2))
+        out["block_only"] = str(partition(BalanceProblem(costs), 2))
         out["head_blocks"] = last.time_s / block_s if last is not None else float("nan")
         out["embedding_blocks"] = first.time_s / block_s if first is not None else float("nan")
         out["decisions"] = [

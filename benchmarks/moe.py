@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
-from lightning_dynmo.balancing import LayerCost, partition
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
 from lightning_dynmo.dynamism.moe import MoEBlock, MoEOptions, moe_gpt_config
@@ -333,19 +333,21 @@ def project(costs: list[list[LayerCost]], num_stages: int, microbatches: int, sk
         )
         for i in range(num_layers)
     ]
-    fixed = partition(mean, num_stages)
+    fixed = partition(BalanceProblem(mean), num_stages)
     config = BalanceConfig(balancer="partition", cost="time")
     current, smoothed = uniform, None
     totals = {"static": 0.0, "dynmo": 0.0, "best_fixed": 0.0, "oracle": 0.0}
     moves = 0
     for t, step in enumerate(costs):
         if t >= skip:
-            totals["static"] += predict(step, uniform, microbatches, "1F1B")[0]
-            totals["dynmo"] += predict(step, current, microbatches, "1F1B")[0]
-            totals["best_fixed"] += predict(step, fixed, microbatches, "1F1B")[0]
-            totals["oracle"] += predict(step, partition(step, num_stages), microbatches, "1F1B")[0]
+            totals["static"] += predict(BalanceProblem(step), uniform, microbatches, "1F1B")[0]
+            totals["dynmo"] += predict(BalanceProblem(step), current, microbatches, "1F1B")[0]
+            totals["best_fixed"] += predict(BalanceProblem(step), fixed, microbatches, "1F1B")[0]
+            totals["oracle"] += predict(
+                BalanceProblem(step), partition(BalanceProblem(step), num_stages), microbatches, "1F1B"
+            )[0]
         smoothed = smooth_costs(smoothed, step, 0.8)  # DynMoCallback's every-step default
-        decision = decide(smoothed, current, config, microbatches, "1F1B")
+        decision = decide(config.problem(smoothed), current, config, microbatches, "1F1B")
         if decision.apply:
             current, moves = decision.proposed, moves + 1
     count = len(measured)

@@ -55,7 +55,16 @@ import torch
 from torch import Tensor
 
 from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
-from lightning_dynmo.balancing import LayerCost, Placement, imbalance, partition, simulate_pipeline, uniform
+from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
+    LayerCost,
+    Placement,
+    imbalance,
+    partition,
+    simulate_pipeline,
+    uniform,
+)
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.dynamism.pruning import (
@@ -298,11 +307,15 @@ def static_splits(
 ) -> dict[str, Placement]:
     dense = costs_of(levels[0], "dense")
     by_params = partition(
-        dense,
+        BalanceProblem(
+            dense,
+            by="params",
+            hardware=Hardware(
+                first_stage_extra=LayerCost(num_params=embed_params),
+                last_stage_extra=LayerCost(num_params=head_params),
+            ),
+        ),
         num_stages,
-        by="params",
-        first_stage_extra=LayerCost(num_params=embed_params),
-        last_stage_extra=LayerCost(num_params=head_params),
     )
     return {"uniform": uniform(len(dense), num_stages), "params": by_params}
 
@@ -441,10 +454,14 @@ def simulated_ms(level: Level, view: str, placement: Placement, microbatches: in
 
 def dynmo_placement(level: Level, view: str, num_stages: int) -> Placement:
     return partition(
-        costs_of(level, view),
+        BalanceProblem(
+            costs_of(level, view),
+            hardware=Hardware(
+                first_stage_extra=LayerCost(fwd_time_s=level.first[0], bwd_time_s=level.first[1]),
+                last_stage_extra=LayerCost(fwd_time_s=level.last[0], bwd_time_s=level.last[1]),
+            ),
+        ),
         num_stages,
-        first_stage_extra=LayerCost(fwd_time_s=level.first[0], bwd_time_s=level.first[1]),
-        last_stage_extra=LayerCost(fwd_time_s=level.last[0], bwd_time_s=level.last[1]),
     )
 
 

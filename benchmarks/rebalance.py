@@ -35,7 +35,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks.common import StepTimer, fit_demo_gpt, launch, write_report
-from lightning_dynmo.balancing import LayerCost, partition
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos.dynamics import ScheduledCostChange
 from lightning_dynmo.strategy import DynMoStrategy
@@ -133,7 +133,7 @@ def compare(scenario: Scenario, args: argparse.Namespace) -> list[dict[str, Any]
         change_at=args.change_at,
         num_microbatches=args.microbatches,
     )
-    ideal = str(partition(post_change_costs(base), 2))
+    ideal = str(partition(BalanceProblem(post_change_costs(base)), 2))
     specs = [
         base,
         _with(base, label="DynMo partition/time", balancer="partition", cost="time"),

@@ -55,7 +55,7 @@ import torch
 
 from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
 from benchmarks.moe import candidates, linear_fit
-from lightning_dynmo.balancing import LayerCost, by_parameters, imbalance, partition, uniform
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, by_parameters, imbalance, partition, uniform
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
 from lightning_dynmo.dynamism.sparse_attention import (
@@ -275,7 +275,10 @@ def static_imbalance_table(measured: Measured, skip: int) -> str:
         for label, placement in (
             ("static uniform", uniform(num_layers, stages)),
             ("parameters", by_parameters(costs[0], stages)),
-            ("best fixed (partition of the mean costs)", partition(_mean_costs(costs), stages)),
+            (
+                "best fixed (partition of the mean costs)",
+                partition(BalanceProblem(_mean_costs(costs)), stages),
+            ),
         ):
             loads = [
                 imbalance([sum(step[i].time_s for i in placement.layers_of(s)) for s in range(stages)])
@@ -306,7 +309,7 @@ def project(
     num_layers = len(costs[0])
     static = uniform(num_layers, num_stages)
     params = by_parameters(costs[0], num_stages)
-    fixed = partition(_mean_costs(costs[skip:]), num_stages)
+    fixed = partition(BalanceProblem(_mean_costs(costs[skip:])), num_stages)
     config = BalanceConfig(balancer="partition", cost="time")
     every, periodic, smoothed = static, static, None
     totals = dict.fromkeys(("static", "params", "every_step", "periodic", "best_fixed", "oracle"), 0.0)
@@ -319,11 +322,11 @@ def project(
                 ("every_step", every),
                 ("periodic", periodic),
                 ("best_fixed", fixed),
-                ("oracle", partition(step, num_stages)),
+                ("oracle", partition(BalanceProblem(step), num_stages)),
             ):
-                totals[key] += predict(step, placement, microbatches, "1F1B")[0]
+                totals[key] += predict(BalanceProblem(step), placement, microbatches, "1F1B")[0]
         smoothed = smooth_costs(smoothed, step, 0.8)  # DynMoCallback's every-step default
-        decision = decide(smoothed, every, config, microbatches, "1F1B")
+        decision = decide(config.problem(smoothed), every, config, microbatches, "1F1B")
         if decision.apply:
             every, moves["every_step"] = decision.proposed, moves["every_step"] + 1
         if (t + 1) % period == 0 and t + 1 >= PERIODIC_WINDOW:
@@ -335,7 +338,7 @@ def project(
                 )
                 for i in range(num_layers)
             ]
-            decision = decide(median, periodic, config, microbatches, "1F1B")
+            decision = decide(config.problem(median), periodic, config, microbatches, "1F1B")
             if decision.apply:
                 periodic, moves["periodic"] = decision.proposed, moves["periodic"] + 1
     count = len(costs) - skip

@@ -1,13 +1,26 @@
-"""Pure-Python balancing core: layer costs in, placements out.
+"""Pure-Python balancing core: one problem (layer costs + hardware) in, placements out.
 
 Nothing in this package imports torch or lightning (a test enforces it), so it can be read, tested
-exhaustively and reused on its own. Reading order: ``costs`` and ``placement`` (the contracts),
-``baselines`` (static splits), ``partition`` (exact min-max, built on ``stage_model`` and
-``feasibility``), ``diffusion`` (iterative, order-preserving), ``repack`` (fewer stages), ``workers``
-(several stages per worker: balance the workers), ``hardware`` (pinned first/last-stage parts, slow
-workers and links, which every balancer takes), ``moves`` (what migration executes), ``metrics``
-(imbalance and the pipeline simulator), ``gain`` (a rebalance's measured gain), ``headroom`` (what any
-rebalance could still gain, bounded from measured stage loads).
+exhaustively and reused on its own. Reading order, one line each:
+
+- ``costs``: per-layer cost records and their two views (time, parameters).
+- ``placement``: an ordered, contiguous assignment of layers to stages.
+- ``hardware``: pinned first/last-stage parts, worker slowdowns, links and memory caps.
+- ``problem``: :class:`BalanceProblem`, costs + view + hardware validated once, what every balancer takes.
+- ``baselines``: the static splits (equal layers, equal parameters).
+- ``stage_model``: what a stage costs (load and memory), defined once for the balancers.
+- ``feasibility``: the probes of the exact search ("is there a placement under this bound?").
+- ``partition``: the exact min-max contiguous partition.
+- ``diffusion``: the iterative, order-preserving balancer.
+- ``workers``: several stages per worker: balance the workers.
+- ``repack``: consolidate onto fewer stages and release the rest.
+- ``moves``: the layer moves migration executes.
+- ``metrics``: imbalance and the event-driven pipeline simulator.
+- ``microbatches``: the micro-batch count a re-packed pipeline should run.
+- ``trigger``: *when* to rebalance (periodic, events, every step, auto).
+- ``policy``: *what* to rebalance to, and whether it is worth applying.
+- ``gain``: a rebalance's measured gain.
+- ``headroom``: what any rebalance could still gain, bounded from measured stage loads.
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform
@@ -18,12 +31,14 @@ from lightning_dynmo.balancing.metrics import SCHEDULES, PipelineSimulation, imb
 from lightning_dynmo.balancing.moves import LayerMove, Move, UnitMove, plan_moves
 from lightning_dynmo.balancing.partition import PartitionResult, partition, solve_partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.repack import RepackResult, repack
 from lightning_dynmo.balancing.workers import WorkerPartitionResult, partition_workers, worker_loads
 
 __all__ = [
     "COST_VIEWS",
     "SCHEDULES",
+    "BalanceProblem",
     "DiffusionResult",
     "Hardware",
     "LayerCost",

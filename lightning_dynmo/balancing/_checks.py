@@ -1,18 +1,22 @@
-"""Input checks shared by the balancers (private).
+"""Input checks shared by the balancers, the problem object and the policy configs (private).
 
-Every public balancer validates its arguments here first, so a bad value fails early with a message
-that names the argument, the value, the rule and the fix.
+Every public entry point validates its arguments here, so a bad value fails early with a message that
+names the argument, the value, the rule and the fix.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.placement import Placement
 
-MemoryCapacity = float | int | Sequence[float | int] | None
+#: Memory caps in bytes: ``None`` (unlimited), one number for all, or one per stage (a sequence); the
+#: worker balancer also takes one per worker (a sequence indexed by worker id, or a mapping).
+MemoryCapacity = float | int | Sequence[float | int] | Mapping[int, float] | None
+#: Per worker, its slowdown factor: a sequence indexed by worker id, or a mapping keyed by it.
+PerWorker = Sequence[float] | Mapping[int, float] | None
 #: Send times: one number, one per layer (every link alike), or one row per link of one per layer.
 CommTime = float | Sequence[float] | Sequence[Sequence[float]] | None
 
@@ -91,7 +95,7 @@ def check_fraction(value: object, name: str) -> float:
     return number
 
 
-def stage_slowdown(value: object, num_stages: int, name: str = "stage_slowdown") -> tuple[float, ...]:
+def stage_slowdown(value: object, num_stages: int, name: str = "worker_slowdown") -> tuple[float, ...]:
     """Normalise per-stage slowdown factors (``None``: every stage 1.0) to a per-stage tuple.
 
     A stage's slowdown is how many times longer its worker takes than the reference worker the layer
@@ -102,7 +106,7 @@ def stage_slowdown(value: object, num_stages: int, name: str = "stage_slowdown")
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(
             f"{name}={value!r} must be None or one factor per stage (1.0 = the reference worker, 2.0 = "
-            "half as fast)."
+            "half as fast; stage s runs on worker s)."
         )
     if len(value) != num_stages:
         raise ValueError(
@@ -192,3 +196,23 @@ def check_extras(first_stage_extra: object, last_stage_extra: object) -> None:
                 f"{name}={extra!r} must be a LayerCost (or None); describe the pinned part's time, "
                 "parameters and memory with LayerCost(...)."
             )
+
+
+def check_int(value: object, name: str, minimum: int, hint: str = "") -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= ``minimum`` (``hint``: the fix)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        fix = f"; {hint}" if hint else ""
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{fix}.")
+
+
+def check_positive(value: object, name: str, allow_zero: bool) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite number > 0 (>= 0 with ``allow_zero``)."""
+    rule = ">= 0" if allow_zero else "> 0"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not allow_zero)
+    ):
+        raise ValueError(f"{name}={value!r} must be a finite number {rule}.")

@@ -12,6 +12,7 @@ from lightning_dynmo.balancing._checks import check_num_stages, check_positive_i
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem
 
 
 def uniform(num_layers: int, num_stages: int) -> Placement:
@@ -37,4 +38,4 @@ def by_parameters(costs: Sequence[LayerCost], num_stages: int) -> Placement:
     optimum of the same objective. As in DeepSpeed, only what ``num_params`` counts is weighed, so a
     caller that wants frozen layers to weigh 0 passes their trainable count.
     """
-    return partition(costs, num_stages, by="params")
+    return partition(BalanceProblem(costs, by="params"), num_stages)

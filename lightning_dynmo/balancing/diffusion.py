@@ -39,27 +39,16 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from lightning_dynmo.balancing._checks import (
-    CommTime,
-    MemoryCapacity,
-    check_extras,
-    check_fraction,
-    check_placement,
-    check_positive_int,
-    comm_rows,
-    memory_caps,
-)
-from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
-from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
+from lightning_dynmo.balancing._checks import check_fraction, check_placement, check_positive_int
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.moves import LayerMove, plan_moves
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.stage_model import FloatArray, IntArray, StageModel
 
 
@@ -94,61 +83,48 @@ class DiffusionResult:
         return max(self.stage_loads)
 
 
+@takes_problem
 def diffuse(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     current: Placement | str,
-    by: str = "time",
-    memory_capacity_bytes: MemoryCapacity = None,
+    *,
     max_rounds: int = 5,
     tolerance: float = 0.0,
     refine_bottleneck: bool = True,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    stage_slowdown: Sequence[float] | None = None,
 ) -> DiffusionResult:
     """Rebalance ``current`` by moving boundary layers between neighbouring stages.
 
+    The rounds, the bottleneck phase and why they keep layer order are described once, in this
+    module's docstring; stage loads and memory are those of :mod:`~lightning_dynmo.balancing.stage_model`.
+
     Args:
-        costs: One record per layer, in layer order.
+        problem: The costs, their view and the hardware (stage ``s`` of ``current`` runs on worker
+            ``s``; memory caps, slowdowns and per-link send times are per stage of ``current``).
         current: The placement in use (or its string form).
-        by: ``"time"`` or ``"params"``.
-        memory_capacity_bytes: ``None``, one capacity for all stages, or one per stage of ``current``.
         max_rounds: Upper bound on variance-descent rounds, >= 1 (5, as in the reference code; the
             bottleneck phase that follows has no round limit, it stops when no cascade helps).
         tolerance: Stop once ``imbalance(stage loads) <= tolerance`` (``(max - min) / mean``, >= 0).
-        refine_bottleneck: Run the bottleneck phase after variance descent stops (see module doc).
-        first_stage_extra: Fixed cost pinned to stage 0 (embedding), as in :func:`partition`.
-        last_stage_extra: Fixed cost pinned to the last stage (final norm, head, loss).
-        comm_time_s: Activation send times, as in :func:`partition` (one number, one per layer, or
-            one row per link); the sending stage pays them.
-        stage_slowdown: Per stage, how many times longer its worker takes than the reference worker
-            the costs are expressed in, as in :func:`partition`.
+        refine_bottleneck: Run the bottleneck phase after variance descent stops.
 
     Returns:
         A :class:`DiffusionResult`; its bottleneck is never above ``current``'s.
 
     Raises:
         ValueError: on bad input, or if ``current`` already exceeds a memory capacity (use
-            ``partition`` with ``memory_capacity_bytes`` to find a placement that fits).
+            ``partition`` with memory caps to find a placement that fits).
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
-    check_costs(costs)
-    check_view(by)
-    placement = check_placement(current, len(costs))
+    placement = check_placement(current, problem.num_layers)
     check_positive_int(max_rounds, "max_rounds")
     tol = check_fraction(tolerance, "tolerance")
-    stages = placement.num_stages
-    caps = memory_caps(memory_capacity_bytes, stages)
-    check_extras(first_stage_extra, last_stage_extra)
-    comm = comm_rows(comm_time_s, len(costs), stages, by)
-    slowdown = check_slowdown(stage_slowdown, stages)
-    model = StageModel.build(costs, stages, by, caps, first_stage_extra, last_stage_extra, comm, slowdown)
+    model = StageModel.build(problem, placement.num_stages)
+    caps = model.caps
     over, stage = model.overflow(placement)
     if over > 0:
         raise ValueError(
             f"current={placement} already needs {model.memories(placement)[stage]:.0f} bytes on "
             f"stage {stage}, over its capacity {caps[stage]:.0f}; diffusion only makes moves that fit, so "
-            "start from partition(costs, num_stages, memory_capacity_bytes=...) instead."
+            "start from partition(problem, num_stages) instead (it places the layers within the memory caps)."
         )
     state = _State(model, list(placement.boundaries))
     before = state.imbalance()

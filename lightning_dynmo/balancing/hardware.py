@@ -1,56 +1,83 @@
-"""What a model runs on besides its blocks: pinned parts, worker speeds, links (pure Python).
+"""What a model runs on besides its blocks: pinned parts, workers (speed, memory) and links (pure Python).
 
-Read in this order: :class:`Hardware` (what :func:`~lightning_dynmo.balancing.policy.decide` takes),
-:func:`stage_times` (what each stage of a placement then costs, the input of the pipeline simulator), then
-the two helpers that turn measurements into a :class:`Hardware`: :func:`worker_slowdown` (per-rank times
-of one reference workload -> slowdown factors) and :func:`to_reference` (costs measured on their owners'
-workers -> costs on the reference worker, which is what the balancers weigh).
+Read in this order: :class:`Hardware` (what every balancer takes, inside a
+:class:`~lightning_dynmo.balancing.problem.BalanceProblem`), :func:`stage_times` (what each stage of a
+placement then costs, the input of the pipeline simulator), then the two helpers that turn measurements
+into a :class:`Hardware`: :func:`worker_slowdown` (per-rank times of one reference workload -> slowdown
+factors) and :func:`to_reference` (costs measured on their owners' workers -> costs on the reference
+worker, which is what the balancers weigh).
 
 A layer moved to a slower worker costs more there: the balancers take costs on a *reference* worker and
-each stage's slowdown factor (see :mod:`lightning_dynmo.balancing.stage_model`). The profiler measures a
+each worker's slowdown factor (see :mod:`lightning_dynmo.balancing.stage_model`). The profiler measures a
 layer on the worker that owns it, so its time is divided by that worker's factor first.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lightning_dynmo.balancing._checks import CommTime, comm_rows
+from lightning_dynmo.balancing._checks import CommTime, MemoryCapacity, PerWorker, check_extras, comm_rows
 from lightning_dynmo.balancing.costs import LayerCost, layer_weights
 from lightning_dynmo.balancing.placement import Placement
+
+if TYPE_CHECKING:
+    from lightning_dynmo.balancing.problem import BalanceProblem
 
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the model runs on, beyond the layer costs: pinned parts, worker speeds and links.
+    """What the model runs on, beyond the layer costs: pinned parts, workers and links.
 
     Attributes:
         first_stage_extra: The first-stage parts (embedding), always on stage 0.
         last_stage_extra: The last-stage parts (final norm, head, loss), always on the last stage.
-        worker_slowdown: Per pipeline rank (worker), how many times longer it takes than the
-            reference worker the costs are expressed in; ``None``: every worker is the reference.
-        comm_time_s: Activation send times: one per layer (every link alike) or one row per link
-            (row ``r``: pipeline rank ``r`` -> ``r + 1``) of one per layer; ``None``: free links.
+        worker_slowdown: Per worker (pipeline rank), how many times longer it takes than the reference
+            worker the costs are expressed in (1.0 = the reference, 2.0 = half as fast): a sequence
+            indexed by worker id, or a mapping keyed by it; ``None``: every worker is the reference.
+            The per-stage balancers run stage ``s`` on worker ``s`` (:meth:`per_stage` derives that
+            view for workers that run several stages).
+        comm_time_s: Activation send times: one number, one per layer (every link alike), or one row
+            per link (row ``r``: pipeline rank ``r`` -> ``r + 1``) of one per layer; ``None``: free
+            links. A send is paid by the sending stage, only with ``by="time"``.
+        memory_capacity_bytes: Memory caps in bytes: ``None`` (unlimited), one number for every stage,
+            one per stage, or (for :func:`~lightning_dynmo.balancing.workers.partition_workers`) one
+            per worker, indexed or keyed by worker id.
     """
 
     first_stage_extra: LayerCost | None = None
     last_stage_extra: LayerCost | None = None
-    worker_slowdown: Sequence[float] | None = None
+    worker_slowdown: PerWorker = None
     comm_time_s: CommTime = None
+    memory_capacity_bytes: MemoryCapacity = None
+
+    def __post_init__(self) -> None:
+        check_extras(self.first_stage_extra, self.last_stage_extra)
+        _check_factors(self.worker_slowdown)
 
     def stage_slowdown(self, num_stages: int, stage_workers: Sequence[int] | None) -> list[float] | None:
         """Per stage, the slowdown of its worker (stage ``s`` on worker ``s`` unless ``stage_workers``)."""
         if self.worker_slowdown is None:
             return None
         workers = list(stage_workers) if stage_workers is not None else list(range(num_stages))
-        if max(workers) >= len(self.worker_slowdown):
+        factors = self.worker_slowdown
+        if isinstance(factors, Mapping):
+            missing = sorted({w for w in workers if w not in factors})
+            if missing:
+                raise ValueError(f"worker_slowdown has no entry for workers {missing}; give one per worker.")
+        elif max(workers) >= len(factors):
             raise ValueError(
-                f"worker_slowdown has {len(self.worker_slowdown)} entries but the pipeline has workers up "
+                f"worker_slowdown has {len(factors)} entries but the pipeline has workers up "
                 f"to {max(workers)}; give one factor per pipeline rank."
             )
-        return [float(self.worker_slowdown[w]) for w in workers]
+        return [float(factors[w]) for w in workers]
+
+    def per_stage(self, num_stages: int, stage_workers: Sequence[int] | None) -> Hardware:
+        """This hardware as the per-stage balancers see it: ``worker_slowdown`` one factor per stage."""
+        return dataclasses.replace(self, worker_slowdown=self.stage_slowdown(num_stages, stage_workers))
 
     def links(self, num_layers: int, num_stages: int, by: str) -> list[list[float]] | None:
         """Send times as one row per link of a pipeline of ``num_stages`` (``None`` outside ``time``).
@@ -63,6 +90,24 @@ class Hardware:
         if isinstance(comm, Sequence) and comm and isinstance(comm[0], Sequence):
             return comm_rows(comm[: num_stages - 1], num_layers, num_stages, by)
         return comm_rows(comm, num_layers, num_stages, by)
+
+
+def _check_factors(factors: object) -> None:
+    """Raise unless ``factors`` is ``None`` or finite factors > 0 per worker (indexed or keyed)."""
+    if factors is None:
+        return
+    if isinstance(factors, Mapping):
+        items = list(factors.items())
+    elif isinstance(factors, Sequence) and not isinstance(factors, (str, bytes)):
+        items = list(enumerate(factors))
+    else:
+        raise ValueError(f"worker_slowdown={factors!r} must be None, or one factor per worker.")
+    for worker, v in items:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(
+                f"worker_slowdown[{worker}]={v!r} must be a finite number > 0 (how many times longer the "
+                "worker takes than the reference: 1.0 for the reference, 2.0 for half as fast)."
+            )
 
 
 @dataclass(frozen=True)
@@ -105,16 +150,20 @@ class StageTimes:
 
 
 def stage_times(
-    costs: Sequence[LayerCost],
-    placement: Placement,
-    by: str,
-    hardware: Hardware,
-    stage_workers: Sequence[int] | None = None,
+    problem: BalanceProblem, placement: Placement, stage_workers: Sequence[int] | None = None
 ) -> StageTimes:
     """Per stage of ``placement``: step forward and backward seconds, and the send of its activation.
 
     With ``by="params"`` parameter counts stand in for seconds, split 1:2 between forward and backward.
+    Per-link send times describe the current links (a smaller pipeline keeps the first ones).
+
+    Args:
+        problem: The costs, the view and the hardware.
+        placement: The placement to cost.
+        stage_workers: The worker of each stage when workers run several stages (``None``: stage ``s``
+            on worker ``s``).
     """
+    costs, by, hardware = problem.costs, problem.by, problem.hardware
     stages = placement.num_stages
     fwd, bwd = _split(costs, by)
     first, last = hardware.first_stage_extra, hardware.last_stage_extra

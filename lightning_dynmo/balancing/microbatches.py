@@ -26,14 +26,15 @@ The current count is kept unless another is predicted at least ``min_gain`` fast
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing._checks import MemoryCapacity, memory_caps
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.hardware import Hardware, stage_times
 from lightning_dynmo.balancing.metrics import simulate_pipeline, simulated_schedule
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 
 
 @dataclass(frozen=True)
@@ -66,37 +67,39 @@ class MicrobatchChoice:
     skipped: tuple[int, ...] = ()
 
 
+@takes_problem
 def choose_microbatches(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     placement: Placement,
     *,
     current: int,
     candidates: Sequence[int],
     schedule: str,
-    hardware: Hardware | None = None,
     stage_workers: Sequence[int] | None = None,
     per_op_s: float = 0.0,
-    memory_capacity_bytes: MemoryCapacity = None,
     min_gain: float = 0.0,
 ) -> MicrobatchChoice:
     """The micro-batch count that minimises the predicted step time of ``placement``.
 
+    How a count is predicted and when it may not fit memory is described once, in this module's
+    docstring.
+
     Args:
-        costs: One record per layer, per training step, measured with ``current`` micro-batches.
+        problem: One record per layer, per training step, measured with ``current`` micro-batches, and
+            the hardware (pinned parts, worker slowdowns, links, memory caps per stage of
+            ``placement``). Counts are weighed in seconds: the time view, whatever ``problem.by``.
         placement: The pipeline to choose for (e.g. a re-pack's target).
         current: The count the costs were measured with (and kept unless another is better).
         candidates: The counts allowed (e.g. divisors of the batch that the schedule accepts).
         schedule: The pipelining schedule name.
-        hardware: Pinned parts, worker slowdowns, links (as for
-            :func:`~lightning_dynmo.balancing.policy.decide`).
         stage_workers: The worker of each stage when workers run several stages.
         per_op_s: Fixed seconds of every forward and backward op, >= 0.
-        memory_capacity_bytes: ``None``, one cap, or one per stage of ``placement``.
         min_gain: Another count is chosen only if predicted at least this fraction faster than
             ``current`` (when ``current`` is a candidate that fits).
 
     Raises:
         ValueError: on a bad count, overhead or gain, or when no candidate is given.
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
     _check_count(current, "current")
     if not candidates:
@@ -107,10 +110,10 @@ def choose_microbatches(
         raise ValueError(f"per_op_s={per_op_s!r} must be a number of seconds >= 0.")
     if not (isinstance(min_gain, (int, float)) and 0 <= min_gain < 1):
         raise ValueError(f"min_gain={min_gain!r} must be in [0, 1).")
-    hw = hardware or Hardware()
-    times = stage_times(costs, placement, "time", hw, stage_workers)
-    memory = _stage_memory(costs, placement, hw)
-    caps = memory_caps(memory_capacity_bytes, placement.num_stages)
+    timed = problem if problem.by == "time" else dataclasses.replace(problem, by="time")
+    times = stage_times(timed, placement, stage_workers)
+    memory = _stage_memory(problem.costs, placement, problem.hardware)
+    caps = problem.caps(placement.num_stages)
     steps: dict[int, float] = {}
     skipped = []
     for m in sorted(set(candidates)):

@@ -1,8 +1,9 @@
 """Exact min-max contiguous partition of layers over pipeline stages.
 
-Read in this order: :func:`partition` (the entry point most code wants), :func:`solve_partition` (the
-same search, returning the optimal bottleneck and per-stage loads too), then ``_search`` (the exact
-search) and ``_memory_error`` (what we say when nothing fits).
+Read in this order: :func:`partition` (the entry point most code wants, given a
+:class:`~lightning_dynmo.balancing.problem.BalanceProblem`), :func:`solve_partition` (the same search,
+returning the optimal bottleneck and per-stage loads too), then ``_search`` (the exact search) and
+``_memory_error`` (what we say when nothing fits).
 
 The search: the optimal bottleneck is one of the loads a stage can have. We keep a lower bound ``lo``
 (never above the optimum) and an achieved bottleneck ``hi`` (a real placement's heaviest stage), probe
@@ -17,23 +18,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from lightning_dynmo.balancing import feasibility
-from lightning_dynmo.balancing._checks import (
-    CommTime,
-    MemoryCapacity,
-    check_extras,
-    check_num_stages,
-    comm_rows,
-    memory_caps,
-)
-from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
-from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
+from lightning_dynmo.balancing._checks import check_num_stages
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.stage_model import StageModel
 
 log = logging.getLogger(__name__)
@@ -58,36 +50,18 @@ class PartitionResult:
     stage_memory_bytes: tuple[float, ...]
 
 
-def partition(
-    costs: Sequence[LayerCost],
-    num_stages: int,
-    by: str = "time",
-    memory_capacity_bytes: MemoryCapacity = None,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    stage_slowdown: Sequence[float] | None = None,
-) -> Placement:
+@takes_problem
+def partition(problem: BalanceProblem, num_stages: int) -> Placement:
     """The placement over ``num_stages`` stages whose heaviest stage is as light as possible.
 
+    What a stage's load and memory are (layers, pinned parts, worker slowdown, the send paid by the
+    sending stage) is defined once, in :mod:`~lightning_dynmo.balancing.stage_model`.
+
     Args:
-        costs: One record per layer, in layer order, measured on (or scaled to) the reference worker.
+        problem: The costs, their view and the hardware. Stage ``s`` runs on worker ``s``:
+            ``hardware.worker_slowdown`` and per-link ``comm_time_s`` rows, when given, have exactly one
+            entry per stage and per link, and every stage's memory must fit its cap.
         num_stages: Number of stages, ``1 <= num_stages <= len(costs)``; every stage gets >= 1 layer.
-        by: ``"time"`` (forward + backward seconds) or ``"params"`` (parameter count).
-        memory_capacity_bytes: ``None`` (unlimited), one capacity for every stage, or one per stage.
-            A stage's memory (its layers' ``memory_bytes`` plus any extra it holds) must fit.
-        first_stage_extra: Fixed cost pinned to stage 0, e.g. the embedding. Its weight under ``by``
-            adds to stage 0's load and its ``memory_bytes`` to stage 0's memory.
-        last_stage_extra: Same for the last stage (final norm, head, loss).
-        comm_time_s: Activation send time, only with ``by="time"``: one number (every layer, every
-            link), one number per layer (entry ``i`` is the time to send layer ``i``'s output to the
-            next stage, on every link), or one row per link (row ``s``: stage ``s`` -> ``s + 1``) of
-            one number per layer, when links differ. It is paid only where a stage ends (not by the
-            last stage), and it is added to the *sending* stage's load, which is busy until the send
-            completes.
-        stage_slowdown: Per stage, how many times longer its worker takes than the reference worker
-            the costs are expressed in (1.0 = the reference, 2.0 = half as fast); it scales the
-            stage's layers and extras. ``None``: every worker is the reference.
 
     Returns:
         The optimal placement. When several placements are optimal, which one is returned is
@@ -96,64 +70,19 @@ def partition(
     Raises:
         ValueError: on bad input, or if no placement fits memory (the message gives the smallest
             possible overflow in bytes and the stage that overflows).
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
-    return solve_partition(
-        costs,
-        num_stages,
-        by,
-        memory_capacity_bytes,
-        first_stage_extra,
-        last_stage_extra,
-        comm_time_s,
-        stage_slowdown,
-    ).placement
+    return solve_partition(problem, num_stages).placement
 
 
-def solve_partition(
-    costs: Sequence[LayerCost],
-    num_stages: int,
-    by: str = "time",
-    memory_capacity_bytes: MemoryCapacity = None,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    stage_slowdown: Sequence[float] | None = None,
-) -> PartitionResult:
+@takes_problem
+def solve_partition(problem: BalanceProblem, num_stages: int) -> PartitionResult:
     """Like :func:`partition`, but also return the optimal bottleneck, stage loads and memory."""
-    model = build_model(
-        costs,
-        num_stages,
-        by,
-        memory_capacity_bytes,
-        first_stage_extra,
-        last_stage_extra,
-        comm_time_s,
-        stage_slowdown,
-    )
+    check_num_stages(num_stages, problem.num_layers)
+    model = StageModel.build(problem, num_stages)
     placement = _search(model)
     loads = model.loads(placement)
     return PartitionResult(placement, max(loads), loads, model.memories(placement))
-
-
-def build_model(
-    costs: Sequence[LayerCost],
-    num_stages: int,
-    by: str = "time",
-    memory_capacity_bytes: MemoryCapacity = None,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    stage_slowdown: Sequence[float] | None = None,
-) -> StageModel:
-    """Validate the arguments of :func:`partition` and build its :class:`StageModel`."""
-    check_costs(costs)
-    check_view(by)
-    check_num_stages(num_stages, len(costs))
-    caps = memory_caps(memory_capacity_bytes, num_stages)
-    check_extras(first_stage_extra, last_stage_extra)
-    comm = comm_rows(comm_time_s, len(costs), num_stages, by)
-    slowdown = check_slowdown(stage_slowdown, num_stages)
-    return StageModel.build(costs, num_stages, by, caps, first_stage_extra, last_stage_extra, comm, slowdown)
 
 
 def _search(model: StageModel) -> Placement:

@@ -1,36 +1,33 @@
-"""When to rebalance, and whether a proposed placement is worth applying (pure Python).
+"""What to rebalance to, and whether a proposed placement is worth applying (pure Python).
 
 Read in this order:
 
-1. :class:`TriggerConfig` and :class:`RebalanceTrigger`: *when*. Four triggers, any combination that
-   makes sense: every ``n`` steps; on dynamism events (the step after an event is profiled and
-   rebalanced, as in the paper's Algorithm 1); every step (fine-grained dynamism: MoE, MoD); and
-   ``auto``: fed each step's per-stage busy times (cheap), it fires when the imbalance
-   ``(max - min) / mean`` (paper section 2.2) stays above a threshold for ``auto_patience_steps``
-   consecutive steps (hysteresis) *and* the predicted saving over the coming ``auto_horizon_steps``
-   exceeds the measured cost of a rebalance (profiling overhead + decision + migration, learned from
-   the previous rebalances, or a configured prior before the first one); after each rebalance ``auto``
-   keeps quiet for ``auto_cooldown_steps`` steps. Time comes from an injected clock.
-2. :class:`BalanceConfig` and :func:`decide`: *what*. Ask the configured balancer (``partition``,
-   ``diffusion`` or ``static``) for a placement under the chosen cost view and memory caps, optionally
-   re-pack onto fewer stages, predict the step time before and after with the pipeline simulator, and
-   say whether to apply it (only when predicted better by ``min_gain``).
-3. :func:`validate_policy`: options that contradict each other fail early.
+1. :class:`BalanceConfig` and :func:`decide`: ask the configured balancer (``partition``, ``diffusion``
+   or ``static``) for a placement of a :class:`~lightning_dynmo.balancing.problem.BalanceProblem` under
+   the chosen cost view and memory caps, optionally re-pack onto fewer stages, predict the step time
+   before and after with the pipeline simulator (:func:`predict`), and say whether to apply it (only when
+   predicted better by ``min_gain``).
+2. :func:`validate_policy`: options that contradict each other across this config and the triggers
+   (:mod:`lightning_dynmo.balancing.trigger`, *when* to rebalance) fail early.
+3. :func:`resume_plan` and :func:`smooth_costs`: what a resumed run does with a saved placement, and
+   the moving average of noisy costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_dynmo.balancing._checks import CommTime, comm_rows, memory_caps
-from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
+from lightning_dynmo.balancing._checks import (
+    MemoryCapacity,
+    check_int,
+    check_positive,
+    comm_rows,
+    memory_caps,
+)
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost
 from lightning_dynmo.balancing.diffusion import diffuse
 from lightning_dynmo.balancing.hardware import Hardware, stage_times
@@ -38,206 +35,12 @@ from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline, simu
 from lightning_dynmo.balancing.microbatches import RetuneOptions, choose_microbatches
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.repack import repack
+from lightning_dynmo.balancing.trigger import TriggerConfig
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
 BALANCERS: tuple[str, ...] = ("partition", "diffusion", "static")
-
-MemoryCapacity = float | int | Sequence[float | int] | None
-
-# -- 1. when -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class TriggerConfig:
-    """When to rebalance.
-
-    Attributes:
-        every_n_steps: Rebalance every ``n`` steps (at steps ``n, 2n, ...``); ``None`` disables it.
-        on_events: Rebalance at the step after a dynamism event (see ``lightning_dynmo.events``).
-        every_step: Rebalance at every step (MoE, MoD: the load changes with each batch's routing).
-        auto: Rebalance when measured imbalance persists and the predicted gain pays for the cost.
-        auto_threshold: Imbalance ``(max - min) / mean`` of per-stage busy times above which a step
-            counts as imbalanced, > 0.
-        auto_patience_steps: Consecutive imbalanced steps needed before ``auto`` fires, >= 1.
-        auto_horizon_steps: Steps over which a rebalance's per-step saving is counted, >= 1.
-        auto_cooldown_steps: Steps after a rebalance during which ``auto`` does not fire, >= 0.
-        rebalance_cost_prior_s: Assumed seconds one rebalance costs before one has been measured, >= 0.
-    """
-
-    every_n_steps: int | None = None
-    on_events: bool = True
-    every_step: bool = False
-    auto: bool = False
-    auto_threshold: float = 0.10
-    auto_patience_steps: int = 5
-    auto_horizon_steps: int = 500
-    auto_cooldown_steps: int = 50
-    rebalance_cost_prior_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.every_n_steps is not None:
-            _check_int(self.every_n_steps, "every_n_steps", 1, "use None to disable the periodic trigger")
-        _check_int(self.auto_patience_steps, "auto_patience_steps", 1, "")
-        _check_int(self.auto_horizon_steps, "auto_horizon_steps", 1, "")
-        _check_int(self.auto_cooldown_steps, "auto_cooldown_steps", 0, "")
-        _check_positive(self.auto_threshold, "auto_threshold", allow_zero=False)
-        _check_positive(self.rebalance_cost_prior_s, "rebalance_cost_prior_s", allow_zero=True)
-        if self.every_step and self.every_n_steps is not None:
-            raise ValueError(
-                f"every_step=True and every_n_steps={self.every_n_steps} contradict each other: every_step "
-                "already rebalances at every step. Set one of them."
-            )
-        if self.every_step and self.auto:
-            raise ValueError(
-                "every_step=True and auto=True contradict each other: every_step rebalances at every step "
-                "whatever it costs, auto only when it pays. Set one of them."
-            )
-
-    @property
-    def any_trigger(self) -> bool:
-        """Whether any trigger is enabled."""
-        return self.on_events or self.every_step or self.auto or self.every_n_steps is not None
-
-
-@dataclass(frozen=True)
-class RebalanceRecord:
-    """One rebalance as the trigger remembers it: the step it finished at and what it cost (seconds)."""
-
-    step: int
-    cost_s: float
-
-
-@dataclass
-class _AutoWindow:
-    imbalances: deque[float]
-    savings_s: deque[float]
-
-
-class RebalanceTrigger:
-    """Decides at each step whether to start a rebalance.
-
-    Args:
-        config: The triggers.
-        clock: Seconds from an arbitrary origin (``time.perf_counter`` by default); tests inject a
-            fake one. Used by :meth:`measure_cost` to time the parts of a rebalance.
-
-    Per step, the caller: feeds :meth:`observe` the per-stage busy times (only needed for ``auto``),
-    forwards events to :meth:`notify_event`, asks :meth:`check`, and after a rebalance calls
-    :meth:`record_rebalance` with its cost (or times its parts with :meth:`measure_cost`).
-    """
-
-    def __init__(self, config: TriggerConfig, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.config = config
-        self._clock = clock
-        n = config.auto_patience_steps
-        self._window = _AutoWindow(deque(maxlen=n), deque(maxlen=n))
-        self._pending_event = False
-        self._history: list[RebalanceRecord] = []
-        self._measured_s = 0.0
-
-    # -- inputs --------------------------------------------------------------------------------
-
-    def notify_event(self) -> None:
-        """A dynamism event happened (on any rank: the caller has already agreed across ranks)."""
-        if self.config.on_events:
-            self._pending_event = True
-
-    def observe(self, stage_busy_s: Sequence[float]) -> None:
-        """Feed one step's per-stage busy (compute) seconds, one number per stage, same on every rank."""
-        busy = [float(b) for b in stage_busy_s]
-        if not busy or any(b < 0 or b != b for b in busy):
-            raise ValueError(f"stage_busy_s={list(stage_busy_s)!r} must be one finite number >= 0 per stage.")
-        mean = sum(busy) / len(busy)
-        self._window.imbalances.append(imbalance(busy))
-        # If the heaviest stage came down to the mean, the pipeline would wait that much less per step:
-        # an optimistic estimate, used only to gate; decide() then checks the real proposal.
-        self._window.savings_s.append(max(busy) - mean)
-
-    @contextmanager
-    def measure_cost(self) -> Iterator[None]:
-        """Time a part of a rebalance (decision, migration) with the clock; adds to the next record."""
-        start = self._clock()
-        try:
-            yield
-        finally:
-            self._measured_s += max(0.0, self._clock() - start)
-
-    def record_rebalance(self, step: int, extra_cost_s: float = 0.0) -> RebalanceRecord:
-        """A rebalance finished at ``step``; it cost what :meth:`measure_cost` timed plus ``extra_cost_s``.
-
-        ``extra_cost_s`` is for what the clock did not see, e.g. the profiler's overhead in its window.
-        """
-        _check_int(step, "step", 0, "")
-        _check_positive(extra_cost_s, "extra_cost_s", allow_zero=True)
-        record = RebalanceRecord(step, self._measured_s + extra_cost_s)
-        self._history.append(record)
-        self._measured_s = 0.0
-        # A pending event stays pending: it came after the profile this rebalance used.
-        self._window.imbalances.clear()  # what was measured before the rebalance is stale
-        self._window.savings_s.clear()
-        return record
-
-    # -- the decision --------------------------------------------------------------------------
-
-    def check(self, step: int) -> str | None:
-        """Why to start a rebalance at ``step``, or None.
-
-        Returns:
-            ``"event"``, ``"period"``, ``"every_step"`` or ``"auto"`` (in that priority), or ``None``.
-        """
-        _check_int(step, "step", 0, "")
-        c = self.config
-        if self._pending_event:
-            self._pending_event = False
-            return "event"
-        if c.every_n_steps is not None and step > 0 and step % c.every_n_steps == 0:
-            return "period"
-        if c.every_step:
-            return "every_step"
-        if c.auto and self._auto_fires(step):
-            self._window.imbalances.clear()
-            self._window.savings_s.clear()
-            return "auto"
-        return None
-
-    def _auto_fires(self, step: int) -> bool:
-        c = self.config
-        last = self._history[-1].step if self._history else None
-        if last is not None and step - last < c.auto_cooldown_steps:
-            return False
-        w = self._window
-        if len(w.imbalances) < c.auto_patience_steps or min(w.imbalances) <= c.auto_threshold:
-            return False
-        predicted_gain_s = sum(w.savings_s) / len(w.savings_s) * c.auto_horizon_steps
-        return predicted_gain_s > self.rebalance_cost_s
-
-    @property
-    def rebalance_cost_s(self) -> float:
-        """The expected cost of one rebalance: the mean measured cost, or the prior before any."""
-        if not self._history:
-            return self.config.rebalance_cost_prior_s
-        return sum(r.cost_s for r in self._history) / len(self._history)
-
-    @property
-    def history(self) -> tuple[RebalanceRecord, ...]:
-        """Every rebalance recorded so far."""
-        return tuple(self._history)
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the rebalance history and a pending event."""
-        return {
-            "history": [(r.step, r.cost_s) for r in self._history],
-            "pending_event": self._pending_event,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self._history = [RebalanceRecord(int(s), float(c)) for s, c in state["history"]]
-        self._pending_event = bool(state["pending_event"])
-
-
-# -- 2. what -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +60,10 @@ class BalanceConfig:
             this fraction, in ``[0, 1)``.
         diffusion_max_rounds: Round limit of the diffusion balancer, >= 1 (5, as the reference code).
         diffusion_tolerance: Diffusion stops at this imbalance, >= 0.
+        min_saving: A same-size proposal must also save at least this much predicted step time (in the
+            cost view's units), >= 0: e.g. the expected migration cost spread over the steps until the
+            next decision, so a migration pays for itself and noise does not move layers back and forth
+            (the callback sets it per decision).
     """
 
     balancer: str = "partition"
@@ -268,6 +75,7 @@ class BalanceConfig:
     min_gain: float = 0.02
     diffusion_max_rounds: int = 5
     diffusion_tolerance: float = 0.0
+    min_saving: float = 0.0
 
     def __post_init__(self) -> None:
         if self.balancer not in BALANCERS:
@@ -275,7 +83,7 @@ class BalanceConfig:
         if self.cost not in COST_VIEWS:
             raise ValueError(f"cost={self.cost!r} is not a cost view; use one of {COST_VIEWS}.")
         if self.target_num_stages is not None:
-            _check_int(self.target_num_stages, "target_num_stages", 1, "use None for an automatic choice")
+            check_int(self.target_num_stages, "target_num_stages", 1, "use None for an automatic choice")
             if not self.repack:
                 raise ValueError(
                     f"target_num_stages={self.target_num_stages} is only used when re-packing; set "
@@ -286,12 +94,17 @@ class BalanceConfig:
                 "repack=True with balancer='static' contradict each other: a static run never moves layers. "
                 "Use balancer='partition' or 'diffusion', or repack=False."
             )
-        _check_positive(self.max_slowdown, "max_slowdown", allow_zero=True)
-        _check_positive(self.min_gain, "min_gain", allow_zero=True)
+        check_positive(self.max_slowdown, "max_slowdown", allow_zero=True)
+        check_positive(self.min_gain, "min_gain", allow_zero=True)
         if self.min_gain >= 1:
             raise ValueError(f"min_gain={self.min_gain} must be below 1 (it is a fraction of the step time).")
-        _check_int(self.diffusion_max_rounds, "diffusion_max_rounds", 1, "")
-        _check_positive(self.diffusion_tolerance, "diffusion_tolerance", allow_zero=True)
+        check_int(self.diffusion_max_rounds, "diffusion_max_rounds", 1, "")
+        check_positive(self.diffusion_tolerance, "diffusion_tolerance", allow_zero=True)
+        check_positive(self.min_saving, "min_saving", allow_zero=True)
+
+    def problem(self, costs: Sequence[LayerCost], hardware: Hardware | None = None) -> BalanceProblem:
+        """The problem :func:`decide` balances under this config: ``costs`` in its view, on ``hardware``."""
+        return BalanceProblem(costs, self.cost, hardware or Hardware())
 
     def check_pipeline(self, num_stages: int, runnable_stage_counts: Sequence[int] | None = None) -> None:
         """Raise if the options do not fit a pipeline of ``num_stages`` stages.
@@ -441,89 +254,71 @@ class _Prediction:
     imbalance: float
 
 
+@takes_problem
 def predict(
-    costs: Sequence[LayerCost],
-    placement: Placement,
-    num_microbatches: int,
-    schedule: str,
-    by: str = "time",
-    comm_time_s: CommTime = None,
-    hardware: Hardware | None = None,
+    problem: BalanceProblem, placement: Placement, num_microbatches: int, schedule: str
 ) -> tuple[float, float, float]:
     """Simulated (step time, bubble ratio, stage-load imbalance) of ``placement``.
 
     Args:
-        costs: One record per layer; times are per training step (all micro-batches).
+        problem: One record per layer (times per training step, all micro-batches), the view
+            (``"params"``: parameter counts stand in for time, split 1:2 forward:backward) and the
+            hardware: pinned parts, worker slowdowns (stage ``s`` on worker ``s``) and links. A send
+            keeps its sender busy (it is added to the sender's forward op), as the balancers assume.
         placement: The placement to evaluate.
         num_microbatches: Micro-batches per step.
         schedule: A pipelining schedule name, e.g. ``"1F1B"``.
-        by: ``"time"``, or ``"params"`` (parameter counts stand in for time, split 1:2 forward:backward).
-        comm_time_s: Seconds to send each layer's output across a boundary (used where a stage ends):
-            one per layer, or one row per link. Overrides ``hardware.comm_time_s`` when given. A send
-            keeps its sender busy (it is added to the sender's forward op), as the balancers assume.
-        hardware: Pinned first/last-stage parts, worker slowdowns (one stage per worker) and links.
     """
-    hw = hardware or Hardware()
-    if comm_time_s is not None:
-        hw = dataclasses.replace(hw, comm_time_s=comm_time_s)
-    p = _predict(costs, placement, num_microbatches, schedule, by, hw, None)
+    p = _predict(problem, placement, num_microbatches, schedule, None)
     return p.step, p.bubble_ratio, p.imbalance
 
 
 def _predict(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     placement: Placement,
     num_microbatches: int,
     schedule: str,
-    by: str,
-    hardware: Hardware,
     stage_workers: Sequence[int] | None,
 ) -> _Prediction:
-    times = stage_times(costs, placement, by, hardware, stage_workers)
+    times = stage_times(problem, placement, stage_workers)
     fwd, bwd = times.per_microbatch(num_microbatches)
     sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
     loads = tuple(f + b for f, b in zip(fwd, bwd, strict=True))
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
 
 
+@takes_problem
 def decide(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     current: Placement,
     config: BalanceConfig,
     num_microbatches: int,
     schedule: str,
-    comm_time_s: CommTime = None,
     stage_workers: Sequence[int] | None = None,
-    min_saving: float = 0.0,
     repack_layouts: Mapping[int, Sequence[int]] | None = None,
-    hardware: Hardware | None = None,
     retune: RetuneOptions | None = None,
 ) -> RebalanceDecision:
     """Propose a placement for the measured costs and say whether it is worth applying.
 
     Args:
-        costs: One record per layer (identical on every rank: gathered by the profiler), expressed on
-            the reference worker when ``hardware`` gives worker slowdowns.
+        problem: One record per layer (identical on every rank: gathered by the profiler), expressed on
+            the reference worker when the hardware gives worker slowdowns, in the view ``config.cost``
+            (:meth:`BalanceConfig.problem` builds it). Its hardware gives the pinned first- and
+            last-stage parts (embedding; final norm, head and loss), which every balancer, the predicted
+            step and the memory caps count on their stages, the worker slowdowns and the links; its
+            memory caps apply when ``config.memory_capacity_bytes`` is ``None``.
         current: The placement in use.
-        config: Balancer, cost view, memory caps, re-pack options, minimum gain.
+        config: Balancer, cost view, memory caps, re-pack options, minimum gain and saving.
         num_microbatches: Micro-batches per step.
         schedule: The pipelining schedule name.
-        comm_time_s: Per layer, seconds to send its output across a stage boundary, or one such row per
-            link (optional; overrides ``hardware.comm_time_s``).
         stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
             stage. ``partition`` then minimises the heaviest *worker* (:func:`partition_workers`;
             per-stage memory caps become per-worker caps: the smallest of the worker's stages), and a
             same-size proposal is judged by the heaviest worker's load, which it must cut by
             ``min_gain`` (``diffusion`` still moves layers stage by stage).
-        min_saving: A same-size proposal must also save at least this much predicted step time (in
-            the cost view's units), e.g. the expected migration cost spread over the steps until the
-            next decision, so a migration pays for itself and noise does not move layers back and forth.
         repack_layouts: With ``repack`` under a schedule with several stages per worker: every stage count
             it can run -> the worker of each stage (:func:`~lightning_dynmo.balancing.repack`'s
             ``layouts``); re-packs are then proposed only onto those and judged by the heaviest worker.
-        hardware: The pinned first- and last-stage parts (embedding; final norm, head and loss), which
-            every balancer, the predicted step and the memory caps count on their stages; worker
-            slowdowns; links. ``None``: blocks only, equal workers, free links.
         retune: With ``cost="time"``, when a re-pack is applied, choose the micro-batch count of the
             smaller pipeline among ``retune.counts[new stage count]`` (:func:`choose_microbatches`;
             ``predicted_step_after`` stays the re-pack's at the current count, each count's prediction is
@@ -532,30 +327,38 @@ def decide(
     Returns:
         A :class:`RebalanceDecision`. A re-pack is applied when it releases stages within
         ``max_slowdown``; a same-size placement when it is predicted ``min_gain`` faster.
+
+    Raises:
+        ValueError: on bad input, or when no placement fits memory.
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
-    if len(costs) != current.num_layers:
+    if problem.num_layers != current.num_layers:
         raise ValueError(
-            f"costs has {len(costs)} records but current={current} covers {current.num_layers} layers; "
-            "pass one LayerCost per layer."
+            f"costs has {problem.num_layers} records but current={current} covers {current.num_layers} "
+            "layers; pass one LayerCost per layer."
+        )
+    if problem.by != config.cost:
+        raise ValueError(
+            f"problem.by={problem.by!r} but config.cost={config.cost!r}; the balancers weigh the view the "
+            "config names, so build the problem with config.problem(costs, hardware)."
         )
     if stage_workers is not None and len(stage_workers) != current.num_stages:
         raise ValueError(
             f"stage_workers has {len(stage_workers)} entries but current={current} has "
             f"{current.num_stages} stages; give the worker of every stage."
         )
-    hw = hardware or Hardware()
-    if comm_time_s is not None:
-        hw = dataclasses.replace(hw, comm_time_s=comm_time_s)
-    comm_rows(hw.comm_time_s, len(costs), current.num_stages, "time")  # bad send times fail here
-    slowdown = hw.stage_slowdown(current.num_stages, stage_workers)
-    check_slowdown(slowdown, current.num_stages, "worker_slowdown")
+    hw = problem.hardware
+    caps = hw.memory_capacity_bytes if config.memory_capacity_bytes is None else config.memory_capacity_bytes
+    config = dataclasses.replace(config, memory_capacity_bytes=caps)
+    problem = problem.with_hardware(memory_capacity_bytes=caps)
+    comm_rows(hw.comm_time_s, problem.num_layers, current.num_stages, "time")  # bad send times fail here
+    hw.stage_slowdown(current.num_stages, stage_workers)  # as do missing worker slowdowns
     config.check_pipeline(current.num_stages)
 
     def evaluate(placement: Placement, workers: Sequence[int] | None) -> _Prediction:
-        return _predict(costs, placement, num_microbatches, schedule, config.cost, hw, workers)
+        return _predict(problem, placement, num_microbatches, schedule, workers)
 
-    _check_positive(min_saving, "min_saving", allow_zero=True)
-    proposed, reason = _propose(costs, current, config, hw, stage_workers, repack_layouts, num_microbatches)
+    proposed, reason = _propose(problem, current, config, stage_workers, repack_layouts, num_microbatches)
     proposed_workers = (
         stage_workers
         if proposed.num_stages == current.num_stages
@@ -565,9 +368,10 @@ def decide(
     after = evaluate(proposed, proposed_workers)
     step_before, step_after = before.step, after.step
     if stage_workers is not None and proposed_workers is not None:
-        step_before = _heaviest_worker(costs, current, stage_workers, config.cost, hw)
-        step_after = _heaviest_worker(costs, proposed, proposed_workers, config.cost, hw)
+        step_before = _heaviest_worker(problem, current, stage_workers)
+        step_after = _heaviest_worker(problem, proposed, proposed_workers)
     apply, why = _worth_it(current, proposed, step_before, step_after, config)
+    min_saving = config.min_saving
     if apply and proposed.num_stages == current.num_stages and step_before - step_after < min_saving:
         apply, why = (
             False,
@@ -587,16 +391,15 @@ def decide(
     )
     if retune is None or not apply or proposed.num_stages == current.num_stages or config.cost != "time":
         return decision
-    return _retuned(decision, costs, config, num_microbatches, schedule, hw, proposed_workers, retune)
+    return _retuned(decision, problem, config, num_microbatches, schedule, proposed_workers, retune)
 
 
 def _retuned(
     decision: RebalanceDecision,
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     config: BalanceConfig,
     num_microbatches: int,
     schedule: str,
-    hw: Hardware,
     workers: Sequence[int] | None,
     retune: RetuneOptions,
 ) -> RebalanceDecision:
@@ -609,15 +412,13 @@ def _retuned(
     if isinstance(caps, Sequence):
         caps = list(caps)[: proposed.num_stages]  # the kept stages keep their capacities
     choice = choose_microbatches(
-        costs,
+        problem.with_hardware(memory_capacity_bytes=caps),
         proposed,
         current=num_microbatches,
         candidates=counts,
         schedule=schedule,
-        hardware=hw,
         stage_workers=workers,
         per_op_s=retune.per_op_s,
-        memory_capacity_bytes=caps,
         min_gain=config.min_gain,
     )
     if choice.num_microbatches == num_microbatches:
@@ -630,92 +431,52 @@ def _retuned(
     )
 
 
-def _heaviest_worker(
-    costs: Sequence[LayerCost], placement: Placement, workers: Sequence[int], by: str, hw: Hardware
-) -> float:
-    slowdown = None if hw.worker_slowdown is None else list(hw.worker_slowdown)
-    loads = worker_loads(
-        costs,
-        placement,
-        workers,
-        by,
-        hw.first_stage_extra,
-        hw.last_stage_extra,
-        hw.links(len(costs), placement.num_stages, by),
-        slowdown,
-    )
-    return max(loads.values())
+def _heaviest_worker(problem: BalanceProblem, placement: Placement, workers: Sequence[int]) -> float:
+    links = problem.hardware.links(problem.num_layers, placement.num_stages, problem.by)
+    return max(worker_loads(problem.with_hardware(comm_time_s=links), placement, workers).values())
 
 
 def _propose(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     current: Placement,
     config: BalanceConfig,
-    hw: Hardware,
     stage_workers: Sequence[int] | None,
     repack_layouts: Mapping[int, Sequence[int]] | None,
     num_microbatches: int,
 ) -> tuple[Placement, str]:
     if config.balancer == "static":
         return current, "static balancer"
-    stages, by = current.num_stages, config.cost
-    extras = {"first_stage_extra": hw.first_stage_extra, "last_stage_extra": hw.last_stage_extra}
+    stages, by, hw = current.num_stages, problem.by, problem.hardware
     # The balancers weigh whole steps: a stage sends its activation once per micro-batch.
-    per_send = hw.links(len(costs), stages, by)
+    per_send = hw.links(problem.num_layers, stages, by)
     links = None if per_send is None else [[num_microbatches * t for t in row] for row in per_send]
-    slowdown = hw.stage_slowdown(stages, stage_workers)
+    # The per-stage balancers run stage s on worker s: give them each stage's worker's factor.
+    staged = problem.with_hardware(
+        comm_time_s=links, worker_slowdown=hw.stage_slowdown(stages, stage_workers)
+    )
     if config.repack:
         packed = repack(
-            costs,
+            staged if repack_layouts is None else staged.with_hardware(comm_time_s=None),
             current,
-            config.memory_capacity_bytes,
             target_num_stages=config.target_num_stages,
             max_slowdown=config.max_slowdown,
-            by=by,
             layouts=repack_layouts,
-            comm_time_s=links if repack_layouts is None else None,
-            stage_slowdown=slowdown,
-            **extras,
         )
         if packed.placement.num_stages < stages:
             return packed.placement, f"re-pack onto {packed.placement.num_stages} stages"
-    caps = config.memory_capacity_bytes
     if config.balancer == "diffusion":
         result = diffuse(
-            costs,
-            current,
-            by=by,
-            memory_capacity_bytes=caps,
-            max_rounds=config.diffusion_max_rounds,
-            tolerance=config.diffusion_tolerance,
-            first_stage_extra=hw.first_stage_extra,
-            last_stage_extra=hw.last_stage_extra,
-            comm_time_s=links,
-            stage_slowdown=slowdown,
+            staged, current, max_rounds=config.diffusion_max_rounds, tolerance=config.diffusion_tolerance
         )
         return result.placement, f"diffusion by {by}"
     if stage_workers is not None:
-        balanced = partition_workers(
-            costs,
-            stage_workers,
-            by,
-            _stage_caps_per_worker(caps, stage_workers),
-            current=current,
+        per_worker = problem.with_hardware(
             comm_time_s=links,
-            worker_slowdown=None if hw.worker_slowdown is None else list(hw.worker_slowdown),
-            **extras,
+            memory_capacity_bytes=_stage_caps_per_worker(config.memory_capacity_bytes, stage_workers),
         )
+        balanced = partition_workers(per_worker, stage_workers, current=current)
         return balanced.placement, f"partition of the workers by {by}"
-    placement = partition(
-        costs,
-        stages,
-        by=by,
-        memory_capacity_bytes=caps,
-        comm_time_s=links,
-        stage_slowdown=slowdown,
-        **extras,
-    )
-    return placement, f"partition by {by}"
+    return partition(staged, stages), f"partition by {by}"
 
 
 def _worth_it(
@@ -732,38 +493,15 @@ def _worth_it(
     return False, f"predicted gain below min_gain={config.min_gain}"
 
 
-def _stage_caps_per_worker(
-    caps: float | Sequence[float] | None, stage_workers: Sequence[int]
-) -> float | dict[int, float] | None:
+def _stage_caps_per_worker(caps: MemoryCapacity, stage_workers: Sequence[int]) -> MemoryCapacity:
     """Per-stage memory caps as per-worker caps: a worker gets the smallest cap among its stages."""
-    if caps is None or isinstance(caps, (int, float)):
-        return caps
+    if caps is None or isinstance(caps, (int, float, Mapping)):
+        return caps  # one cap for all, or already one per worker
     per_stage = memory_caps(caps, len(stage_workers))  # checks one entry per stage
     per_worker: dict[int, float] = {}
     for stage, worker in enumerate(stage_workers):
         per_worker[worker] = min(per_worker.get(worker, math.inf), per_stage[stage])
     return per_worker
-
-
-# -- checks ----------------------------------------------------------------------------------------
-
-
-def _check_int(value: object, name: str, minimum: int, hint: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        fix = f"; {hint}" if hint else ""
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{fix}.")
-
-
-def _check_positive(value: object, name: str, allow_zero: bool) -> None:
-    rule = ">= 0" if allow_zero else "> 0"
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not allow_zero)
-    ):
-        raise ValueError(f"{name}={value!r} must be a finite number {rule}.")
 
 
 def smooth_costs(

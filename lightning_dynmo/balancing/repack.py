@@ -6,7 +6,7 @@ Differences from the paper's first-fit (Algorithm 4), and why:
 
 * Kept stages are always the *lowest* current stage indices ``0..k-1`` and the released ones the
   highest ``k..S-1``, so rank 0 (which usually holds the embedding and logs) stays active and the
-  kept stages keep their memory capacities (``memory_capacity_bytes[:k]``).
+  kept stages keep their memory capacities (the first ``k`` of ``Hardware.memory_capacity_bytes``).
 * Instead of merging neighbours first-fit, each candidate stage count ``k`` is solved exactly with
   :func:`partition` under the kept stages' memory caps, so the re-packed placement is the best balanced
   one, not merely the first that fits, and no layer is ever left on a stage it does not fit.
@@ -25,19 +25,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing._checks import (
-    CommTime,
-    MemoryCapacity,
-    check_extras,
-    check_fraction,
-    check_placement,
-    comm_rows,
-    memory_caps,
-)
-from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
-from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view
+from lightning_dynmo.balancing._checks import check_fraction, check_placement
 from lightning_dynmo.balancing.partition import PartitionResult, solve_partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.stage_model import StageModel
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
@@ -72,41 +63,32 @@ class RepackResult:
         return self.bottleneck / self.previous_bottleneck - 1.0
 
 
+@takes_problem
 def repack(
-    costs: Sequence[LayerCost],
+    problem: BalanceProblem,
     current: Placement | str,
-    memory_capacity_bytes: MemoryCapacity,
+    *,
     target_num_stages: int | None = None,
     max_slowdown: float = 0.05,
-    by: str = "time",
     layouts: Mapping[int, Sequence[int]] | None = None,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    stage_slowdown: Sequence[float] | None = None,
 ) -> RepackResult:
     """Move all layers onto the first ``k`` current stages and release the others.
 
+    How ``k`` is chosen and balanced, and why, is described once, in this module's docstring.
+
     Args:
-        costs: One record per layer, in layer order.
+        problem: The costs, their view (both the bottleneck and the balance use it) and the hardware of
+            the *current* stages: kept stage ``s`` keeps its memory cap, its worker's slowdown and its
+            link (``memory_capacity_bytes``: one for every stage or one per current stage; ``None`` is
+            unlimited). The last-stage extra moves to the last *kept* stage. Per-link ``comm_time_s``
+            rows do not go with ``layouts``, unless the same on every link.
         current: The placement in use (or its string form).
-        memory_capacity_bytes: One capacity for every stage or one per *current* stage (kept stage
-            ``s`` keeps capacity ``memory_capacity_bytes[s]``); ``None`` means unlimited.
         target_num_stages: Reach exactly this many stages (``1 .. current.num_stages``) or raise.
             Without it, choose the fewest stages whose bottleneck stays within ``max_slowdown``.
         max_slowdown: Allowed relative growth of the bottleneck when no target is given (>= 0).
-        by: ``"time"`` or ``"params"`` (the view both the bottleneck and the balance use).
         layouts: For schedules with several stages per worker: every stage count the schedule can run
             (the current one included) -> the worker of each stage. Only these counts are proposed, and
             loads are per worker. ``None``: one stage per worker, any count from 1 up.
-        first_stage_extra: Fixed cost pinned to stage 0 (embedding), as in :func:`partition`.
-        last_stage_extra: Fixed cost pinned to the last stage (final norm, head, loss); it moves to
-            the last *kept* stage.
-        comm_time_s: Activation send times, as in :func:`partition`; per-link rows are for the
-            current links (kept stage ``s`` keeps link ``s``). Not with ``layouts``, unless the same
-            on every link.
-        stage_slowdown: Per *current* stage, how many times longer its worker takes than the
-            reference; kept stages keep their workers, hence their factors.
 
     Returns:
         A :class:`RepackResult`; with no target and no smaller pipeline within ``max_slowdown`` it
@@ -115,33 +97,20 @@ def repack(
     Raises:
         ValueError: on bad input, or if ``target_num_stages`` stages cannot hold the layers' memory
             (the message says which stage overflows and by how much).
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
-    check_costs(costs)
-    check_view(by)
-    placement = check_placement(current, len(costs))
+    placement = check_placement(current, problem.num_layers)
     slowdown = check_fraction(max_slowdown, "max_slowdown")
     stages = placement.num_stages
-    caps = memory_caps(memory_capacity_bytes, stages)
-    check_extras(first_stage_extra, last_stage_extra)
-    problem = _Problem(
-        costs,
-        by,
-        caps,
-        first_stage_extra,
-        last_stage_extra,
-        comm_rows(comm_time_s, len(costs), stages, by),
-        check_slowdown(stage_slowdown, stages),
-    )
+    model = StageModel.build(problem, stages)
+    now = _Current(problem, model.caps, problem.links(stages), model.slowdown)
     if layouts is not None:
-        if problem.comm is not None and any(row != problem.comm[0] for row in problem.comm):
+        if now.comm is not None and any(row != now.comm[0] for row in now.comm):
             raise ValueError(
                 "comm_time_s gives one row per link, but with layouts (several stages per worker) the "
                 "links of the re-packed pipeline are not the current ones; give one number per layer."
             )
-        return _repack_workers(problem, placement, target_num_stages, slowdown, layouts, comm_time_s)
-    model = StageModel.build(
-        costs, stages, by, caps, first_stage_extra, last_stage_extra, problem.comm, problem.slowdown
-    )
+        return _repack_workers(now, placement, target_num_stages, slowdown, layouts)
     previous = max(model.loads(placement))
     if target_num_stages is not None:
         if (
@@ -154,37 +123,37 @@ def repack(
                 "number of stages); re-packing only removes stages."
             )
         try:
-            solved = problem.solve(target_num_stages)
+            solved = now.solve(target_num_stages)
         except ValueError as err:
             raise ValueError(
                 f"target_num_stages={target_num_stages} cannot be reached: the layers do not fit in memory "
                 f"on the first {target_num_stages} stages. {err}"
             ) from None
         return _result(solved, stages, previous)
-    best = _fewest_within(problem, previous * (1.0 + slowdown), stages - 1)
+    best = _fewest_within(now, previous * (1.0 + slowdown), stages - 1)
     if best is None:
         return RepackResult(placement, (), previous, previous)
     return _result(best, stages, previous)
 
 
 @dataclass(frozen=True)
-class _Problem:
-    """The validated inputs of :func:`repack`, for the current stages."""
+class _Current:
+    """The problem with its caps, links and slowdowns validated per current stage (kept ones keep theirs)."""
 
-    costs: Sequence[LayerCost]
-    by: str
+    problem: BalanceProblem
     caps: tuple[float, ...]
-    first: LayerCost | None
-    last: LayerCost | None
     comm: list[list[float]] | None  # one row per current link
     slowdown: tuple[float, ...]  # one per current stage
 
     def solve(self, k: int) -> PartitionResult:
         """The exact partition onto the first ``k`` stages (their caps, workers and links)."""
         links = self.comm[: k - 1] if self.comm is not None and k > 1 else None
-        return solve_partition(
-            self.costs, k, self.by, list(self.caps[:k]), self.first, self.last, links, list(self.slowdown[:k])
+        kept = self.problem.with_hardware(
+            memory_capacity_bytes=list(self.caps[:k]),
+            comm_time_s=links,
+            worker_slowdown=list(self.slowdown[:k]),
         )
+        return solve_partition(kept, k)
 
     @property
     def monotone(self) -> bool:
@@ -192,7 +161,7 @@ class _Problem:
         return len(set(self.caps)) <= 1 and len(set(self.slowdown)) <= 1 and not self.comm
 
 
-def _fewest_within(problem: _Problem, limit: float, most: int) -> PartitionResult | None:
+def _fewest_within(problem: _Current, limit: float, most: int) -> PartitionResult | None:
     """The optimal partition with the fewest stages in ``1..most`` whose bottleneck is <= ``limit``.
 
     With one capacity for all stages, equal workers and free links, feasibility is monotone in the stage
@@ -218,7 +187,7 @@ def _fewest_within(problem: _Problem, limit: float, most: int) -> PartitionResul
     return best
 
 
-def _try(problem: _Problem, k: int) -> PartitionResult | None:
+def _try(problem: _Current, k: int) -> PartitionResult | None:
     try:
         return problem.solve(k)
     except ValueError:
@@ -231,26 +200,24 @@ def _result(solved: PartitionResult, stages: int, previous: float) -> RepackResu
 
 
 def _repack_workers(
-    problem: _Problem,
+    now: _Current,
     current: Placement,
     target: int | None,
     slowdown: float,
     layouts: Mapping[int, Sequence[int]],
-    comm_time_s: CommTime,
 ) -> RepackResult:
     """:func:`repack` over the stage counts in ``layouts``, balancing and comparing workers."""
-    costs, by, caps = problem.costs, problem.by, problem.caps
+    problem, caps = now.problem, now.caps
     stages = current.num_stages
-    now = list(layouts.get(stages, range(stages)))
+    workers_now = list(layouts.get(stages, range(stages)))
     # A kept worker keeps its memory (the smallest capacity among its current stages) and its speed.
     worker_caps: dict[int, float] = {}
     worker_slowdown: dict[int, float] = {}
-    for stage, worker in enumerate(now):
+    for stage, worker in enumerate(workers_now):
         worker_caps[worker] = min(worker_caps.get(worker, math.inf), caps[stage])
-        worker_slowdown[worker] = max(worker_slowdown.get(worker, 0.0), problem.slowdown[stage])
-    comm = comm_time_s if problem.comm is not None else None
-    first, last = problem.first, problem.last
-    previous = max(worker_loads(costs, current, now, by, first, last, comm, worker_slowdown).values())
+        worker_slowdown[worker] = max(worker_slowdown.get(worker, 0.0), now.slowdown[stage])
+    per_worker = problem.with_hardware(worker_slowdown=worker_slowdown)
+    previous = max(worker_loads(per_worker, current, workers_now).values())
     counts = sorted(k for k in layouts if k < stages)
     if target is not None:
         if target not in (*counts, stages):
@@ -263,17 +230,11 @@ def _repack_workers(
     for k in counts:
         workers = list(layouts[k])
         kept = {w: worker_caps[w] for w in set(workers)}
+        kept_problem = problem.with_hardware(
+            memory_capacity_bytes=kept, worker_slowdown={w: worker_slowdown[w] for w in kept}
+        )
         try:
-            solved = partition_workers(
-                costs,
-                workers,
-                by,
-                kept,
-                first_stage_extra=first,
-                last_stage_extra=last,
-                comm_time_s=comm,
-                worker_slowdown={w: worker_slowdown[w] for w in kept},
-            )
+            solved = partition_workers(kept_problem, workers)
         except ValueError as err:
             if target is None:
                 continue  # these workers cannot hold the layers' memory: try more of them

@@ -23,14 +23,17 @@ communication the value is exactly ``(W[b] - W[a]) + extra``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from lightning_dynmo.balancing.costs import LayerCost, layer_weights
+from lightning_dynmo.balancing.costs import layer_weights
 from lightning_dynmo.balancing.placement import Placement
+
+if TYPE_CHECKING:
+    from lightning_dynmo.balancing.problem import BalanceProblem
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -78,29 +81,23 @@ class StageModel:
         object.__setattr__(self, "_linked", bool(np.any(self.comm)))
 
     @classmethod
-    def build(
-        cls,
-        costs: Sequence[LayerCost],
-        num_stages: int,
-        by: str,
-        caps: tuple[float, ...],
-        first_stage_extra: LayerCost | None = None,
-        last_stage_extra: LayerCost | None = None,
-        comm: Sequence[Sequence[float]] | None = None,
-        slowdown: Sequence[float] | None = None,
-    ) -> StageModel:
-        """Build the model from validated inputs (see ``partition`` for the meaning of each).
+    def build(cls, problem: BalanceProblem, num_stages: int) -> StageModel:
+        """Build the model of ``problem`` over ``num_stages`` stages (``num_stages`` already checked).
 
-        ``comm`` has one row per link (``num_stages - 1`` rows of one entry per layer) or is ``None``.
+        Memory caps, links (one row per link of exactly ``num_stages`` stages) and per-stage slowdowns
+        are validated here, through the problem's helpers.
         """
-        factors = tuple(slowdown) if slowdown is not None else (1.0,) * num_stages
-        weights = np.asarray(layer_weights(costs, by), dtype=np.float64)
+        caps = problem.caps(num_stages)
+        comm = problem.links(num_stages)
+        factors = problem.stage_slowdown(num_stages)
+        hardware, costs = problem.hardware, problem.costs
+        weights = np.asarray(problem.weights(), dtype=np.float64)
         memory = np.asarray([float(c.memory_bytes) for c in costs], dtype=np.float64)
         extra_load = [0.0] * num_stages
         extra_memory = [0.0] * num_stages
-        for stage, extra in ((0, first_stage_extra), (num_stages - 1, last_stage_extra)):
+        for stage, extra in ((0, hardware.first_stage_extra), (num_stages - 1, hardware.last_stage_extra)):
             if extra is not None:
-                extra_load[stage] += factors[stage] * layer_weights([extra], by)[0]
+                extra_load[stage] += factors[stage] * layer_weights([extra], problem.by)[0]
                 extra_memory[stage] += float(extra.memory_bytes)
         comm_arr = np.zeros((num_stages, len(costs)))
         if comm is not None:

@@ -23,15 +23,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing._checks import CommTime, check_extras, check_num_stages, comm_rows
-from lightning_dynmo.balancing._checks import stage_slowdown as check_slowdown
-from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view, layer_weights
+from lightning_dynmo.balancing._checks import MemoryCapacity, PerWorker, check_num_stages
+from lightning_dynmo.balancing.costs import layer_weights
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 
-WorkerCapacity = float | Sequence[float] | Mapping[int, float] | None
-#: Per worker, a number indexed by worker id (a sequence) or keyed by it (a mapping).
-PerWorker = Sequence[float] | Mapping[int, float] | None
 #: Work the escape phase may spend after the first local optimum, in descents x layers x stages (see
 #: ``_Search.kick``): small problems get many extra descents, large ones none.
 KICK_WORK = 4000
@@ -54,59 +51,38 @@ class WorkerPartitionResult:
     worker_memory_bytes: Mapping[int, float]
 
 
+@takes_problem
 def worker_loads(
-    costs: Sequence[LayerCost],
-    placement: Placement,
-    stage_workers: Sequence[int],
-    by: str = "time",
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    worker_slowdown: PerWorker = None,
+    problem: BalanceProblem, placement: Placement, stage_workers: Sequence[int]
 ) -> dict[int, float]:
     """Each worker's load under ``placement``: the summed load of all its stages.
 
-    A stage's load is its layers' ``by`` weight, plus the pinned extras on the first and last stage,
-    times its worker's slowdown, plus the time to send its boundary activation (see
-    :func:`partition_workers` for the arguments).
+    A stage's load is its layers' weight, plus the pinned extras on the first and last stage, times its
+    worker's slowdown, plus the time to send its boundary activation (see :func:`partition_workers`).
     """
     _check_workers(stage_workers, placement.num_stages)
-    model = _Model.build(
-        costs, stage_workers, by, first_stage_extra, last_stage_extra, comm_time_s, worker_slowdown
-    )
+    model = _Model.build(problem, stage_workers)
     return dict(zip(model.ids, model.totals(placement.boundaries)[0], strict=True))
 
 
+@takes_problem
 def partition_workers(
-    costs: Sequence[LayerCost],
-    stage_workers: Sequence[int],
-    by: str = "time",
-    memory_capacity_bytes: WorkerCapacity = None,
-    current: Placement | None = None,
-    first_stage_extra: LayerCost | None = None,
-    last_stage_extra: LayerCost | None = None,
-    comm_time_s: CommTime = None,
-    worker_slowdown: PerWorker = None,
+    problem: BalanceProblem, stage_workers: Sequence[int], current: Placement | None = None
 ) -> WorkerPartitionResult:
     """A placement over ``len(stage_workers)`` stages whose heaviest worker is as light as we can find.
 
+    The search and its guarantees are described once, in this module's docstring.
+
     Args:
-        costs: One record per layer, in layer order.
+        problem: The costs, their view and the hardware, read per *worker*: ``worker_slowdown`` and
+            ``memory_capacity_bytes`` are one per worker (a sequence indexed by worker id, or a mapping
+            keyed by it; one number for every worker, or ``None``). A worker's memory is the summed
+            ``memory_bytes`` of the layers and pinned parts of all its stages. Per-link ``comm_time_s``
+            rows are per stage boundary (row ``s``: stage ``s`` -> ``s + 1``); stage ``s``'s worker
+            pays the send of its last layer's output, except for the last stage.
         stage_workers: The worker of every stage, e.g. ``[0, 1, 0, 1]`` (interleaved, 2 workers) or
             ``[0, 1, 1, 0]`` (V schedules). Every stage gets at least one layer.
-        by: ``"time"`` (forward + backward seconds) or ``"params"`` (parameter count).
-        memory_capacity_bytes: ``None`` (unlimited), one capacity for every worker, or one per worker
-            (a sequence indexed by worker id, or a mapping worker id -> bytes). A worker's memory is
-            the summed ``memory_bytes`` of the layers of all its stages.
         current: The placement in use, tried as a starting point too (so the result is never worse).
-        first_stage_extra: Fixed cost pinned to stage 0 (embedding): its weight adds to stage 0's
-            worker, its memory too.
-        last_stage_extra: The same for the last stage (final norm, head, loss).
-        comm_time_s: Activation send times, only with ``by="time"``: one number, one per layer, or one
-            row per stage boundary (row ``s``: stage ``s`` -> ``s + 1``) of one per layer. Stage
-            ``s``'s worker pays the send of its last layer's output, except for the last stage.
-        worker_slowdown: Per worker (indexed or keyed by worker id), how many times longer it takes
-            than the reference worker the costs are expressed in; ``None``: all are the reference.
 
     Returns:
         The best placement found; deterministic for the same input.
@@ -114,34 +90,30 @@ def partition_workers(
     Raises:
         ValueError: on bad input, or if no placement found fits memory (the message gives the smallest
             overflow found in bytes and the worker that overflows).
+        TypeError: when called in the old shape (loose costs, or a keyword that moved into the problem).
     """
-    check_costs(costs)
-    check_view(by)
-    num_stages = check_num_stages(len(stage_workers), len(costs), name="len(stage_workers)")
+    num_layers = problem.num_layers
+    num_stages = check_num_stages(len(stage_workers), num_layers, name="len(stage_workers)")
     _check_workers(stage_workers, num_stages)
-    if current is not None and (current.num_stages != num_stages or current.num_layers != len(costs)):
+    if current is not None and (current.num_stages != num_stages or current.num_layers != num_layers):
         raise ValueError(
             f"current={current} has {current.num_stages} stages and {current.num_layers} layers; "
-            f"expected {num_stages} stages (one per stage_workers entry) and {len(costs)} layers."
+            f"expected {num_stages} stages (one per stage_workers entry) and {num_layers} layers."
         )
-    model = _Model.build(
-        costs, stage_workers, by, first_stage_extra, last_stage_extra, comm_time_s, worker_slowdown
-    )
-    search = _Search(model, _worker_caps(memory_capacity_bytes, stage_workers))
+    model = _Model.build(problem, stage_workers)
+    search = _Search(model, _worker_caps(problem.hardware.memory_capacity_bytes, stage_workers))
+    # The per-stage optimum (each stage at its worker's speed, memory aside) is one starting point.
     per_stage = partition(
-        costs,
+        problem.with_hardware(
+            worker_slowdown=[model.factor[k] for k in model.owner], memory_capacity_bytes=None
+        ),
         num_stages,
-        by=by,
-        first_stage_extra=first_stage_extra,
-        last_stage_extra=last_stage_extra,
-        comm_time_s=comm_time_s,
-        stage_slowdown=[model.factor[k] for k in model.owner],
     )
-    starts = [per_stage.boundaries, _even(len(costs), num_stages)]
+    starts = [per_stage.boundaries, _even(num_layers, num_stages)]
     if current is not None:
         starts.append(current.boundaries)
     best = min((search.descend(list(b)) for b in starts), key=search.score)
-    best = search.kick(best, budget=KICK_WORK // (len(costs) * num_stages))
+    best = search.kick(best, budget=KICK_WORK // (num_layers * num_stages))
     over, worst = search.overflow(best)
     if over > 0:
         raise ValueError(
@@ -173,38 +145,29 @@ class _Model:
     comm: list[list[float]] | None  # per stage boundary, per layer
 
     @classmethod
-    def build(
-        cls,
-        costs: Sequence[LayerCost],
-        stage_workers: Sequence[int],
-        by: str,
-        first: LayerCost | None,
-        last: LayerCost | None,
-        comm_time_s: CommTime,
-        slowdown: PerWorker,
-    ) -> _Model:
+    def build(cls, problem: BalanceProblem, stage_workers: Sequence[int]) -> _Model:
         ids = sorted(set(stage_workers))
         slot = {w: k for k, w in enumerate(ids)}
         num_stages = len(stage_workers)
-        check_extras(first, last)
+        hardware, by = problem.hardware, problem.by
         extra_load, extra_memory = [0.0] * num_stages, [0.0] * num_stages
-        for stage, extra in ((0, first), (num_stages - 1, last)):
+        for stage, extra in ((0, hardware.first_stage_extra), (num_stages - 1, hardware.last_stage_extra)):
             if extra is not None:
                 extra_load[stage] += layer_weights([extra], by)[0]
                 extra_memory[stage] += float(extra.memory_bytes)
         prefix_load, prefix_memory = [0.0], [0.0]
-        for w, c in zip(layer_weights(costs, by), costs, strict=True):
+        for w, c in zip(problem.weights(), problem.costs, strict=True):
             prefix_load.append(prefix_load[-1] + w)
             prefix_memory.append(prefix_memory[-1] + float(c.memory_bytes))
         return cls(
             ids=ids,
             owner=[slot[w] for w in stage_workers],
-            factor=list(_worker_slowdown(slowdown, ids)),
+            factor=list(_worker_slowdown(hardware.worker_slowdown, ids)),
             prefix_load=prefix_load,
             prefix_memory=prefix_memory,
             extra_load=extra_load,
             extra_memory=extra_memory,
-            comm=comm_rows(comm_time_s, len(costs), num_stages, by),
+            comm=problem.links(num_stages),
         )
 
     def totals(self, b: Sequence[int]) -> tuple[list[float], list[float]]:
@@ -371,10 +334,10 @@ def _worker_slowdown(slowdown: PerWorker, ids: Sequence[int]) -> tuple[float, ..
         values = [slowdown[w] for w in ids]
     else:
         raise ValueError(f"worker_slowdown={slowdown!r} must be None, or one factor per worker.")
-    return check_slowdown(values, len(ids), "worker_slowdown")
+    return tuple(float(v) for v in values)  # each checked by Hardware
 
 
-def _worker_caps(capacity: WorkerCapacity, stage_workers: Sequence[int]) -> dict[int, float]:
+def _worker_caps(capacity: MemoryCapacity, stage_workers: Sequence[int]) -> dict[int, float]:
     ids = sorted(set(stage_workers))
     if capacity is None:
         return dict.fromkeys(ids, math.inf)

@@ -41,14 +41,13 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import (
     BalanceConfig,
     RebalanceDecision,
-    RebalanceTrigger,
-    TriggerConfig,
     decide,
     pipeline_layout,
     resume_plan,
     smooth_costs,
     validate_policy,
 )
+from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
 from lightning_dynmo.callback.control_plane import (
     PositionIndex,
     busy_per_position,
@@ -603,19 +602,21 @@ class DynMoCallback(Callback):
         failure: Exception | None = None
         if strategy.global_rank == source:
             try:
+                # After a resume onto another pipeline: re-partition it, never release ranks at once.
+                resumed: dict[str, Any] = (
+                    {"repack": False, "target_num_stages": None} if self._window_reason == "resume" else {}
+                )
+                config = dataclasses.replace(
+                    self.balance, min_saving=self._min_saving(trainer_step), **resumed
+                )
                 outcome = decide(
-                    costs,
+                    config.problem(costs, hardware),
                     placement,
-                    # After a resume onto another pipeline: re-partition it, never release ranks at once.
-                    self.balance
-                    if self._window_reason != "resume"
-                    else dataclasses.replace(self.balance, repack=False, target_num_stages=None),
+                    config,
                     strategy.num_microbatches,
                     strategy.schedule_name,
                     stage_workers=_stage_workers(strategy, placement),
-                    min_saving=self._min_saving(trainer_step),
                     repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
-                    hardware=hardware,
                     retune=retune,
                 )
             except ValueError as err:

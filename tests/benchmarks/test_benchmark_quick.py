@@ -1,7 +1,7 @@
 """The benchmark's --quick mode must keep running (no timing is asserted)."""
 
 from benchmarks.balancing import deepspeed_partition_balanced, main
-from lightning_dynmo.balancing import LayerCost, solve_partition
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, solve_partition
 
 
 def test_quick_benchmark_runs_and_writes_its_report(tmp_path, capsys):
@@ -21,4 +21,4 @@ def test_deepspeed_comparison_is_not_the_min_max_optimum():
     placement = deepspeed_partition_balanced(weights, 4)
     costs = [LayerCost(fwd_time_s=w) for w in weights]
     assert placement.stage_loads(costs) == (20.0, 4.0, 3.0, 5.0)
-    assert solve_partition(costs, 4).bottleneck == 19.0
+    assert solve_partition(BalanceProblem(costs), 4).bottleneck == 19.0

@@ -26,7 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dynmo.balancing import partition
+from lightning_dynmo.balancing import BalanceProblem, partition
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import DemoGPT, EmulatedCost
 from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
@@ -123,7 +123,7 @@ def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: A
     # 2.5 blocks of sleep plus the real projection and loss; 0-4|5-7 stays optimal for 1 to 3 blocks.
     assert 1.8 * block < head.time_s < 3.5 * block
     assert head.memory_bytes > 0 and hardware.first_stage_extra.memory_bytes > 0
-    assert str(partition(costs, 2)) == "0-3|4-7"  # what a block-only balancer keeps
+    assert str(partition(BalanceProblem(costs), 2)) == "0-3|4-7"  # what a block-only balancer keeps
     for r in results:
         assert r["placement"] == "0-4|5-7"
         assert r["rebalances"][0]["applied"] and r["rebalances"][0]["new"] == "0-4|5-7"

@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dynmo.balancing import LayerCost, Placement, partition
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition
 from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.callback import dynmo_callback as callback_module
@@ -93,7 +93,7 @@ def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
     first = results[0]
     costs = first["costs"]
     assert all(r["costs"] == costs for r in results)  # one set of records, identical on every rank
-    assert str(partition(costs, 2)) == "0-5|6-7"
+    assert str(partition(BalanceProblem(costs), 2)) == "0-5|6-7"
     for r in results:
         assert r["placement"] == "0-5|6-7"
         assert not r["hooks_left"]
@@ -199,7 +199,7 @@ def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None
         assert rebalance["reason"] == "auto"
         # fires only once the change has been seen for auto_patience_steps steps
         assert rebalance["step"] >= CHANGE_AT + 2
-        assert r["placement"] == "0-5|6-7" == str(partition(r["costs"], 2))
+        assert r["placement"] == "0-5|6-7" == str(partition(BalanceProblem(r["costs"]), 2))
 
 
 def test_a_restored_callback_reapplies_its_placement(tmp_path: Any) -> None:
@@ -235,7 +235,7 @@ def test_virtual_stages_are_rebalanced_per_rank(tmp_path: Any) -> None:
         first = r["rebalances"][0]
         assert first["applied"] and first["old"] == "0-0|1-3|4-5|6-7"
         new = Placement.from_string(first["new"])
-        assert max(worker_loads(designed, new, [0, 1, 0, 1]).values()) <= 17, first["new"]
+        assert max(worker_loads(BalanceProblem(designed), new, [0, 1, 0, 1]).values()) <= 17, first["new"]
         assert first["predicted_gain"] > 0.2
     ref = reference(run)
     for r in results:

@@ -5,8 +5,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from lightning_dynmo.balancing import LayerCost, Placement
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement
+
+_HARDWARE = {f for f in Hardware.__dataclass_fields__}
+
+
+def problem_of(costs: Sequence[LayerCost], **kwargs: Any) -> tuple[BalanceProblem, dict[str, Any]]:
+    """A :class:`BalanceProblem` from ``costs`` and the keywords that belong to it; the other keywords.
+
+    For parametrised tests that mix problem keywords (``by``, :class:`Hardware` fields) with a
+    balancer's own; call it inside ``pytest.raises`` when the problem itself is the bad input.
+    """
+    hardware = {k: kwargs.pop(k) for k in list(kwargs) if k in _HARDWARE}
+    by = kwargs.pop("by", "time")
+    return BalanceProblem(costs, by, Hardware(**hardware)), kwargs
 
 
 def all_placements(num_layers: int, num_stages: int) -> Iterator[Placement]:

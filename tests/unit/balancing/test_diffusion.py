@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 
 from benchmarks.balancing import CASES, dynamism_profile
 from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
     LayerCost,
     Placement,
     diffuse,
@@ -15,7 +17,7 @@ from lightning_dynmo.balancing import (
     uniform,
 )
 
-from .brute import assert_fits, assert_valid, direct_loads, direct_memory
+from .brute import assert_fits, assert_valid, direct_loads, direct_memory, problem_of
 from .strategies import layer, problems
 
 
@@ -38,7 +40,11 @@ def diffusion_problems(draw: st.DrawFn):
 @given(diffusion_problems(), st.booleans())
 def test_diffuse_keeps_order_memory_and_never_worsens_the_bottleneck(problem, refine):
     costs, current, caps = problem
-    result = diffuse(costs, current, memory_capacity_bytes=caps, refine_bottleneck=refine)
+    result = diffuse(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)),
+        current,
+        refine_bottleneck=refine,
+    )
     assert_valid(result.placement, len(costs), current.num_stages)
     assert_fits(costs, result.placement, caps)
     before, after = direct_loads(costs, current), direct_loads(costs, result.placement)
@@ -51,7 +57,9 @@ def test_diffuse_keeps_order_memory_and_never_worsens_the_bottleneck(problem, re
 @given(diffusion_problems())
 def test_variance_phase_alone_never_raises_the_variance(problem):
     costs, current, caps = problem
-    result = diffuse(costs, current, memory_capacity_bytes=caps, refine_bottleneck=False)
+    result = diffuse(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)), current, refine_bottleneck=False
+    )
     before, after = direct_loads(costs, current), direct_loads(costs, result.placement)
 
     def var(xs):
@@ -66,7 +74,7 @@ def test_a_layer_travels_through_a_balanced_middle_stage():
     # Loads [6, 4, 2] with layers of weight 2: no single neighbour move lowers the variance,
     # a chain (stage 0 -> 1 -> 2) reaches [4, 4, 4].
     costs = [LayerCost(fwd_time_s=2.0)] * 6
-    result = diffuse(costs, "0-2|3-4|5", refine_bottleneck=False)
+    result = diffuse(BalanceProblem(costs), "0-2|3-4|5", refine_bottleneck=False)
     assert str(result.placement) == "0-1|2-3|4-5"
     assert result.stage_loads == (4.0, 4.0, 4.0)
     assert result.stop_reason == "tolerance"
@@ -75,7 +83,7 @@ def test_a_layer_travels_through_a_balanced_middle_stage():
 def test_a_balanced_placement_is_left_alone():
     # The paper's code starts from +inf variance and so always accepts a first move; ours does not.
     costs = [LayerCost(fwd_time_s=w) for w in [3.0, 1.0, 2.0, 2.0]]
-    result = diffuse(costs, "0-1|2-3", tolerance=0.0)
+    result = diffuse(BalanceProblem(costs), "0-1|2-3", tolerance=0.0)
     assert str(result.placement) == "0-1|2-3"
     assert result.moves == ()
     assert result.rounds == 0
@@ -84,18 +92,18 @@ def test_a_balanced_placement_is_left_alone():
 def test_stops_on_tolerance_and_on_max_rounds():
     costs = dynamism_profile("early_exit", 48)
     start = uniform(48, 8)
-    loose = diffuse(costs, start, tolerance=10.0)
+    loose = diffuse(BalanceProblem(costs), start, tolerance=10.0)
     assert (loose.rounds, loose.stop_reason, loose.placement) == (0, "tolerance", start)
-    one = diffuse(costs, start, max_rounds=1, refine_bottleneck=False)
+    one = diffuse(BalanceProblem(costs), start, max_rounds=1, refine_bottleneck=False)
     assert (one.rounds, one.stop_reason) == (1, "max_rounds")
     assert imbalance(one.stage_loads) < imbalance(start.stage_loads(costs))
 
 
 def test_memory_caps_block_moves_that_do_not_fit():
     costs = [LayerCost(fwd_time_s=w, memory_bytes=10) for w in [4.0, 4.0, 1.0, 1.0]]
-    free = diffuse(costs, "0-1|2-3")
+    free = diffuse(BalanceProblem(costs), "0-1|2-3")
     assert str(free.placement) == "0-0|1-3"
-    blocked = diffuse(costs, "0-1|2-3", memory_capacity_bytes=20)
+    blocked = diffuse(BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=20)), "0-1|2-3")
     assert str(blocked.placement) == "0-1|2-3"
 
 
@@ -103,8 +111,8 @@ def test_memory_caps_block_moves_that_do_not_fit():
 @pytest.mark.parametrize(("layers", "stages"), [(24, 4), (48, 8), (48, 24), (128, 32)])
 def test_diffuse_ends_within_five_percent_of_the_optimum_on_dynamism_profiles(case, layers, stages):
     costs = dynamism_profile(case, layers)
-    result = diffuse(costs, uniform(layers, stages))
-    assert result.bottleneck <= 1.05 * solve_partition(costs, stages).bottleneck
+    result = diffuse(BalanceProblem(costs), uniform(layers, stages))
+    assert result.bottleneck <= 1.05 * solve_partition(BalanceProblem(costs), stages).bottleneck
 
 
 @pytest.mark.parametrize(
@@ -123,7 +131,8 @@ def test_diffuse_rejects_bad_input(kwargs, match):
     costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 4
     args = {"current": "0-1|2-3", **kwargs}
     with pytest.raises(ValueError, match=match):
-        diffuse(costs, **args)
+        problem, rest = problem_of(costs, **args)
+        diffuse(problem, **rest)
 
 
 def _brute_best_chain(costs, bounds, caps, src, eps, extras=None):
@@ -177,7 +186,10 @@ def test_chain_scoring_tables_match_brute_force_after_every_move(problem, moves)
     costs, current, caps = problem
     stages = current.num_stages
     cap_list = [math.inf] * stages if caps is None else [float(c) for c in caps]
-    state = _State(StageModel.build(costs, stages, "time", tuple(cap_list)), list(current.boundaries))
+    state = _State(
+        StageModel.build(BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=cap_list)), stages),
+        list(current.boundaries),
+    )
     for _ in range(moves + 1):
         chosen = None
         for src in range(stages):
@@ -232,7 +244,7 @@ def _diffuse_kwargs(extras):
         "first_stage_extra": extras["first"],
         "last_stage_extra": extras["last"],
         "comm_time_s": extras["comm"],
-        "stage_slowdown": extras["slowdown"],
+        "worker_slowdown": extras["slowdown"],
     }
 
 
@@ -240,9 +252,8 @@ def _diffuse_kwargs(extras):
 @given(heterogeneous_problems(), st.booleans())
 def test_diffuse_with_slow_workers_links_and_extras_never_worsens_the_bottleneck(problem, refine):
     costs, current, caps, extras = problem
-    result = diffuse(
-        costs, current, memory_capacity_bytes=caps, refine_bottleneck=refine, **_diffuse_kwargs(extras)
-    )
+    hardware = Hardware(memory_capacity_bytes=caps, **_diffuse_kwargs(extras))
+    result = diffuse(BalanceProblem(costs, hardware=hardware), current, refine_bottleneck=refine)
     assert_valid(result.placement, len(costs), current.num_stages)
     memory = direct_memory(costs, result.placement, extras["first"], extras["last"])
     assert caps is None or all(m <= c for m, c in zip(memory, caps, strict=True))
@@ -256,13 +267,24 @@ def test_diffuse_with_slow_workers_links_and_extras_never_worsens_the_bottleneck
 @given(heterogeneous_problems())
 def test_chain_scoring_with_slow_workers_links_and_extras_matches_brute_force(problem):
     from lightning_dynmo.balancing.diffusion import _State
-    from lightning_dynmo.balancing.partition import build_model
+    from lightning_dynmo.balancing.stage_model import StageModel
 
     costs, current, caps, extras = problem
     stages = current.num_stages
     cap_list = [math.inf] * stages if caps is None else [float(c) for c in caps]
-    model = build_model(
-        costs, stages, "time", cap_list, extras["first"], extras["last"], extras["comm"], extras["slowdown"]
+    model = StageModel.build(
+        BalanceProblem(
+            costs,
+            by="time",
+            hardware=Hardware(
+                first_stage_extra=extras["first"],
+                last_stage_extra=extras["last"],
+                worker_slowdown=extras["slowdown"],
+                comm_time_s=extras["comm"],
+                memory_capacity_bytes=cap_list,
+            ),
+        ),
+        stages,
     )
     state = _State(model, list(current.boundaries))
     for src in range(stages):
@@ -282,9 +304,11 @@ def test_chain_scoring_with_slow_workers_links_and_extras_matches_brute_force(pr
 
 def test_diffusion_moves_work_off_a_slow_worker_and_a_heavy_head():
     costs = [LayerCost(fwd_time_s=1.0)] * 8
-    slow = diffuse(costs, "0-3|4-7", stage_slowdown=[1.0, 3.0])
+    slow = diffuse(BalanceProblem(costs, hardware=Hardware(worker_slowdown=[1.0, 3.0])), "0-3|4-7")
     assert slow.placement.sizes == (6, 2)  # 6 | 2 * 3
-    head = diffuse(costs, "0-3|4-7", last_stage_extra=LayerCost(fwd_time_s=2.0))
+    head = diffuse(
+        BalanceProblem(costs, hardware=Hardware(last_stage_extra=LayerCost(fwd_time_s=2.0))), "0-3|4-7"
+    )
     assert head.placement.sizes == (5, 3)  # 5 | 3 + 2
-    link = diffuse(costs, "0-3|4-7", comm_time_s=[[2.0] * 8])
+    link = diffuse(BalanceProblem(costs, hardware=Hardware(comm_time_s=[[2.0] * 8])), "0-3|4-7")
     assert link.placement.sizes == (3, 5)  # 3 + 2 | 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dynmo.balancing import Placement, partition
+from lightning_dynmo.balancing import BalanceProblem, Placement, partition
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, share_drift
 
@@ -16,7 +16,7 @@ def test_headroom_is_what_the_best_split_of_the_same_work_could_save() -> None:
     # The bound holds against the exact partition: 1 unit + 3 units of four equal layers.
     costs = [LayerCost(fwd_time_s=1.0) for _ in range(4)]
     before = Placement.from_sizes([1, 3])
-    best = partition(costs, 2)
+    best = partition(BalanceProblem(costs), 2)
     gain = 1 - max(len(best.layers_of(s)) for s in range(2)) / max(len(before.layers_of(s)) for s in range(2))
     assert gain <= headroom([1.0, 3.0]) + 1e-12
     assert gain == pytest.approx(headroom([1.0, 3.0]))  # and is reached here

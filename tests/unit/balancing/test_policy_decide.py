@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from lightning_dynmo.balancing import LayerCost, Placement
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement
 from lightning_dynmo.balancing.diffusion import diffuse
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.policy import (
@@ -31,8 +33,8 @@ UNIFORM = Placement.from_string("0-3|4-7")
 
 
 def test_partition_proposal_is_applied_when_faster():
-    decision = decide(CHANGED, UNIFORM, BalanceConfig(), num_microbatches=4, schedule="1F1B")
-    assert decision.proposed == partition(CHANGED, 2, by="time")
+    decision = decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 4, "1F1B")
+    assert decision.proposed == partition(BalanceProblem(CHANGED, by="time"), 2)
     assert decision.apply
     assert decision.predicted_step_after < decision.predicted_step_before
     assert decision.imbalance_after < decision.imbalance_before
@@ -43,8 +45,8 @@ def test_partition_proposal_is_applied_when_faster():
 
 
 def test_balanced_placement_is_left_alone():
-    best = partition(CHANGED, 2, by="time")
-    decision = decide(CHANGED, best, BalanceConfig(), num_microbatches=4, schedule="1F1B")
+    best = partition(BalanceProblem(CHANGED, by="time"), 2)
+    decision = decide(BalanceProblem(CHANGED), best, BalanceConfig(), 4, "1F1B")
     assert not decision.apply
     assert decision.proposed == best
     assert decision.reason.endswith("placement unchanged")
@@ -53,10 +55,10 @@ def test_balanced_placement_is_left_alone():
 def test_small_gain_below_min_gain_is_not_applied():
     costs = _costs([1.0, 1.0, 1.0, 1.1])
     current = Placement.from_string("0-2|3-3")  # 3.0 vs 1.1: partition gives 0-1|2-3 (2.0 vs 2.1)
-    applied = decide(costs, current, BalanceConfig(min_gain=0.0), num_microbatches=2, schedule="GPipe")
+    applied = decide(BalanceProblem(costs), current, BalanceConfig(min_gain=0.0), 2, "GPipe")
     assert applied.apply
     gain = applied.predicted_gain
-    held = decide(costs, current, BalanceConfig(min_gain=gain + 0.01), num_microbatches=2, schedule="GPipe")
+    held = decide(BalanceProblem(costs), current, BalanceConfig(min_gain=gain + 0.01), 2, "GPipe")
     assert not held.apply
     assert held.reason.endswith(f"predicted gain below min_gain={gain + 0.01}")
 
@@ -64,13 +66,13 @@ def test_small_gain_below_min_gain_is_not_applied():
 def test_diffusion_proposal():
     current = Placement.from_string("0-1|2-4|5-7")
     config = BalanceConfig(balancer="diffusion")
-    decision = decide(CHANGED, current, config, num_microbatches=6, schedule="1F1B")
-    assert decision.proposed == diffuse(CHANGED, current, by="time").placement
+    decision = decide(config.problem(CHANGED), current, config, 6, "1F1B")
+    assert decision.proposed == diffuse(BalanceProblem(CHANGED, by="time"), current).placement
     assert decision.apply == (decision.predicted_gain >= config.min_gain)
 
 
 def test_static_never_moves():
-    decision = decide(CHANGED, UNIFORM, BalanceConfig(balancer="static"), num_microbatches=4, schedule="1F1B")
+    decision = decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(balancer="static"), 4, "1F1B")
     assert decision.proposed == UNIFORM
     assert not decision.apply
     assert decision.reason == "static balancer; placement unchanged"
@@ -79,25 +81,37 @@ def test_static_never_moves():
 
 def test_params_view_balances_parameter_counts():
     costs = _costs([1.0] * 4, params=[300, 100, 100, 100])
-    decision = decide(costs, Placement.from_string("0-1|2-3"), BalanceConfig(cost="params"), 2, "GPipe")
+    decision = decide(
+        BalanceProblem(costs, by="params"),
+        Placement.from_string("0-1|2-3"),
+        BalanceConfig(cost="params"),
+        2,
+        "GPipe",
+    )
     assert decision.proposed == Placement.from_string("0|1-3")
     assert decision.apply
 
 
 def test_memory_caps_constrain_the_proposal():
     costs = [LayerCost(fwd_time_s=t, num_params=1, memory_bytes=10) for t in (0.1, 0.1, 0.1, 0.1, 0.1, 0.5)]
-    free = decide(costs, Placement.from_string("0-2|3-5"), BalanceConfig(), 2, "1F1B")
+    free = decide(BalanceProblem(costs), Placement.from_string("0-2|3-5"), BalanceConfig(), 2, "1F1B")
     assert free.proposed == Placement.from_string("0-4|5-5")
     capped = decide(
-        costs, Placement.from_string("0-2|3-5"), BalanceConfig(memory_capacity_bytes=30), 2, "1F1B"
+        BalanceProblem(costs),
+        Placement.from_string("0-2|3-5"),
+        BalanceConfig(memory_capacity_bytes=30),
+        2,
+        "1F1B",
     )
     assert capped.proposed == Placement.from_string("0-2|3-5")
     assert not capped.apply
 
 
 def test_communication_time_enters_the_prediction():
-    base = predict(CHANGED, UNIFORM, 4, "1F1B")
-    with_comm = predict(CHANGED, UNIFORM, 4, "1F1B", comm_time_s=[0.05] * 8)
+    base = predict(BalanceProblem(CHANGED), UNIFORM, 4, "1F1B")
+    with_comm = predict(
+        BalanceProblem(CHANGED, hardware=Hardware(comm_time_s=[0.05] * 8)), UNIFORM, 4, "1F1B"
+    )
     assert with_comm[0] > base[0]
 
 
@@ -116,14 +130,20 @@ def test_schedule_names_map_to_simulator_models(name, model):
 
 def test_unknown_schedule_is_rejected():
     with pytest.raises(ValueError, match=r"schedule='Wavefront' has no simulator model"):
-        decide(CHANGED, UNIFORM, BalanceConfig(), 4, "Wavefront")
+        decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 4, "Wavefront")
 
 
 def test_costs_must_match_the_placement():
     with pytest.raises(ValueError, match=r"costs has 8 records but current=0-2\|3-5 covers 6 layers"):
-        decide(CHANGED, Placement.from_string("0-2|3-5"), BalanceConfig(), 4, "1F1B")
+        decide(BalanceProblem(CHANGED), Placement.from_string("0-2|3-5"), BalanceConfig(), 4, "1F1B")
     with pytest.raises(ValueError, match=r"comm_time_s has 2 entries but there are 8 layers"):
-        decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", comm_time_s=[0.1, 0.1])
+        decide(
+            BalanceProblem(CHANGED, hardware=Hardware(comm_time_s=[0.1, 0.1])),
+            UNIFORM,
+            BalanceConfig(),
+            4,
+            "1F1B",
+        )
 
 
 @pytest.mark.parametrize(
@@ -152,7 +172,7 @@ def test_repack_target_larger_than_the_pipeline_is_rejected():
     with pytest.raises(
         ValueError, match=r"target_num_stages=3 is larger than the current pipeline \(2 stages\)"
     ):
-        decide(CHANGED, UNIFORM, config, 4, "1F1B")
+        decide(config.problem(CHANGED), UNIFORM, config, 4, "1F1B")
 
 
 def test_repack_without_memory_capacity_is_rejected():
@@ -180,7 +200,7 @@ NEARLY_IDLE = _costs([0.01] * 4 + [0.4] * 4)
 
 def test_repack_releases_a_stage_within_max_slowdown():
     config = BalanceConfig(repack=True, memory_capacity_bytes=1e9, max_slowdown=0.05)
-    decision = decide(NEARLY_IDLE, UNIFORM, config, num_microbatches=4, schedule="1F1B")
+    decision = decide(config.problem(NEARLY_IDLE), UNIFORM, config, 4, "1F1B")
     assert decision.proposed == Placement.from_string("0-7")
     assert decision.released_stages == 1
     assert decision.apply
@@ -190,7 +210,7 @@ def test_repack_releases_a_stage_within_max_slowdown():
 
 def test_repack_to_a_target_that_costs_too_much_is_not_applied():
     config = BalanceConfig(repack=True, target_num_stages=1, memory_capacity_bytes=1e9, max_slowdown=0.05)
-    decision = decide(CHANGED, UNIFORM, config, num_microbatches=4, schedule="1F1B")
+    decision = decide(config.problem(CHANGED), UNIFORM, config, 4, "1F1B")
     assert decision.proposed.num_stages == 1
     assert not decision.apply
     assert decision.reason.endswith("re-pack slows the step by more than max_slowdown=0.05")
@@ -198,8 +218,8 @@ def test_repack_to_a_target_that_costs_too_much_is_not_applied():
 
 def test_repack_that_finds_no_smaller_pipeline_falls_back_to_balancing():
     config = BalanceConfig(repack=True, memory_capacity_bytes=1e9, max_slowdown=0.0)
-    decision = decide(CHANGED, UNIFORM, config, num_microbatches=4, schedule="1F1B")
-    assert decision.proposed == partition(CHANGED, 2)
+    decision = decide(config.problem(CHANGED), UNIFORM, config, 4, "1F1B")
+    assert decision.proposed == partition(BalanceProblem(CHANGED), 2)
     assert decision.apply
 
 
@@ -209,7 +229,7 @@ def test_repack_beyond_memory_is_reported():
     with pytest.raises(
         ValueError, match=r"target_num_stages=1 cannot be reached: the layers do not fit in memory"
     ):
-        decide(costs, Placement.from_string("0-1|2-3"), config, 2, "1F1B")
+        decide(config.problem(costs), Placement.from_string("0-1|2-3"), config, 2, "1F1B")
 
 
 def test_virtual_stages_are_judged_by_their_workers():
@@ -217,43 +237,66 @@ def test_virtual_stages_are_judged_by_their_workers():
     # stages 0 and 2 looks like a gain stage by stage but leaves both workers exactly as loaded.
     costs = _costs([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     current = Placement.from_string("0-1|2-3|4-5|6-7")
-    staged = decide(costs, current, BalanceConfig(), 4, "InterleavedZeroBubble")
+    staged = decide(BalanceProblem(costs), current, BalanceConfig(), 4, "InterleavedZeroBubble")
     assert staged.apply
     by_worker = decide(
-        costs, current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1, 0, 1]
+        BalanceProblem(costs),
+        current,
+        BalanceConfig(),
+        4,
+        "InterleavedZeroBubble",
+        stage_workers=[0, 1, 0, 1],
     )
     assert not by_worker.apply
     assert by_worker.predicted_step_before == 2.0  # the heaviest worker's load, not a simulated stage
     assert "partition of the workers" in by_worker.reason
     with pytest.raises(ValueError, match=r"stage_workers has 2 entries but current=0-1\|2-3\|4-5\|6-7 has 4"):
-        decide(costs, current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1])
+        decide(
+            BalanceProblem(costs), current, BalanceConfig(), 4, "InterleavedZeroBubble", stage_workers=[0, 1]
+        )
 
 
 def test_a_migration_must_pay_for_itself():
-    free = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B")
+    free = decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 4, "1F1B")
     saving = free.predicted_step_before - free.predicted_step_after
     assert free.apply
-    paid = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=saving * 0.9)
+    paid = decide(
+        BalanceProblem(CHANGED),
+        UNIFORM,
+        dataclasses.replace(BalanceConfig(), min_saving=saving * 0.9),
+        4,
+        "1F1B",
+    )
     assert paid.apply
-    unpaid = decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=saving * 1.1)
+    unpaid = decide(
+        BalanceProblem(CHANGED),
+        UNIFORM,
+        dataclasses.replace(BalanceConfig(), min_saving=saving * 1.1),
+        4,
+        "1F1B",
+    )
     assert not unpaid.apply
     assert "below min_saving" in unpaid.reason
     with pytest.raises(ValueError, match=r"min_saving=-1.0 must be a finite number >= 0"):
-        decide(CHANGED, UNIFORM, BalanceConfig(), 4, "1F1B", min_saving=-1.0)
+        decide(
+            BalanceProblem(CHANGED), UNIFORM, dataclasses.replace(BalanceConfig(), min_saving=-1.0), 4, "1F1B"
+        )
 
 
 def test_virtual_stages_are_balanced_by_their_workers():
     # The per-stage optimum 3|1+4+6|1+6|6+5 leaves worker 1 (stages 1 and 3) with 22 of 32.
     costs = _costs([3.0, 1.0, 4.0, 6.0, 1.0, 6.0, 6.0, 5.0])
     current = Placement.from_string("0-0|1-3|4-5|6-7")
-    decision = decide(costs, current, BalanceConfig(), 4, "Interleaved1F1B", stage_workers=[0, 1, 0, 1])
+    decision = decide(
+        BalanceProblem(costs), current, BalanceConfig(), 4, "Interleaved1F1B", stage_workers=[0, 1, 0, 1]
+    )
     assert decision.apply
     assert (decision.predicted_step_before, decision.predicted_step_after) == pytest.approx((22.0, 16.0))
     assert str(decision.proposed) == "0-0|1-2|3-5|6-7"
     # Per-stage caps become per-worker caps (the smallest of the worker's stages).
     capped = [LayerCost(fwd_time_s=c.fwd_time_s, memory_bytes=1) for c in costs]
     config = BalanceConfig(memory_capacity_bytes=[3, 9, 9, 9])
-    tight = decide(capped, current, config, 4, "Interleaved1F1B", stage_workers=[0, 1, 0, 1])
+    tight = decide(config.problem(capped), current, config, 4, "Interleaved1F1B", stage_workers=[0, 1, 0, 1])
     assert sum(len(tight.proposed.layers_of(s)) for s in (0, 2)) <= 3
 
 
@@ -263,13 +306,21 @@ def test_a_repack_under_a_v_schedule_proposes_only_what_it_can_run():
     config = BalanceConfig(repack=True, memory_capacity_bytes=1e9, max_slowdown=10.0)
     layouts = {4: [0, 1, 1, 0], 2: [0, 0]}
     decision = decide(
-        NEARLY_IDLE, current, config, 4, "ZBVZeroBubble", stage_workers=[0, 1, 1, 0], repack_layouts=layouts
+        config.problem(NEARLY_IDLE),
+        current,
+        config,
+        4,
+        "ZBVZeroBubble",
+        stage_workers=[0, 1, 1, 0],
+        repack_layouts=layouts,
     )
     assert decision.apply and decision.proposed.num_stages == 2
     assert decision.predicted_step_after == pytest.approx(
         sum(c.fwd_time_s + c.bwd_time_s for c in NEARLY_IDLE)
     )
-    unconstrained = decide(NEARLY_IDLE, current, config, 4, "ZBVZeroBubble", stage_workers=[0, 1, 1, 0])
+    unconstrained = decide(
+        config.problem(NEARLY_IDLE), current, config, 4, "ZBVZeroBubble", stage_workers=[0, 1, 1, 0]
+    )
     assert unconstrained.proposed.num_stages == 1  # what the planner proposed before it knew the layouts
     with pytest.raises(
         ValueError, match=r"target_num_stages=3 is a pipeline the schedule cannot run: .* \[2, 4\]"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lightning_dynmo.balancing import LayerCost, partition
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition
 from lightning_dynmo.balancing.policy import smooth_costs
 from lightning_dynmo.callback import DynMoCallback
 
@@ -30,13 +30,17 @@ def test_noise_that_does_not_persist_stops_moving_layers_a_drift_does_not():
     for _ in range(200):  # 8 equal layers, +-50% i.i.d. noise per window
         window = _costs([1.0 + rng.uniform(-0.5, 0.5) for _ in range(8)])
         smoothed = smooth_costs(smoothed, window, 0.8)
-        raw_moves += str(partition(window, 2)) != "0-3|4-7"
-        smoothed_moves += str(partition(smoothed, 2)) != "0-3|4-7"
+        raw_moves += str(partition(BalanceProblem(window), 2)) != "0-3|4-7"
+        smoothed_moves += str(partition(BalanceProblem(smoothed), 2)) != "0-3|4-7"
     assert smoothed_moves < raw_moves / 2  # the average converges to equal layers: uniform stays optimal
     drift, changed = smoothed, _costs([0.2] * 4 + [1.0] * 4)
     for _ in range(40):  # a real change: the first half becomes cheap and stays so
         drift = smooth_costs(drift, changed, 0.8)
-    assert partition(drift, 2) == partition(changed, 2) != partition(_costs([1.0] * 8), 2)
+    assert (
+        partition(BalanceProblem(drift), 2)
+        == partition(BalanceProblem(changed), 2)
+        != partition(BalanceProblem(_costs([1.0] * 8)), 2)
+    )
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dynmo.balancing import LayerCost, Placement, repack, solve_partition
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, repack, solve_partition
 
-from .brute import assert_fits, assert_valid, brute_optimum, direct_loads
+from .brute import assert_fits, assert_valid, brute_optimum, direct_loads, problem_of
 from .strategies import problems
 
 
@@ -35,7 +35,9 @@ def _caps(caps, stages):
 @given(repack_problems(), st.floats(0.0, 1.0))
 def test_repack_without_target_picks_the_fewest_stages_within_the_slowdown(problem, slowdown):
     costs, current, caps = problem
-    result = repack(costs, current, caps, max_slowdown=slowdown)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)), current, max_slowdown=slowdown
+    )
     assert_valid(result.placement, len(costs))
     assert_fits(costs, result.placement, _caps(caps, current.num_stages)[: result.num_stages])
     assert result.released_stages == tuple(range(result.num_stages, current.num_stages))
@@ -60,9 +62,17 @@ def test_repack_to_a_target_reaches_it_or_explains_memory(problem, data):
         with pytest.raises(
             ValueError, match=rf"target_num_stages={target} cannot be reached.*overflows stage"
         ):
-            repack(costs, current, caps, target_num_stages=target)
+            repack(
+                BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)),
+                current,
+                target_num_stages=target,
+            )
         return
-    result = repack(costs, current, caps, target_num_stages=target)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)),
+        current,
+        target_num_stages=target,
+    )
     assert result.num_stages == target
     assert_fits(costs, result.placement, full[:target])
     assert result.bottleneck == pytest.approx(best)  # the best balanced re-pack, not the first fit
@@ -70,7 +80,11 @@ def test_repack_to_a_target_reaches_it_or_explains_memory(problem, data):
 
 def test_released_stages_are_the_highest_indices():
     costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 8
-    result = repack(costs, "0-1|2-3|4-5|6-7", 40, max_slowdown=1.0)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=40)),
+        "0-1|2-3|4-5|6-7",
+        max_slowdown=1.0,
+    )
     assert str(result.placement) == "0-3|4-7"
     assert result.released_stages == (2, 3)
     assert result.predicted_slowdown == pytest.approx(1.0)
@@ -78,15 +92,19 @@ def test_released_stages_are_the_highest_indices():
 
 def test_repack_keeps_current_when_nothing_smaller_is_fast_enough():
     costs = [LayerCost(fwd_time_s=1.0)] * 4
-    result = repack(costs, "0-1|2-3", None, max_slowdown=0.05)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)), "0-1|2-3", max_slowdown=0.05
+    )
     assert (str(result.placement), result.released_stages) == ("0-1|2-3", ())
 
 
 def test_repack_prefers_the_best_balanced_placement():
     # First-fit merging would put 0-2 on one stage; the balanced re-pack splits 6 + 1 + 1 | 6.
     costs = [LayerCost(fwd_time_s=w, memory_bytes=1) for w in [6.0, 1.0, 1.0, 6.0]]
-    result = repack(costs, "0|1|2|3", 10, target_num_stages=2)
-    assert result.bottleneck == solve_partition(costs, 2).bottleneck == 7.0
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=10)), "0|1|2|3", target_num_stages=2
+    )
+    assert result.bottleneck == solve_partition(BalanceProblem(costs), 2).bottleneck == 7.0
 
 
 @pytest.mark.parametrize(
@@ -104,7 +122,8 @@ def test_repack_rejects_bad_input(kwargs, match):
     costs = [LayerCost(fwd_time_s=1.0, memory_bytes=10)] * 4
     args = {"current": "0-1|2-3", "memory_capacity_bytes": 100, **kwargs}
     with pytest.raises(ValueError, match=match):
-        repack(costs, **args)
+        problem, rest = problem_of(costs, **args)
+        repack(problem, **rest)
 
 
 # -- several stages per worker: only the stage counts the schedule can run -----------------------------
@@ -123,7 +142,12 @@ V_LAYOUTS = {
 def test_repack_with_layouts_proposes_only_runnable_counts(times, slowdown):
     costs = [LayerCost(fwd_time_s=t, memory_bytes=1) for t in times]
     current = Placement.from_sizes([1] * 7 + [len(times) - 7])
-    result = repack(costs, current, None, max_slowdown=slowdown, layouts=V_LAYOUTS)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+        current,
+        max_slowdown=slowdown,
+        layouts=V_LAYOUTS,
+    )
     assert result.num_stages in V_LAYOUTS
     assert_valid(result.placement, len(costs))
     if result.num_stages < 8:  # within the slowdown, judged by the heaviest worker
@@ -134,10 +158,23 @@ def test_repack_with_layouts_balances_and_compares_workers():
     costs = [LayerCost(fwd_time_s=t) for t in (1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0)]
     current = Placement.from_string("0-1|2-3|4-5|6-7")  # V: worker 0 runs stages 0 and 3 (load 2)
     layouts = {4: [0, 1, 1, 0], 2: [0, 0]}
-    result = repack(costs, current, None, max_slowdown=1.0, layouts=layouts)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+        current,
+        max_slowdown=1.0,
+        layouts=layouts,
+    )
     assert (result.num_stages, result.previous_bottleneck, result.bottleneck) == (2, 2.0, 4.0)
     # Per stage the bottleneck would be 2 -> 4 as well, but an odd count is never proposed.
-    assert repack(costs, current, None, max_slowdown=0.9, layouts=layouts).placement == current
+    assert (
+        repack(
+            BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+            current,
+            max_slowdown=0.9,
+            layouts=layouts,
+        ).placement
+        == current
+    )
 
 
 def test_repack_target_must_be_a_runnable_count():
@@ -146,8 +183,18 @@ def test_repack_target_must_be_a_runnable_count():
     with pytest.raises(
         ValueError, match=r"target_num_stages=3 is not a pipeline this schedule can run; .* are \[2\]"
     ):
-        repack(costs, current, None, target_num_stages=3, layouts={4: [0, 1, 1, 0], 2: [0, 0]})
-    packed = repack(costs, current, None, target_num_stages=2, layouts={4: [0, 1, 1, 0], 2: [0, 0]})
+        repack(
+            BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+            current,
+            target_num_stages=3,
+            layouts={4: [0, 1, 1, 0], 2: [0, 0]},
+        )
+    packed = repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+        current,
+        target_num_stages=2,
+        layouts={4: [0, 1, 1, 0], 2: [0, 0]},
+    )
     assert packed.num_stages == 2 and packed.released_stages == (2, 3)
 
 
@@ -162,14 +209,18 @@ def test_repack_counts_slow_workers_links_and_extras_of_the_kept_stages(problem,
     first = data.draw(st.none() | st.builds(LayerCost, fwd_time_s=st.floats(0.0, 5.0)))
     last = data.draw(st.none() | st.builds(LayerCost, fwd_time_s=st.floats(0.0, 5.0)))
     result = repack(
-        costs,
+        BalanceProblem(
+            costs,
+            hardware=Hardware(
+                first_stage_extra=first,
+                last_stage_extra=last,
+                worker_slowdown=factors,
+                comm_time_s=links,
+                memory_capacity_bytes=caps,
+            ),
+        ),
         current,
-        caps,
         max_slowdown=slowdown,
-        first_stage_extra=first,
-        last_stage_extra=last,
-        comm_time_s=links,
-        stage_slowdown=factors,
     )
     full = _caps(caps, stages)
 
@@ -200,7 +251,15 @@ def test_repack_counts_slow_workers_links_and_extras_of_the_kept_stages(problem,
 def test_repack_gives_the_heavy_head_its_own_room():
     costs = [LayerCost(fwd_time_s=1.0)] * 6
     head = LayerCost(fwd_time_s=3.0)
-    result = repack(costs, "0-1|2-3|4-5", None, target_num_stages=2, last_stage_extra=head)
+    result = repack(
+        BalanceProblem(costs, hardware=Hardware(last_stage_extra=head, memory_capacity_bytes=None)),
+        "0-1|2-3|4-5",
+        target_num_stages=2,
+    )
     assert result.bottleneck == 5.0  # 4 | 2 + 3 or 5 | 1 + 3; the block-only optimum 3 | 3 + 3 costs 6
     assert result.placement.sizes[1] <= 2
-    assert repack(costs, "0-1|2-3|4-5", None, target_num_stages=2).placement.sizes == (3, 3)
+    assert repack(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=None)),
+        "0-1|2-3|4-5",
+        target_num_stages=2,
+    ).placement.sizes == (3, 3)

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_dynmo.balancing import LayerCost, Placement, partition
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
-from .brute import all_placements, assert_valid, direct_loads
+from .brute import all_placements, assert_valid, direct_loads, problem_of
 
 SETTINGS = settings(max_examples=150, deadline=None)
 LAYOUTS = {"loop": [0, 1, 0, 1], "v": [0, 1, 1, 0], "loop3": [0, 1, 2, 0, 1, 2]}
@@ -54,19 +54,22 @@ def worker_problems(draw):
 def test_never_worse_than_its_starting_points(problem, data):
     costs, workers = problem
     current = data.draw(st.sampled_from(list(all_placements(len(costs), len(workers)))))
-    result = partition_workers(costs, workers, current=current)
+    result = partition_workers(BalanceProblem(costs), workers, current=current)
     assert_valid(result.placement, len(costs), len(workers))
     assert result.bottleneck == pytest.approx(_heaviest_worker(costs, result.placement, workers))
-    assert result.bottleneck <= _heaviest_worker(costs, partition(costs, len(workers)), workers) + 1e-9
+    assert (
+        result.bottleneck
+        <= _heaviest_worker(costs, partition(BalanceProblem(costs), len(workers)), workers) + 1e-9
+    )
     assert result.bottleneck <= _heaviest_worker(costs, current, workers) + 1e-9
     assert result.bottleneck >= _brute(costs, workers) - 1e-9
 
 
 def test_finds_the_optimum_where_the_per_stage_optimum_leaves_a_worker_idle():
     costs, workers = _costs([3, 1, 4, 6, 1, 6, 6, 5]), LAYOUTS["loop"]
-    per_stage = partition(costs, 4)
+    per_stage = partition(BalanceProblem(costs), 4)
     assert _heaviest_worker(costs, per_stage, workers) == 22  # stages 3|11|7|11: worker 1 gets 22 of 32
-    result = partition_workers(costs, workers)
+    result = partition_workers(BalanceProblem(costs), workers)
     assert result.bottleneck == 16 == _brute(costs, workers)
     assert dict(result.worker_loads) == {0: 16.0, 1: 16.0}
 
@@ -79,7 +82,7 @@ def test_reaches_the_brute_force_optimum_on_most_small_problems():
         workers = list(LAYOUTS.values())[trial % 3]
         n = rng.randint(len(workers), 10)
         costs = _costs([rng.choice([rng.random(), 10 * rng.random()]) for _ in range(n)])
-        gaps.append(partition_workers(costs, workers).bottleneck / _brute(costs, workers))
+        gaps.append(partition_workers(BalanceProblem(costs), workers).bottleneck / _brute(costs, workers))
     assert sum(g < 1 + 1e-9 for g in gaps) >= 0.9 * len(gaps)
     assert max(gaps) < 1.10
 
@@ -91,7 +94,9 @@ def test_memory_caps_hold_per_worker_or_the_error_says_by_how_much(problem, cap)
     costs = [LayerCost(fwd_time_s=c.fwd_time_s, memory_bytes=int(c.fwd_time_s)) for c in costs]
     best = _brute(costs, workers, cap)
     try:
-        result = partition_workers(costs, workers, memory_capacity_bytes=cap)
+        result = partition_workers(
+            BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=cap)), workers
+        )
     except ValueError as err:
         assert "no placement found that fits memory" in str(err)
         return  # a local search may miss a fitting placement; it never returns one that does not fit
@@ -102,10 +107,14 @@ def test_memory_caps_hold_per_worker_or_the_error_says_by_how_much(problem, cap)
 def test_per_worker_capacity_as_mapping_or_sequence():
     costs = _costs([1, 1, 1, 1, 1, 1], memory=[10] * 6)
     for caps in ({0: 20, 1: 40}, [20, 40]):
-        result = partition_workers(costs, LAYOUTS["loop"], memory_capacity_bytes=caps)
+        result = partition_workers(
+            BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=caps)), LAYOUTS["loop"]
+        )
         assert result.worker_memory_bytes[0] <= 20 and result.worker_memory_bytes[1] <= 40
     with pytest.raises(ValueError, match=r"needs 10 bytes more than worker 0 has"):
-        partition_workers(costs, LAYOUTS["loop"], memory_capacity_bytes=[20, 30])
+        partition_workers(
+            BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=[20, 30])), LAYOUTS["loop"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -124,19 +133,26 @@ def test_per_worker_capacity_as_mapping_or_sequence():
 def test_bad_input_is_rejected(kwargs, match):
     args = {"costs": _costs([1, 2, 3, 4]), "stage_workers": [0, 1, 0, 1], **kwargs}
     with pytest.raises(ValueError, match=match):
-        partition_workers(**args)
+        problem, rest = problem_of(**args)
+        partition_workers(problem, **rest)
 
 
 def test_worker_loads_sum_the_stages_of_each_worker():
     costs = _costs([1, 2, 3, 4])
-    assert worker_loads(costs, Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1, 1, 0]) == {0: 5.0, 1: 5.0}
+    assert worker_loads(BalanceProblem(costs), Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1, 1, 0]) == {
+        0: 5.0,
+        1: 5.0,
+    }
 
 
 def test_capacity_of_the_wrong_kind_and_stage_count_mismatch_are_rejected():
     with pytest.raises(ValueError, match=r"must be None, a number of bytes, or one number per worker"):
-        partition_workers(_costs([1, 2, 3, 4]), [0, 1, 0, 1], memory_capacity_bytes="lots")  # type: ignore[arg-type]
+        partition_workers(
+            BalanceProblem(_costs([1, 2, 3, 4]), hardware=Hardware(memory_capacity_bytes="lots")),
+            [0, 1, 0, 1],
+        )  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"stage_workers has 2 entries for 4 stages"):
-        worker_loads(_costs([1, 2, 3, 4]), Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1])
+        worker_loads(BalanceProblem(_costs([1, 2, 3, 4])), Placement.from_string("0-0|1-1|2-2|3-3"), [0, 1])
 
 
 # -- heterogeneous workers and links, pinned extras ---------------------------------------------------
@@ -173,9 +189,11 @@ def heterogeneous_worker_problems(draw):
 @given(heterogeneous_worker_problems(), st.data())
 def test_slow_workers_links_and_extras_are_counted_and_never_worse_than_the_starts(problem, data):
     costs, workers, first, last, comm, slowdown = problem
-    kwargs = dict(first_stage_extra=first, last_stage_extra=last, comm_time_s=comm, worker_slowdown=slowdown)
+    hardware = Hardware(
+        first_stage_extra=first, last_stage_extra=last, comm_time_s=comm, worker_slowdown=slowdown
+    )
     current = data.draw(st.sampled_from(list(all_placements(len(costs), len(workers)))))
-    result = partition_workers(costs, workers, current=current, **kwargs)
+    result = partition_workers(BalanceProblem(costs, hardware=hardware), workers, current=current)
 
     def heaviest(placement):
         return max(_direct_worker_loads(costs, placement, workers, first, last, comm, slowdown).values())
@@ -185,7 +203,15 @@ def test_slow_workers_links_and_extras_are_counted_and_never_worse_than_the_star
         _direct_worker_loads(costs, result.placement, workers, first, last, comm, slowdown)
     )
     assert worker_loads(
-        costs, result.placement, workers, "time", first, last, comm, slowdown
+        BalanceProblem(
+            costs,
+            by="time",
+            hardware=Hardware(
+                first_stage_extra=first, last_stage_extra=last, worker_slowdown=slowdown, comm_time_s=comm
+            ),
+        ),
+        result.placement,
+        workers,
     ) == pytest.approx(dict(result.worker_loads))
     assert result.bottleneck <= heaviest(current) + 1e-9
     assert result.bottleneck >= min(heaviest(p) for p in all_placements(len(costs), len(workers))) - 1e-9
@@ -193,11 +219,15 @@ def test_slow_workers_links_and_extras_are_counted_and_never_worse_than_the_star
 
 def test_a_slow_worker_and_a_heavy_head_get_less_work():
     costs = _costs([1] * 8)
-    plain = partition_workers(costs, LAYOUTS["loop"])
+    plain = partition_workers(BalanceProblem(costs), LAYOUTS["loop"])
     assert plain.bottleneck == 4.0
-    slow = partition_workers(costs, LAYOUTS["loop"], worker_slowdown=[1.0, 3.0])
+    slow = partition_workers(
+        BalanceProblem(costs, hardware=Hardware(worker_slowdown=[1.0, 3.0])), LAYOUTS["loop"]
+    )
     assert dict(slow.worker_loads) == {0: 6.0, 1: 6.0}  # worker 1 keeps 2 layers, 3 times slower
-    head = partition_workers(costs, LAYOUTS["v"], last_stage_extra=LayerCost(fwd_time_s=4.0))
+    head = partition_workers(
+        BalanceProblem(costs, hardware=Hardware(last_stage_extra=LayerCost(fwd_time_s=4.0))), LAYOUTS["v"]
+    )
     assert dict(head.worker_loads) == {0: 6.0, 1: 6.0}  # V: the head is on worker 0 with stage 0
 
 
@@ -212,4 +242,6 @@ def test_a_slow_worker_and_a_heavy_head_get_less_work():
 )
 def test_bad_worker_slowdown_is_rejected(slowdown, match):
     with pytest.raises(ValueError, match=match):
-        partition_workers(_costs([1, 2, 3, 4]), [0, 1, 0, 1], worker_slowdown=slowdown)
+        partition_workers(
+            BalanceProblem(_costs([1, 2, 3, 4]), hardware=Hardware(worker_slowdown=slowdown)), [0, 1, 0, 1]
+        )

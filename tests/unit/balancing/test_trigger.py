@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lightning_dynmo.balancing.policy import RebalanceTrigger, TriggerConfig
+from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
 
 
 class FakeClock:
