@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.dynamism.early_exit import EXIT_LOSS, EXITED, early_exit_config
 from lightning_dynmo.dynamism.mod import PREDICTOR_LOSS, mod_config
 from lightning_dynmo.dynamism.tokens import token_counts
@@ -71,7 +71,7 @@ def _mod(**kw: Any) -> GPTConfig:
 EARLY_EXIT = Case(
     "early_exit",
     _early_exit,
-    {"on_events": True, "profile_warmup_steps": 0, "profile_steps": 1},
+    {"on_events": True, "profiling": ProfilingConfig(warmup_steps=0, steps=1)},
     EXIT_LOSS,
     {"loss_weight": 0.0},
 )
@@ -140,7 +140,7 @@ def _worker(rank: int, world_size: int, case: Case, ckpt: Path, resume: bool) ->
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "released": strategy.is_released,
         "placement": str(strategy.placement),
-        "rebalances": [r["new"] for r in dynmo.rebalances if r["applied"]] if dynmo else [],
+        "rebalances": [r.new for r in dynmo.rebalances if r.applied] if dynmo else [],
         "events": len(dynmo.events) if dynmo else 0,
     }
 

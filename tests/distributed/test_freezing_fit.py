@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.freezing import FreezingConfig
 from lightning_dynmo.dynamism_callbacks import FreezingCallback
@@ -131,7 +131,9 @@ def fit_worker(
     recorder, freezing, mover = LossRecorder(), callback_cls(run.config), ForcePlacement(dict(run.migrations))
     snapshots = Snapshots()
     callbacks: list[pl.Callback] = [recorder, freezing, mover, snapshots]
-    dynmo = DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
+    dynmo = DynMoCallback(
+        balancer="partition", cost="time", profiling=ProfilingConfig(warmup_steps=0, steps=1)
+    )
     if run.dynmo:
         callbacks.append(dynmo)
     strategy = strategy_cls(
@@ -151,7 +153,7 @@ def fit_worker(
     return {
         **outcome(model, recorder, freezing),
         "applied": mover.applied,
-        "rebalances": dynmo.rebalances,
+        "rebalances": [r.to_dict() for r in dynmo.rebalances],
         "events": [(e.kind, e.layers, e.step) for e in dynmo.events],
         "snapshots": snapshots.after,
     }

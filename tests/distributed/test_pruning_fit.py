@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.demos import RandomTokenDataModule
 from lightning_dynmo.dynamism.pruning import PruningConfig, prunable_linears
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
@@ -127,7 +127,9 @@ def fit_worker(
     os.environ["NODE_RANK"] = "0"
     recorder, pruning, mover = LossRecorder(), run.pruning(), ForcePlacement(dict(run.migrations))
     callbacks: list[pl.Callback] = [recorder, pruning, mover, *extra]
-    dynmo = DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
+    dynmo = DynMoCallback(
+        balancer="partition", cost="time", profiling=ProfilingConfig(warmup_steps=0, steps=1)
+    )
     if run.dynmo:
         callbacks.append(dynmo)
     strategy = strategy_cls(schedule="1F1B", num_microbatches=4, placement=run.placement)
@@ -146,7 +148,7 @@ def fit_worker(
         **outcome(model, recorder, pruning),
         "released": strategy.is_released,
         "applied": mover.applied,
-        "rebalances": dynmo.rebalances,
+        "rebalances": [r.to_dict() for r in dynmo.rebalances],
         "events": [(e.kind, e.layers, e.step) for e in dynmo.events],
     }
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.dynamism.sparse_attention import SparseAttentionOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
@@ -42,8 +42,7 @@ TOL = 1e-9
 PERIODIC: tuple[tuple[str, Any], ...] = (
     ("cost", "params"),
     ("every_n_steps", 2),
-    ("profile_warmup_steps", 0),
-    ("profile_steps", 1),
+    ("profiling", ProfilingConfig(warmup_steps=0, steps=1)),
 )
 
 
@@ -148,7 +147,7 @@ def _worker(
         "losses": recorder.losses,
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "placement": str(strategy.placement),
-        "rebalances": [r for r in dynmo.rebalances if r["applied"]] if dynmo is not None else [],
+        "rebalances": [r.to_dict() for r in dynmo.rebalances if r.applied] if dynmo is not None else [],
     }
 
 
