@@ -208,7 +208,7 @@ class _Harness:
             self.sigterm.agree(self.strategy.active_group, self.strategy.root_device)
         with communication_guard("a schedule step", self.comm_context()):
             pass  # the schedule step itself is training, not control
-        self.callback._share_step(self.trainer, 1e-3 * (1 + self.position), 5e-3)  # type: ignore[arg-type]
+        self.callback._share_step(self.trainer, self.view, 1e-3 * (1 + self.position), 5e-3)  # type: ignore[arg-type]
         self.trainer.global_step += 1
 
     def event_step(self) -> None:

@@ -180,4 +180,4 @@ def switched(name: str, value: bool | C, default: C) -> C | None:
     if isinstance(value, bool):
         return default if value else None
     kind = type(default).__name__
-    raise ValueError(f"{name}={value!r} must be True, False or a {kind}; pass e.g. {name}={kind}().")
+    raise ValueError(f"{name}={value!r} must be True, False or {kind}(...); pass e.g. {name}={kind}().")

@@ -315,15 +315,14 @@ class DynMoCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        strategy = _strategy(trainer)
-        if strategy.pipeline_view().stage_index is None:
+        view = _strategy(trainer).pipeline_view()
+        if view.stage_index is None:
             return  # a released rank takes no part
         just_applied = self._pending is not None
         if just_applied:
-            self._apply_pending(trainer)
-        view = strategy.pipeline_view()
-        if view.is_released:
-            return  # this re-pack released the rank: it leaves fit at this batch
+            view = self._apply_pending(trainer)  # the pipeline after it
+            if view.is_released:
+                return  # this re-pack released the rank: it leaves fit at this batch
         assert self._busy is not None
         self._busy.watch(view.pipeline_stages)  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
@@ -353,8 +352,8 @@ class DynMoCallback(Callback):
         assert self._busy is not None
         busy_s = self._busy.end_step()
         if self._window.end_step(self._step_phase, busy_s):
-            self._close_window(trainer, batch)
-        self._share_step(trainer, busy_s, step_s)
+            self._close_window(trainer, view, batch)  # decides only: the pipeline stays as viewed
+        self._share_step(trainer, view, busy_s, step_s)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -391,9 +390,8 @@ class DynMoCallback(Callback):
         self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
-    def _close_window(self, trainer: pl.Trainer, batch: Any) -> None:
+    def _close_window(self, trainer: pl.Trainer, view: PipelineView, batch: Any) -> None:
         result = self._window.close(trainer.global_step)
-        view = _strategy(trainer).pipeline_view()
         start = self._clock()
         costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
@@ -413,7 +411,8 @@ class DynMoCallback(Callback):
         self, trainer: pl.Trainer, view: PipelineView, result: ProfileResult, batch: Any
     ) -> RetuneOptions:
         # The batch that closes the window: its size bounds the micro-batch counts a re-tune may pick.
-        batch_size = int(trainer.lightning_module.pipeline_batch(batch)[0].shape[0])
+        module: Any = trainer.lightning_module  # pipeline_batch is the model contract's, not Lightning's
+        batch_size = int(module.pipeline_batch(batch)[0].shape[0])
         return self._meter.retune_options(view, result, batch_size, self._window.busy_s)
 
     def _decide_once(
@@ -495,7 +494,8 @@ class DynMoCallback(Callback):
 
     # -- applying a decision --------------------------------------------------------------------------
 
-    def _apply_pending(self, trainer: pl.Trainer) -> None:
+    def _apply_pending(self, trainer: pl.Trainer) -> PipelineView:
+        """Apply the pending decision (or record that it kept the placement); the pipeline after it."""
         decision, overhead = self._pending, self._pending_overhead
         assert decision is not None
         self._pending = None
@@ -526,6 +526,7 @@ class DynMoCallback(Callback):
         self._window.decided(decision.apply)
         self._history.add(record)
         self._log_decision(trainer, view, decision, record)
+        return view
 
     def _log_decision(
         self, trainer: pl.Trainer, view: PipelineView, decision: RebalanceDecision, record: DecisionRecord
@@ -554,8 +555,9 @@ class DynMoCallback(Callback):
 
     # -- the per-step exchange --------------------------------------------------------------------------
 
-    def _share_step(self, trainer: pl.Trainer, busy_s: float | None, step_s: float) -> None:
-        view = _strategy(trainer).pipeline_view()
+    def _share_step(
+        self, trainer: pl.Trainer, view: PipelineView, busy_s: float | None, step_s: float
+    ) -> None:
         mine = torch.tensor(
             [float(bool(self._new_events)), -1.0 if busy_s is None else busy_s, step_s, self._cost_to_share],
             dtype=torch.float64,

@@ -37,7 +37,7 @@ class FakeClock:
 class ScriptedDecision(DynMoCallback):
     """The window closes with a fixed decision instead of gathering costs over a process group."""
 
-    def _close_window(self, trainer: Any, batch: Any) -> None:
+    def _close_window(self, trainer: Any, view: Any, batch: Any) -> None:
         assert self._window.is_open
         self._window.profiler = None
         current = trainer.strategy.placement
