@@ -166,12 +166,12 @@ def train_repacked(job: RetuneJob) -> dict[str, Any]:
     config = GPTConfig(seq_len=job.seq_len, num_layers=job.num_layers, d_model=job.d_model, num_heads=2)
     data = RandomTokenDataModule(batch_size=8, num_samples=8 * job.steps, seq_len=job.seq_len, vocab_size=256)
     trainer.fit(GPT(config), data)
-    applied = [r for r in dynmo.rebalances if r["applied"]]
+    applied = [r for r in dynmo.rebalances if r.applied]
     return {
         "step_s": timer.step_s,
         "placement": str(strategy.placement),
         "num_microbatches": strategy.num_microbatches,
-        "repacked_at": applied[0]["step"] if applied else None,
+        "repacked_at": applied[0].step if applied else None,
     }
 
 

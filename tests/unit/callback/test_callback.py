@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.balancing.policy import BalanceConfig, TriggerConfig, validate_policy
 from lightning_dynmo.callback import AutoConfig, DecisionRecord, DynMoCallback, ProfilingConfig, RepackConfig
 from lightning_dynmo.callback.config import MOVED_KEYWORDS
 from lightning_dynmo.events import DynamismEvent, EventBus
@@ -56,12 +55,6 @@ def test_bad_options_are_rejected(kwargs, match):
 def test_bad_profiling_options_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ProfilingConfig(**kwargs)
-
-
-def test_a_repack_target_without_a_repack_is_rejected():
-    # The callback cannot express it any more (a RepackConfig turns the re-pack on); the rule still holds.
-    with pytest.raises(ValueError, match=r"target_num_stages=2 is only used when re-packing"):
-        validate_policy(BalanceConfig(target_num_stages=2), TriggerConfig())
 
 
 @pytest.mark.parametrize(
