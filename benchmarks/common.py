@@ -140,7 +140,7 @@ def job_report(timer: StepTimer, strategy: DynMoStrategy, dynmo: DynMoCallback |
     return {
         "step_s": timer.step_s,
         "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r["applied"]) if dynmo else 0,
+        "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
         "overhead_s": dynmo.overhead_s if dynmo else 0.0,
     }
 

@@ -54,15 +54,18 @@ from torch import nn
 
 from benchmarks.common import write_report
 from lightning_dynmo.balancing.costs import LayerCost
+from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.events import DynamismEvent, EventBus
 from lightning_dynmo.pipeline.faults.guard import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.faults.shutdown import SigtermAgreement
 from lightning_dynmo.pipeline.migration.transport import UnitMove, migrate_units
 from lightning_dynmo.pipeline.placement.groups import build_groups
 from lightning_dynmo.pipeline.placement.layout import RankGrid
+from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 from lightning_dynmo.profiling import gather_layer_costs
+from lightning_dynmo.strategy.view import PipelineView
 
 PROJECT_TO = 720
 LAYERS_PER_STAGE = 4
@@ -140,23 +143,42 @@ class _Harness:
             "|".join(f"{s * LAYERS_PER_STAGE}-{(s + 1) * LAYERS_PER_STAGE - 1}" for s in range(pp))
         )
         self.bus = EventBus()
-        self.callback = DynMoCallback(balancer="partition", event_bus=self.bus, measure_comm=False)
+        self.callback = DynMoCallback(
+            balancer="partition", event_bus=self.bus, profiling=ProfilingConfig(measure_comm=False)
+        )
         self.callback._unsubscribe = self.bus.subscribe(self.callback._new_events.append)
         self.sigterm = SigtermAgreement(forward=None)
         active = tuple(range(world))
-        strategy = SimpleNamespace(
+        view = PipelineView(
+            placement=self.placement,
+            schedule=resolve_schedule("1F1B"),
+            num_microbatches=2 * pp,
+            pipeline_size=pp,
+            stage_index=self.position,
+            stage_indices=(self.position,),
+            is_first_stage=self.position == 0,
+            is_released=False,
+            global_rank=rank,
+            active_ranks=active,
+            pipeline_rank_of=self.grid.pipeline_rank,
+            local_layers={},
+            pipeline_stages=[],
             root_device=torch.device("cpu"),
+            pipeline_group=groups.pipeline,
+            active_group=groups.active,
+            data_parallel_group=None,
+            data_parallel_size=world // pp,
+            has_tied_parameters=False,
+        )
+        self.view = view
+        strategy = SimpleNamespace(
+            root_device=view.root_device,
             global_rank=rank,
             active_ranks=active,
             active_group=groups.active,
             pipeline_group=groups.pipeline,
-            pipeline_size=pp,
-            pipeline_rank_of=self.grid.pipeline_rank,
-            num_microbatches=2 * pp,
-            schedule_name="1F1B",
-            num_stages=pp,
-            stage_indices=(self.position,),
-            placement=self.placement,
+            stage_indices=view.stage_indices,
+            pipeline_view=lambda: view,
         )
         strategy.guard = lambda what: communication_guard(what, self.comm_context())
         strategy.broadcast = self.broadcast
@@ -186,7 +208,7 @@ class _Harness:
             self.sigterm.agree(self.strategy.active_group, self.strategy.root_device)
         with communication_guard("a schedule step", self.comm_context()):
             pass  # the schedule step itself is training, not control
-        self.callback._share_step(self.trainer, None, 1e-3 * (1 + self.position), 5e-3)  # type: ignore[arg-type]
+        self.callback._share_step(self.trainer, self.view, 1e-3 * (1 + self.position), 5e-3)  # type: ignore[arg-type]
         self.trainer.global_step += 1
 
     def event_step(self) -> None:
@@ -219,7 +241,8 @@ class _Harness:
             for i in self.placement.layers_of(self.position)
         }
         costs = gather_layer_costs(local, self.num_layers, self.strategy.pipeline_group)
-        self.callback._decide_once(self.strategy, costs, self.placement, None, self.trainer.global_step)
+        hardware = Hardware()
+        self.callback._decide_once(self.trainer, self.view, costs, hardware, None)  # type: ignore[arg-type]
 
     def migration(self) -> None:
         """Every replica moves one layer between its positions 0 and 1 (and back the next call): one plan."""

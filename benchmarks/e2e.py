@@ -456,7 +456,7 @@ def run_emulated(job: EmulatedJob) -> dict[str, Any]:
     )
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
-        report["rebalances"] = sum(1 for r in dynmo.rebalances if r["applied"])
+        report["rebalances"] = sum(1 for r in dynmo.rebalances if r.applied)
     timed: dict[str, list[float]] = {}
     for (placement, is_timed), step_s in zip(schedule, timer.step_s if schedule else [], strict=True):
         if is_timed:

@@ -157,8 +157,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
         report["decisions"] = len(dynmo.rebalances)
-        report["why"] = [f"step {r['step']}: {r['old']} -> {r['new']}: {r['why']}" for r in dynmo.rebalances]
-        report["moved_to"] = [r["new"] for r in dynmo.rebalances if r["applied"]]
+        report["why"] = [f"step {r.step}: {r.old} -> {r.new}: {r.why}" for r in dynmo.rebalances]
+        report["moved_to"] = [r.new for r in dynmo.rebalances if r.applied]
         report["overhead_s"] = dynmo.overhead_s
         costs = dynmo.last_costs or []
         report["layer_ms"] = [1e3 * (c.fwd_time_s + c.bwd_time_s) for c in costs]

@@ -123,8 +123,7 @@ def train(job: Job) -> dict[str, Any]:
         out["head_blocks"] = last.time_s / block_s if last is not None else float("nan")
         out["embedding_blocks"] = first.time_s / block_s if first is not None else float("nan")
         out["decisions"] = [
-            f"{r['new']} ({'applied' if r['applied'] else 'not applied'}: {r['why']})"
-            for r in dynmo.rebalances
+            f"{r.new} ({'applied' if r.applied else 'not applied'}: {r.why})" for r in dynmo.rebalances
         ]
     return out
 

@@ -7,13 +7,13 @@
    (:func:`~lightning_dynmo.demos.hardware.set_emulated_slowdown`). Slow link: every send of rank 0 to
    rank 1 waits ``--link-ms`` (:func:`~lightning_dynmo.demos.hardware.emulate_slow_link`). Per scenario,
    runs interleaved over ``--rounds`` rounds: the static uniform split, ``DynMoCallback`` from it (slow
-   worker: ``measure_speed=True`` with the emulated probe; slow link: the default link measurement), and
-   every fixed contiguous split (the candidates: the best of them is the placement that knows the
-   slowdown, found by measuring). A run's figure is the median of its steps after ``--skip``; each
+   worker: ``ProfilingConfig(measure_speed=True)`` with the emulated probe; slow link: the default link
+   measurement), and every fixed contiguous split (the candidates: the best of them is the placement that
+   knows the slowdown, found by measuring). A run's figure is the median of its steps after ``--skip``; each
    configuration's the median over rounds.
 2. **Step time after a re-pack, with and without the re-tune.** The GPT of :mod:`lightning_dynmo.models`
-   (real compute) trains on 2 ranks; ``DynMoCallback(repack=True, target_num_stages=1, ...)`` re-packs it
-   onto rank 0 after its first window (rank 1 leaves), once with ``retune_microbatches=True`` (the
+   (real compute) trains on 2 ranks; ``DynMoCallback(repack=RepackConfig(target_num_stages=1, ...))``
+   re-packs it onto rank 0 after its first window (rank 1 leaves), once with ``retune_microbatches=True`` (the
    callback picks the micro-batch count of the 1-stage pipeline with the simulator and the measured
    fixed cost per op) and once without (the count stays). Step times of rank 0 after the re-pack,
    interleaved rounds, medians.
@@ -65,7 +65,7 @@ def train_emulated(job: Job) -> dict[str, Any]:
     """Body of one rank of part 1: emulate the scenario on this rank, fit, report rank 0's step times."""
     import os
 
-    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+    from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
     from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
@@ -79,9 +79,9 @@ def train_emulated(job: Job) -> dict[str, Any]:
     callbacks: list[Any] = [timer]
     dynmo = None
     if job.dynmo:
-        speed = {"measure_speed": True, "speed_probe": emulated_speed_probe, "measure_comm": False}
-        extra = speed if job.scenario == "slow_worker" else {}
-        dynmo = DynMoCallback(every_n_steps=job.window_at, **extra)
+        speed = ProfilingConfig(measure_speed=True, speed_probe=emulated_speed_probe, measure_comm=False)
+        profiling = speed if job.scenario == "slow_worker" else ProfilingConfig()
+        dynmo = DynMoCallback(every_n_steps=job.window_at, profiling=profiling)
         callbacks.append(dynmo)
     strategy = DynMoStrategy(num_microbatches=MICROBATCHES, schedule="1F1B", placement=job.placement)
     fit_demo_gpt(strategy, callbacks, job.steps, [BLOCK_MS] * job.num_layers)
@@ -148,7 +148,7 @@ class RetuneJob:
 
 def train_repacked(job: RetuneJob) -> dict[str, Any]:
     """Body of one rank of part 2; rank 0 (the one kept) reports its step times and micro-batch count."""
-    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+    from lightning_dynmo.callback import DynMoCallback, RepackConfig
     from lightning_dynmo.demos import RandomTokenDataModule
     from lightning_dynmo.models import GPT, GPTConfig
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -157,23 +157,21 @@ def train_repacked(job: RetuneJob) -> dict[str, Any]:
     timer = StepTimer()
     dynmo = DynMoCallback(
         every_n_steps=job.window_at,
-        repack=True,
-        target_num_stages=1,
-        max_slowdown=10.0,  # re-pack whatever it costs: the point is the step after it
+        # max_slowdown: re-pack whatever it costs, the point is the step after it
+        repack=RepackConfig(target_num_stages=1, max_slowdown=10.0, retune_microbatches=job.retune),
         memory_capacity_bytes=2**40,  # CPU: no cap (a re-pack needs one)
-        retune_microbatches=job.retune,
     )
     strategy = DynMoStrategy(num_microbatches=MICROBATCHES, schedule="1F1B", placement="uniform")
     trainer = benchmark_trainer(strategy, [timer, dynmo], job.steps)
     config = GPTConfig(seq_len=job.seq_len, num_layers=job.num_layers, d_model=job.d_model, num_heads=2)
     data = RandomTokenDataModule(batch_size=8, num_samples=8 * job.steps, seq_len=job.seq_len, vocab_size=256)
     trainer.fit(GPT(config), data)
-    applied = [r for r in dynmo.rebalances if r["applied"]]
+    applied = [r for r in dynmo.rebalances if r.applied]
     return {
         "step_s": timer.step_s,
         "placement": str(strategy.placement),
         "num_microbatches": strategy.num_microbatches,
-        "repacked_at": applied[0]["step"] if applied else None,
+        "repacked_at": applied[0].step if applied else None,
     }
 
 

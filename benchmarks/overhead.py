@@ -77,7 +77,7 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
         "fit_s": clock.seconds,
         "overhead_s": dynmo.overhead_s if spec.with_dynmo else 0.0,
         "decisions": len(dynmo.rebalances) if spec.with_dynmo else 0,
-        "migrations": sum(bool(r["applied"]) for r in dynmo.rebalances) if spec.with_dynmo else 0,
+        "migrations": sum(r.applied for r in dynmo.rebalances) if spec.with_dynmo else 0,
         "placement": str(trainer.strategy.placement),
     }
 

@@ -36,15 +36,16 @@ def pruning_scope(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Pruning
     """This rank's blocks and groups now; ``None`` on a rank a re-pack released."""
     strategy = trainer.strategy
     if isinstance(strategy, DynMoStrategy):
-        if strategy.stage_index is None:
+        view = strategy.pipeline_view()
+        if view.stage_index is None:
             return None
         return PruningScope(
-            layers=strategy.local_layers,
-            num_layers=strategy.placement.num_layers,
-            pipeline_group=strategy.pipeline_group,
-            data_parallel_group=strategy.data_parallel_group,
+            layers=view.local_layers,
+            num_layers=view.placement.num_layers,
+            pipeline_group=view.pipeline_group,
+            data_parallel_group=view.data_parallel_group,
             optimizers=trainer.optimizers,
-            device=strategy.root_device,
+            device=view.root_device,
         )
     layers = {int(k): m for k, m in _blocks(pl_module).items()}
     replicated = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
@@ -156,20 +157,19 @@ def freezing_scope(
     strategy = trainer.strategy
     parts = getattr(pl_module, "pipeline_first_parts", ()) if freeze_first_parts else ()
     if isinstance(strategy, DynMoStrategy):
-        if strategy.stage_index is None:
+        view = strategy.pipeline_view()
+        if view.stage_index is None:
             return None
-        tied = bool(strategy.tied_parameters)  # a tied embedding keeps training through the head
+        tied = view.has_tied_parameters  # a tied embedding keeps training through the head
         return FreezingScope(
-            layers=strategy.local_layers,
-            num_layers=strategy.placement.num_layers,
-            first_parts=[getattr(pl_module, n) for n in parts]
-            if strategy.is_first_stage and not tied
-            else [],
-            group=strategy.active_group,
-            replicas=strategy.data_parallel_size,
+            layers=view.local_layers,
+            num_layers=view.placement.num_layers,
+            first_parts=[getattr(pl_module, n) for n in parts] if view.is_first_stage and not tied else [],
+            group=view.active_group,
+            replicas=view.data_parallel_size,
             optimizers=trainer.optimizers,
             rebuild=strategy.rebuild_pipeline,
-            device=strategy.root_device,
+            device=view.root_device,
         )
     layers = {int(k): m for k, m in _blocks(pl_module, "FreezingCallback freezes").items()}
     later = {id(p) for n, m in pl_module.named_children() if n not in parts for p in m.parameters()}

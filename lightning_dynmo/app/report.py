@@ -292,7 +292,7 @@ def _static_vs_dynmo(
 def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, DynMoCallback):
-            return [dict(r) for r in callback.rebalances]
+            return [r.to_dict() for r in callback.rebalances]
     return []
 
 

@@ -117,7 +117,15 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         # set by the Trainer; a callable; a timedelta (set it in code).
         exclude=(*_TRAINER_SET, "on_release", "timeout"),
     ),
-    SchemaSpec("dynmo_callback", "lightning_dynmo.callback.DynMoCallback", exclude=("event_bus", "clock")),
+    SchemaSpec(
+        "dynmo_callback",
+        "lightning_dynmo.callback.DynMoCallback",
+        exclude=("event_bus", "clock"),
+        nested={"profiling": "profiling_config"},
+    ),
+    # A callable probe cannot come from YAML. ``auto`` and ``repack`` take ``true`` or a node with
+    # ``_target_: lightning_dynmo.callback.AutoConfig`` / ``RepackConfig`` (untyped: the config checks it).
+    SchemaSpec("profiling_config", "lightning_dynmo.callback.ProfilingConfig", exclude=("speed_probe",)),
     SchemaSpec(
         "model_checkpoint",
         "lightning.pytorch.callbacks.ModelCheckpoint",

@@ -1,9 +1,15 @@
 """DynMoCallback: notice that the model changed, measure it, rebalance it, and say what it gained.
 
-- :mod:`.dynmo_callback`: :class:`DynMoCallback`, the Lightning hooks and knobs.
+- :mod:`.dynmo_callback`: :class:`DynMoCallback`, the Lightning hooks and the top-level knobs.
+- :mod:`.config`: the grouped knobs (profiling, the ``auto`` trigger, the re-pack), frozen configs.
+- :mod:`.window`: the profiling window: open and close, reused activation sizes, nothing-to-gain skipping.
+- :mod:`.measure`: every cost the balancer reads, assembled in one place (blocks, parts, links, speeds).
+- :mod:`.history`: typed decision records, their checkpoint state, and the measured gain.
 - :mod:`.control_plane`: the callback's exchanges between ranks, one collective each.
 """
 
+from lightning_dynmo.callback.config import AutoConfig, ProfilingConfig, RepackConfig
 from lightning_dynmo.callback.dynmo_callback import DynMoCallback
+from lightning_dynmo.callback.history import DecisionRecord
 
-__all__ = ["DynMoCallback"]
+__all__ = ["AutoConfig", "DecisionRecord", "DynMoCallback", "ProfilingConfig", "RepackConfig"]

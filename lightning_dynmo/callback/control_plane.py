@@ -1,9 +1,9 @@
 """The callback's exchanges between ranks, each one collective whatever the number of ranks (issue #13).
 
 Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had an
-event), :class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline
-position with tensor ops, no Python loop over ranks), then :func:`keep_recent` (the event and rebalance
-histories a checkpoint keeps, capped).
+event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :class:`PositionIndex`
+and :func:`busy_per_position` (the per-step rows reduced per pipeline position with tensor ops, no Python
+loop over ranks), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
 
 At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
 720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
@@ -18,7 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_HISTORY", "PositionIndex", "busy_per_position", "exchange_events", "keep_recent"]
+__all__ = [
+    "MAX_HISTORY",
+    "PositionIndex",
+    "all_gather_rows",
+    "busy_per_position",
+    "exchange_events",
+    "keep_recent",
+]
 
 #: The event and rebalance histories keep at most this many records each (the most recent).
 MAX_HISTORY = 1024
@@ -104,3 +111,14 @@ def keep_recent(records: list[Any], limit: int = MAX_HISTORY) -> int:
         return 0
     del records[:extra]
     return extra
+
+
+def all_gather_rows(
+    row: torch.Tensor, active_ranks: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """One row per active rank, in ``active_ranks`` order (a plain collective over ``group``, no autograd)."""
+    if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
+        return row.reshape(1, -1).cpu()
+    rows = [torch.empty_like(row) for _ in active_ranks]
+    dist.all_gather(rows, row, group=group)
+    return torch.stack(rows).cpu()

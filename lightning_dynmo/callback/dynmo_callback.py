@@ -1,15 +1,16 @@
 """DynMoCallback: notice that the model changed, measure it, rebalance it, and say what it gained.
 
-Read in this order: the constructor (every knob), then the per-step cycle:
+Read in this order: the constructor (every knob; the grouped ones in :mod:`.config`), then the per-step
+cycle:
 
 1. ``on_train_batch_start``: apply a decision taken at the end of the previous step (migration happens
-   at a step boundary, on every rank), then ask the trigger whether to start a profiling window, then
-   start the step's timers.
-2. ``on_train_batch_end``: close the step's timers; if the profiling window is complete, gather every
-   layer's cost over the pipeline, decide once on the first active rank and broadcast the decision;
-   then one small all-gather shares what every rank saw in the step (dynamism events, busy time,
-   step time, the cost of a rebalance it just did), so every rank feeds its trigger the same inputs
-   and takes the same decisions; finally log.
+   at a step boundary, on every rank), then ask the trigger whether to start a profiling window
+   (:mod:`.window`), then start the step's timers.
+2. ``on_train_batch_end``: close the step's timers; if the profiling window is complete, assemble every
+   layer's cost over the pipeline (:mod:`.measure`), decide once on the first active rank and broadcast
+   the decision; then one small all-gather shares what every rank saw in the step (dynamism events, busy
+   time, step time, the cost of a rebalance it just did), so every rank feeds its trigger the same inputs
+   and takes the same decisions; finally log. Decisions and their measured gain go to :mod:`.history`.
 
 Everything that decides is in :mod:`lightning_dynmo.balancing.policy` (pure); everything that measures
 is in :mod:`lightning_dynmo.profiling` (torch only). This module wires them to Lightning and logs.
@@ -19,22 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.gain import GainMeter, MeasuredGain, StepPhase
-from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
-from lightning_dynmo.balancing.headroom import StageLoadAverage
+from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.metrics import imbalance
 from lightning_dynmo.balancing.microbatches import RetuneOptions
 from lightning_dynmo.balancing.placement import Placement
@@ -42,46 +40,37 @@ from lightning_dynmo.balancing.policy import (
     BalanceConfig,
     RebalanceDecision,
     decide,
-    pipeline_layout,
     resume_plan,
-    smooth_costs,
     validate_policy,
 )
 from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
+from lightning_dynmo.callback.config import (
+    AutoConfig,
+    ProfilingConfig,
+    RepackConfig,
+    refuse_moved_keywords,
+    switched,
+)
 from lightning_dynmo.callback.control_plane import (
     PositionIndex,
+    all_gather_rows,
     busy_per_position,
     exchange_events,
-    keep_recent,
 )
+from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
+from lightning_dynmo.callback.measure import CostMeter
+from lightning_dynmo.callback.window import ProfilingWindow
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
-from lightning_dynmo.pipeline import (
-    RemoteFailure,
-    part_modules,
-    retune_candidates,
-)
-from lightning_dynmo.profiling import (
-    LayerProfiler,
-    StageBusyTimer,
-    inflight_microbatches,
-    measure_boundary_comm_s,
-)
+from lightning_dynmo.pipeline import RemoteFailure
+from lightning_dynmo.profiling import ProfileResult, StageBusyTimer
 from lightning_dynmo.profiling.clock import StepClock
-from lightning_dynmo.profiling.gather import gather_costs
-from lightning_dynmo.profiling.speed import time_reference_workload
+from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
+from lightning_dynmo.strategy.view import PipelineView
 
 log = logging.getLogger(__name__)
 
 # Columns of the per-step all-gather.
 _EVENTS, _BUSY, _STEP, _COST = range(4)
-
-#: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
-ACTIVATION_REFRESH_STEPS = 100
-#: Workers whose reference workload runs within this fraction of the fastest count as equally fast.
-SPEED_TOLERANCE = 0.05
-#: skip_balanced by time: after a decision kept the placement, every-step windows are skipped while no
-#: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share.
-SKIP_DRIFT = 0.05
 
 
 class DynMoCallback(Callback):
@@ -100,8 +89,8 @@ class DynMoCallback(Callback):
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
         skip_balanced: With ``every_step`` (and without ``repack``), skip a step's profiling window and
             decision when it cannot change the placement. By ``time``: while the measured per-stage busy
-            times, averaged with the ``cost_smoothing`` weight, leave less than ``min_gain`` to gain (no
-            placement of the same stages beats ``1 - mean / max`` of the stage loads,
+            times, averaged with the ``profiling.cost_smoothing`` weight, leave less than ``min_gain`` to
+            gain (no placement of the same stages beats ``1 - mean / max`` of the stage loads,
             :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
             dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
             of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
@@ -109,47 +98,25 @@ class DynMoCallback(Callback):
             placement recovers; the same loads lead to the same decision). By ``params``: after a
             decision kept the placement, until the next dynamism event (parameter counts change only
             with one). A skipped step costs only the always-on busy timer.
-        auto: Rebalance when the measured imbalance of per-stage busy times stays above
-            ``auto_threshold`` for ``auto_patience_steps`` steps and the predicted saving over
-            ``auto_horizon_steps`` steps exceeds the measured cost of a rebalance; then wait
-            ``auto_cooldown_steps`` steps.
-        repack: Try to re-pack the layers onto fewer stages within ``max_slowdown``.
-        target_num_stages: With ``repack``, the stage count to re-pack onto (``None``: automatic).
-        max_slowdown: With ``repack``, the largest accepted predicted step-time increase (fraction).
+        auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the
+            measured imbalance of per-stage busy times stays above ``threshold`` for ``patience_steps``
+            steps and the predicted saving over ``horizon_steps`` steps exceeds the measured cost of a
+            rebalance; then wait ``cooldown_steps`` steps. ``False``: off.
+        repack: ``True`` or a :class:`~lightning_dynmo.callback.config.RepackConfig`: try to re-pack the
+            layers onto fewer stages (``target_num_stages``) within ``max_slowdown``, optionally re-tuning
+            the micro-batch count. ``False``: off.
         memory_capacity_bytes: Per-stage memory cap for the balancer: one number or one per stage.
             ``None`` uses the device's total memory on GPU and no cap on CPU.
-        profile_warmup_steps: Steps profiled but not counted at the start of a window; ``None``: 1, or
-            0 with ``every_step`` (the extra shape-inference pass of a rebuilt pipeline is scaled away).
-        profile_steps: Steps measured per window, layer costs being their per-layer medians; ``None``:
-            3, or 1 with ``every_step`` (a window per step: profile, decide, migrate, repeat). Every-step
-            windows re-meter saved activations only every ``ACTIVATION_REFRESH_STEPS`` steps (and for a
-            layer new on the rank); their sizes follow shapes, and the meter costs a hook per tensor.
         min_gain: A new placement is applied only if predicted at least this much faster (fraction).
-        auto_threshold: See ``auto``.
-        auto_patience_steps: See ``auto``.
-        auto_horizon_steps: See ``auto``.
-        auto_cooldown_steps: See ``auto``.
-        rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured.
-        cost_smoothing: Weight of the history in an exponential moving average of each layer's measured
-            times across profiling windows, in ``[0, 1)``. ``None``: 0.8 with ``every_step`` (one step's
-            routing is a noisy sample: act on what persists), 0 otherwise (after an event or a period
-            the fresh measurement is the truth). Windows opened by a dynamism event always start fresh.
-        measure_comm: Time each stage boundary's activation transfer, link by link, in every window
-            (every-step windows reuse the last measurement) and feed it to the balancer: the sending
-            stage pays it (single-stage schedules only).
-        measure_speed: Time one fixed reference workload on every rank in each window and balance for
-            the measured worker speeds: a layer moved to a slower worker costs more there (see
-            :mod:`lightning_dynmo.profiling.speed` for why a reference workload). Workers within
-            ``SPEED_TOLERANCE`` of the fastest count as equal.
-        speed_probe: The reference workload ``(device, dtype) -> seconds`` for ``measure_speed``; ``None``:
-            :func:`~lightning_dynmo.profiling.speed.time_reference_workload` (an MLP forward and
-            backward). Every rank must run the same work.
-        retune_microbatches: With ``repack`` and ``cost="time"``: when a re-pack is applied, re-tune the
-            micro-batch count for the smaller pipeline (a divisor of the batch the schedule accepts,
-            chosen by the simulator with the measured fixed cost per op and the memory caps; see
-            :mod:`lightning_dynmo.balancing.microbatches`). Training stays exactly the same.
+        profiling: How windows measure (:class:`~lightning_dynmo.callback.config.ProfilingConfig`:
+            warm-up and measured steps, cost smoothing, link and worker-speed measurement).
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
+
+    Raises:
+        TypeError: a keyword of the flat constructor of earlier versions (``auto_threshold=``,
+            ``profile_steps=``, ...): the message names its new place
+            (:data:`~lightning_dynmo.callback.config.MOVED_KEYWORDS`).
 
     The history (``events``, ``rebalances``) keeps the most recent
     :data:`~lightning_dynmo.callback.control_plane.MAX_HISTORY` records each; ``dropped_history`` counts
@@ -168,11 +135,12 @@ class DynMoCallback(Callback):
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
     ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
     ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
-    ``dynmo/measured_gain`` once the new placement has run ``profile_steps`` steps (against the steps
+    ``dynmo/measured_gain`` once the new placement has run ``profiling.steps`` steps (against the steps
     right before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance
     gives the old and new placement text with predicted and then measured gain.
     """
 
+    @refuse_moved_keywords
     def __init__(
         self,
         *,
@@ -182,81 +150,65 @@ class DynMoCallback(Callback):
         on_events: bool | None = None,
         every_step: bool = False,
         skip_balanced: bool = True,
-        auto: bool = False,
-        repack: bool = False,
-        target_num_stages: int | None = None,
-        max_slowdown: float = 0.05,
+        auto: bool | AutoConfig = False,
+        repack: bool | RepackConfig = False,
         memory_capacity_bytes: float | Sequence[float] | None = None,
-        profile_warmup_steps: int | None = None,
-        profile_steps: int | None = None,
         min_gain: float = 0.02,
-        auto_threshold: float = 0.10,
-        auto_patience_steps: int = 5,
-        auto_horizon_steps: int = 500,
-        auto_cooldown_steps: int = 50,
-        rebalance_cost_prior_s: float = 1.0,
-        cost_smoothing: float | None = None,
-        measure_comm: bool = True,
-        measure_speed: bool = False,
-        speed_probe: Callable[[torch.device, torch.dtype], float] | None = None,
-        retune_microbatches: bool = False,
+        profiling: ProfilingConfig = ProfilingConfig(),  # noqa: B008  # frozen: safe to share
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        if profile_warmup_steps is None:
-            profile_warmup_steps = 0 if every_step else 1
-        if profile_steps is None:
-            profile_steps = 1 if every_step else 3
-        if not isinstance(profile_warmup_steps, int) or profile_warmup_steps < 0:
-            raise ValueError(f"profile_warmup_steps={profile_warmup_steps!r} must be an integer >= 0.")
-        if not isinstance(profile_steps, int) or profile_steps < 1:
-            raise ValueError(f"profile_steps={profile_steps!r} must be an integer >= 1.")
+        auto_config = switched("auto", auto, AutoConfig())
+        repack_config = switched("repack", repack, RepackConfig())
         self.balance = BalanceConfig(
             balancer=balancer,
             cost=cost,
             memory_capacity_bytes=memory_capacity_bytes,
-            repack=repack,
-            target_num_stages=target_num_stages,
-            max_slowdown=max_slowdown,
+            repack=repack_config is not None,
+            target_num_stages=None if repack_config is None else repack_config.target_num_stages,
+            max_slowdown=(repack_config or RepackConfig()).max_slowdown,
             min_gain=min_gain,
         )
+        knobs = auto_config or AutoConfig()
         self.triggers = TriggerConfig(
             every_n_steps=every_n_steps,
             on_events=(balancer != "static") if on_events is None else on_events,
             every_step=every_step,
-            auto=auto,
-            auto_threshold=auto_threshold,
-            auto_patience_steps=auto_patience_steps,
-            auto_horizon_steps=auto_horizon_steps,
-            auto_cooldown_steps=auto_cooldown_steps,
-            rebalance_cost_prior_s=rebalance_cost_prior_s,
+            auto=auto_config is not None,
+            auto_threshold=knobs.threshold,
+            auto_patience_steps=knobs.patience_steps,
+            auto_horizon_steps=knobs.horizon_steps,
+            auto_cooldown_steps=knobs.cooldown_steps,
+            rebalance_cost_prior_s=knobs.rebalance_cost_prior_s,
         )
         validate_policy(self.balance, self.triggers)
-        self.cost_smoothing = (0.8 if every_step else 0.0) if cost_smoothing is None else cost_smoothing
-        smooth_costs(None, [], self.cost_smoothing)  # validates the weight now, not at the first window
         if not isinstance(skip_balanced, bool):
             raise ValueError(f"skip_balanced={skip_balanced!r} must be True or False.")
         self.skip_balanced = skip_balanced
-        self._stage_loads = StageLoadAverage(self.cost_smoothing)
-        self.skipped_windows = 0  # every-step windows skipped by skip_balanced (this run)
-        self._params_settled = False  # by params: the last decision kept the placement, no event since
-        self.profile_warmup_steps = profile_warmup_steps
-        self.profile_steps = profile_steps
-        self.measure_comm = measure_comm
-        self.measure_speed = measure_speed
-        self.retune_microbatches = retune_microbatches
-        self._speed_probe = speed_probe or time_reference_workload
+        self.profiling = profiling.resolved(every_step)
+        self.retune_microbatches = repack_config is not None and repack_config.retune_microbatches
+        assert self.profiling.warmup_steps is not None and self.profiling.steps is not None
+        assert self.profiling.cost_smoothing is not None
         self._bus = event_bus or default_bus()
         self._clock = clock
         self._trigger = RebalanceTrigger(self.triggers, clock)
-        # History (kept in checkpoints) and current state.
-        self.events: list[DynamismEvent] = []  # the most recent (control_plane.MAX_HISTORY), as rebalances
-        self.rebalances: list[dict[str, Any]] = []
-        self.dropped_history = {"events": 0, "rebalances": 0}  # records dropped by the cap
-        self.placement: str | None = None
-        self.overhead_s = 0.0
-        self.last_costs: list[LayerCost] | None = None  # on the reference worker (see measure_speed)
-        self.last_hardware: Hardware | None = None  # the parts, speeds and links of the last decision
+        self._window = ProfilingWindow(
+            warmup_steps=self.profiling.warmup_steps,
+            steps=self.profiling.steps,
+            smoothing=self.profiling.cost_smoothing,
+            # a re-pack is judged on its slowdown, not on the imbalance
+            skip=skip_balanced and not self.balance.repack,
+            by_params=self.balance.cost == "params",
+            min_gain=min_gain,
+        )
+        self._queued_metrics: dict[str, float] = {}
+        self._meter = CostMeter(self.profiling, self._queued_metrics)
+        steps = self.profiling.steps
+        self._gain = GainMeter(
+            warmup_steps=self.profiling.warmup_steps, measure_steps=steps, history=max(steps, 3)
+        )
+        self._history = RebalanceHistory(self._gain)  # kept in checkpoints
+        self.placement: Placement | None = None
         self._layout: dict[str, Any] | None = None  # the pipeline ``placement`` is for
         self._restored_placement: str | None = None
         self._restored_layout: dict[str, Any] | None = None
@@ -264,28 +216,14 @@ class DynMoCallback(Callback):
         # Per-run state.
         self._unsubscribe: Callable[[], None] | None = None
         self._new_events: list[DynamismEvent] = []
-        self._profiler: LayerProfiler | None = None
-        self._window_reason = ""
         self._pending: RebalanceDecision | None = None
-        self._pending_costs: dict[str, float] = {}
-        self._link_s_per_byte: list[float] | None = None
-        # Per local layer or part: (saved-activation bytes, output bytes, step metered); see
-        # _known_activations.
-        self._activations: dict[int | str, tuple[int, int, int]] = {}
+        self._pending_overhead = WindowOverhead()  # what the pending decision's window cost
         self._cost_to_share = 0.0
         self._positions: PositionIndex | None = None
         self._last_checked_step = -1
         self._busy: StageBusyTimer | None = None
         self._step_start = 0.0
-        self._gain = GainMeter(
-            warmup_steps=profile_warmup_steps, measure_steps=profile_steps, history=max(profile_steps, 3)
-        )
-        self._gain_record: dict[str, Any] | None = None  # the rebalance record the meter is following
         self._step_phase: StepPhase = "quiet"
-        self._window_busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
-        self._window_batch: Any = None  # the batch of the step that closes a window, while it closes
-        self._window_steps = 0
-        self._queued_metrics: dict[str, float] = {}
         self._averages = {
             # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
             # over WORLD, which after a re-pack includes ranks that have left.
@@ -293,14 +231,49 @@ class DynMoCallback(Callback):
             for name in ("imbalance", "bubble_ratio", "step_time_s")
         }
 
+    # -- what users and tests read ------------------------------------------------------------------
+
+    @property
+    def events(self) -> list[DynamismEvent]:
+        """The most recent dynamism events (every rank's, agreed)."""
+        return self._history.events
+
+    @property
+    def rebalances(self) -> list[DecisionRecord]:
+        """The most recent decisions, applied or kept."""
+        return self._history.rebalances
+
+    @property
+    def dropped_history(self) -> dict[str, int]:
+        """Events and decisions dropped by the history's cap."""
+        return self._history.dropped
+
+    @property
+    def overhead_s(self) -> float:
+        """Profiling, decision and migration seconds of every decision so far."""
+        return self._history.overhead_s
+
+    @property
+    def skipped_windows(self) -> int:
+        """Every-step windows skipped by ``skip_balanced`` (this run)."""
+        return self._window.skipped
+
+    @property
+    def last_costs(self) -> list[LayerCost] | None:
+        """The costs of the last decision, on the reference worker (see ``measure_speed``)."""
+        return self._meter.last_costs
+
+    @property
+    def last_hardware(self) -> Hardware | None:
+        """The parts, speeds and links of the last decision."""
+        return self._meter.last_hardware
+
     # -- Lightning hooks ----------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
-
         if not isinstance(trainer.strategy, DynMoStrategy):
             raise TypeError(
                 "DynMoCallback drives a DynMoStrategy, but the Trainer uses "
@@ -312,87 +285,78 @@ class DynMoCallback(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = trainer.strategy
-        self._resolve_memory_capacity(strategy.root_device)
-        layouts = _repack_layouts(strategy)
-        self.balance.check_pipeline(strategy.num_stages, None if layouts is None else list(layouts))
-        self._busy = StageBusyTimer(StepClock(strategy.root_device))
-        layout = _layout_of(strategy)
+        strategy = _strategy(trainer)
+        view = strategy.pipeline_view()
+        self._resolve_memory_capacity(view.root_device)
+        layouts = view.repack_layouts()
+        self.balance.check_pipeline(view.num_stages, None if layouts is None else list(layouts))
+        self._busy = StageBusyTimer(StepClock(view.root_device))
         saved = self._restored_placement
-        plan = resume_plan(saved, self._restored_layout, layout, self.balance.balancer)
-        if plan == "restore" and saved != str(strategy.placement):
+        plan = resume_plan(saved, self._restored_layout, view.layout, self.balance.balancer)
+        if plan == "restore" and saved is not None and saved != str(view.placement):
             log.info("DynMo: restoring placement %s from the checkpoint", saved)
             strategy.apply_placement(saved)
+            view = strategy.pipeline_view()
         elif plan == "repartition":
             log.info(
                 "DynMo: the checkpoint's placement %s was for another pipeline (%s); this run (%s) starts "
                 "at %s and rebalances it after profiling its first steps",
                 saved,
                 self._restored_layout,
-                layout,
-                strategy.placement,
+                view.layout,
+                view.placement,
             )
             self._resume_window = True
         self._restored_placement = self._restored_layout = None
-        self.placement, self._layout = str(strategy.placement), layout
+        self.placement, self._layout = view.placement, view.layout
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        strategy = trainer.strategy
-        if strategy.stage_index is None:
+        view = _strategy(trainer).pipeline_view()
+        if view.stage_index is None:
             return  # a released rank takes no part
         just_applied = self._pending is not None
         if just_applied:
-            self._apply_pending(trainer)
-            if strategy.is_released:
+            view = self._apply_pending(trainer)  # the pipeline after it
+            if view.is_released:
                 return  # this re-pack released the rank: it leaves fit at this batch
         assert self._busy is not None
-        self._busy.watch(strategy.pipeline_stages)  # before a window wraps the same stages (LIFO)
+        self._busy.watch(view.pipeline_stages)  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
-        if self._profiler is None and step != self._last_checked_step:
+        if not self._window.is_open and step != self._last_checked_step:
             self._last_checked_step = step
             reason = "resume" if self._resume_window else self._trigger.check(step)
             self._resume_window = False
-            if reason == "every_step" and self._nothing_to_gain():
+            if reason == "every_step" and self._window.nothing_to_gain():
                 reason = None
-                self.skipped_windows += 1
+                self._window.skipped += 1
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
             # agree on its cost, at this step's end): its auto cooldown would not hold yet.
             if reason is not None and not (just_applied and reason == "auto"):
-                self._open_window(trainer, reason)
+                self._open_window(trainer, view, reason)
         self._busy.begin_step()
-        self._step_phase = "quiet"
-        if self._profiler is not None:
-            self._profiler.begin_step()
-            self._window_steps += 1
-            self._step_phase = "warmup" if self._window_steps <= self.profile_warmup_steps else "profiled"
+        self._step_phase = self._window.begin_step()
         self._step_start = self._clock()
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        strategy = trainer.strategy
-        if strategy.stage_index is None:
+        view = _strategy(trainer).pipeline_view()
+        if view.stage_index is None:
             return
         step_s = self._clock() - self._step_start
         assert self._busy is not None
         busy_s = self._busy.end_step()
-        if self._step_phase == "profiled" and busy_s is not None:
-            self._window_busy_s.append(busy_s)
-        if self._profiler is not None and self._profiler.end_step():
-            self._window_batch = batch  # its size bounds the micro-batch counts a re-tune may pick
-            self._close_window(trainer)
-            self._window_batch = None
-        self._share_step(trainer, pl_module, busy_s, step_s)
+        if self._window.end_step(self._step_phase, busy_s):
+            self._close_window(trainer, view, batch)  # decides only: the pipeline stays as viewed
+        self._share_step(trainer, view, busy_s, step_s)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._profiler is not None:
-            self._profiler.stop()
-            self._profiler = None
+        self._window.stop()
         if self._busy is not None:
             self._busy.unwatch()
         if self._unsubscribe is not None:
@@ -402,230 +366,76 @@ class DynMoCallback(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "placement": self.placement,
+            "placement": None if self.placement is None else str(self.placement),
             "layout": self._layout,
-            "events": [e.to_dict() for e in self.events],
-            "rebalances": [dict(r) for r in self.rebalances],
+            **self._history.state_dict(),
             "trigger": self._trigger.state_dict(),
-            "overhead_s": self.overhead_s,
-            "dropped_history": dict(self.dropped_history),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.placement = state_dict["placement"]
-        self._restored_placement = state_dict["placement"]
+        saved = state_dict["placement"]
+        self.placement = None if saved is None else Placement.from_string(saved)
+        self._restored_placement = saved
         self._restored_layout = state_dict.get("layout")
-        self.events = [DynamismEvent.from_dict(e) for e in state_dict["events"]]
-        self.rebalances = [dict(r) for r in state_dict["rebalances"]]
+        self._history.load_state_dict(state_dict)
         self._trigger.load_state_dict(state_dict["trigger"])
-        self.overhead_s = float(state_dict["overhead_s"])
-        self.dropped_history = dict(state_dict.get("dropped_history", {"events": 0, "rebalances": 0}))
-        self.dropped_history["events"] += keep_recent(self.events)
-        self.dropped_history["rebalances"] += keep_recent(self.rebalances)
 
-    # -- profiling window -----------------------------------------------------------------------------
+    # -- a window: open, close, decide ----------------------------------------------------------------
 
-    def _nothing_to_gain(self) -> bool:
-        """Whether this step's every-step window cannot change the placement (``skip_balanced``).
-
-        Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
-        skips the same steps.
-        """
-        if not self.skip_balanced or self.balance.repack:
-            return False  # a re-pack is judged on its slowdown, not on the imbalance
-        if self.balance.cost == "params":
-            return self._params_settled
-        room = self._stage_loads.headroom
-        if room is None:
-            return False
-        drift = self._stage_loads.drift  # set while the last decision kept the placement on these loads
-        return room < self.balance.min_gain or (drift is not None and drift < SKIP_DRIFT)
-
-    def _open_window(self, trainer: pl.Trainer, reason: str) -> None:
-        strategy = trainer.strategy
-        self._window_reason = reason
-        self._profiler = LayerProfiler(
-            strategy.local_layers,
-            warmup_steps=self.profile_warmup_steps,
-            profile_steps=self.profile_steps,
-            device=strategy.root_device,
-            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-            stages=strategy.pipeline_stages,
-            microbatches_per_step=strategy.num_microbatches,
-            known_activations=self._known_activations(strategy.local_layers, trainer.global_step, reason),
-            parts=part_modules([stage.submod for stage in strategy.pipeline_stages]),
-        )
-        self._profiler.start()
-        self._window_steps = 0
-        self._window_busy_s = []
+    def _open_window(self, trainer: pl.Trainer, view: PipelineView, reason: str) -> None:
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        self._window.open(view, optimizer, trainer.global_step, reason)
         self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 
-    def _known_activations(
-        self, layers: Mapping[int, Any], step: int, reason: str
-    ) -> dict[int | str, tuple[int, int]]:
-        """Activation sizes an every-step window can reuse instead of metering them again.
-
-        Saved-activation sizes follow shapes, not routing, so back-to-back every-step windows reuse what
-        an earlier window on this rank measured for the same layer, for up to
-        ``ACTIVATION_REFRESH_STEPS`` steps: they then run without the meter's per-tensor hook (which
-        would also sit inside the timed forward, as those windows have no warm-up step). Windows opened
-        for any other reason (an event, a period, ``auto``) meter every layer.
-        """
-        if reason != "every_step":
-            return {}
-        return {
-            i: (saved, output)
-            for i, (saved, output, metered_at) in self._activations.items()
-            if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
-        }
-
-    def _close_window(self, trainer: pl.Trainer) -> None:
-        assert self._profiler is not None
-        result = self._profiler.result()
-        known = self._profiler.known_activations
-        self._profiler = None
-        for i, (saved, output) in result.activations().items():
-            if i not in known:
-                self._activations[i] = (saved, output, trainer.global_step)
-        strategy = trainer.strategy
+    def _close_window(self, trainer: pl.Trainer, view: PipelineView, batch: Any) -> None:
+        result = self._window.close(trainer.global_step)
         start = self._clock()
-        placement = strategy.placement
-        costs, hardware = self._measure(trainer, result)
-        self.last_costs, self.last_hardware = costs, hardware
-        retune = self._retune_options(trainer, result) if self._retunes else None
-        decision = self._decide_once(strategy, costs, placement, hardware, trainer.global_step, retune)
-        self._pending = decision
-        self._pending_costs = {
-            "profiling_s": result.hook_time_s * (result.num_steps + self.profile_warmup_steps),
-            "decision_s": self._clock() - start,
-        }
+        costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
+        retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
+        self._pending = self._decide_once(trainer, view, costs, hardware, retune)
+        self._pending_overhead = WindowOverhead(
+            profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),
+            decision_s=self._clock() - start,
+        )
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
         self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
-
-    def _measure(self, trainer: pl.Trainer, result: Any) -> tuple[list[LayerCost], Hardware]:
-        """Every layer's and part's cost on the reference worker, the worker speeds and the links.
-
-        Collectives over the pipeline group (costs, links) and the active ranks (speeds): every rank.
-        """
-        strategy = trainer.strategy
-        placement, schedule = strategy.placement, strategy.schedule_name
-        stages, microbatches = strategy.num_stages, strategy.num_microbatches
-        inflight = inflight_microbatches(schedule, 0, stages, microbatches)
-        parts = result.part_costs(
-            {"first": inflight, "last": inflight_microbatches(schedule, stages - 1, stages, microbatches)}
-        )
-        gathered = gather_costs(
-            result.layer_costs(inflight),
-            placement.num_layers,
-            strategy.pipeline_group,
-            strategy.root_device,
-            local_parts=parts,
-        )
-        costs, first, last = gathered.layers, gathered.first, gathered.last
-        slowdown = self._worker_slowdown(trainer) if self.measure_speed else None
-        if slowdown is not None:
-            workers = _stage_workers(strategy, placement) or list(range(stages))
-            costs = to_reference(costs, placement, workers, slowdown)
-            first = None if first is None else scaled(first, 1.0 / slowdown[workers[0]])
-            last = None if last is None else scaled(last, 1.0 / slowdown[workers[-1]])
-        fresh = self._window_reason == "event"
-        previous = None if fresh else self.last_costs
-        costs = smooth_costs(previous, costs, self.cost_smoothing)
-        before = None if fresh or self.last_hardware is None else self.last_hardware
-        first = _smooth_part(None if before is None else before.first_stage_extra, first, self.cost_smoothing)
-        last = _smooth_part(None if before is None else before.last_stage_extra, last, self.cost_smoothing)
-        comm = self._link_times(strategy, costs, placement) if self.measure_comm else None
-        self._queue_hardware_metrics(slowdown, comm, placement, strategy.pipeline_size)
-        return costs, Hardware(first, last, slowdown, comm)
 
     @property
     def _retunes(self) -> bool:
         return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
 
-    def _retune_options(self, trainer: pl.Trainer, result: Any) -> RetuneOptions:
-        """The micro-batch counts each re-pack may run, and the measured fixed cost of an op; a collective.
-
-        An op's fixed cost is a rank's busy time in the window's measured steps beyond its own units'
-        work and the profiler's hooks, per forward or backward op; the slowest rank's (clamped at 0).
-        """
-        strategy = trainer.strategy
-        batch_size = int(trainer.lightning_module.pipeline_batch(self._window_batch)[0].shape[0])
-        units = [*result.layers.values(), *result.parts.values()]
-        work_s = sum(p.fwd_time_s + p.bwd_time_s for p in units) + result.hook_time_s
-        busy_s = statistics.median(self._window_busy_s) if self._window_busy_s else work_s
-        ops = 2 * strategy.num_microbatches * len(strategy.stage_indices)
-        mine = torch.tensor(
-            [max(0.0, busy_s - work_s) / ops], dtype=torch.float64, device=strategy.root_device
-        )
-        per_op_s = float(_all_gather_rows(mine, strategy)[:, 0].max())
-        schedule, spr = _schedule_spec(strategy), len(strategy.stage_indices)
-        layouts = _repack_layouts(strategy)
-        stage_counts = list(layouts) if layouts is not None else list(range(1, strategy.num_stages + 1))
-        counts = {k: retune_candidates(schedule, k // spr, batch_size) for k in stage_counts}
-        self._queued_metrics["dynmo/per_op_s"] = per_op_s
-        return RetuneOptions(counts=counts, per_op_s=per_op_s)
-
-    def _worker_slowdown(self, trainer: pl.Trainer) -> list[float] | None:
-        """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
-        strategy = trainer.strategy
-        params = list(trainer.lightning_module.parameters())
-        dtype = params[0].dtype if params else torch.get_default_dtype()
-        seconds = float(self._speed_probe(strategy.root_device, dtype))
-        mine = torch.tensor([seconds], dtype=torch.float64, device=strategy.root_device)
-        times = _all_gather_rows(mine, strategy)[:, 0].tolist()
-        positions = [strategy.pipeline_rank_of(r) for r in strategy.active_ranks]
-        return worker_slowdown(times, positions, SPEED_TOLERANCE)
-
-    def _queue_hardware_metrics(
-        self, slowdown: list[float] | None, comm: list[list[float]] | None, placement: Placement, ranks: int
-    ) -> None:
-        if self.measure_speed:
-            for rank, factor in enumerate(slowdown or [1.0] * ranks):
-                self._queued_metrics[f"dynmo/rank{rank}/slowdown"] = factor
-        for link, row in enumerate(comm or []):
-            self._queued_metrics[f"dynmo/link{link}/send_s"] = row[placement.layers_of(link)[-1]]
+    def _retune_options(
+        self, trainer: pl.Trainer, view: PipelineView, result: ProfileResult, batch: Any
+    ) -> RetuneOptions:
+        # The batch that closes the window: its size bounds the micro-batch counts a re-tune may pick.
+        module: Any = trainer.lightning_module  # pipeline_batch is the model contract's, not Lightning's
+        batch_size = int(module.pipeline_batch(batch)[0].shape[0])
+        return self._meter.retune_options(view, result, batch_size, self._window.busy_s)
 
     def _decide_once(
         self,
-        strategy: Any,
+        trainer: pl.Trainer,
+        view: PipelineView,
         costs: list[LayerCost],
-        placement: Placement,
         hardware: Hardware,
-        trainer_step: int,
-        retune: RetuneOptions | None = None,
+        retune: RetuneOptions | None,
     ) -> RebalanceDecision:
         # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
-        source = strategy.active_ranks[0]
+        source, step = view.active_ranks[0], trainer.global_step
         outcome: Any = None
         failure: Exception | None = None
-        if strategy.global_rank == source:
+        if view.global_rank == source:
             try:
-                # After a resume onto another pipeline: re-partition it, never release ranks at once.
-                resumed: dict[str, Any] = (
-                    {"repack": False, "target_num_stages": None} if self._window_reason == "resume" else {}
-                )
-                config = dataclasses.replace(
-                    self.balance, min_saving=self._min_saving(trainer_step), **resumed
-                )
-                outcome = decide(
-                    config.problem(costs, hardware),
-                    placement,
-                    config,
-                    strategy.num_microbatches,
-                    strategy.schedule_name,
-                    stage_workers=_stage_workers(strategy, placement),
-                    repack_layouts=_repack_layouts(strategy) if self.balance.repack else None,
-                    retune=retune,
-                )
+                outcome = self._decide(view, costs, hardware, step, retune)
             except ValueError as err:
                 outcome = f"{err}"
             except Exception as err:  # a bug: the others must not wait in the broadcast for a decision
-                what = f"the rebalance decision at step {trainer_step}"
+                what = f"the rebalance decision at step {step}"
                 failure, outcome = err, RemoteFailure.of(err, source, what)
                 err.add_note(f"DynMo: raised on rank {source} during {what}; every rank stops with it.")
-        outcome = strategy.broadcast(outcome, src=source)
+        outcome = _strategy(trainer).broadcast(outcome, src=source)
         if failure is not None:
             raise failure
         if isinstance(outcome, RemoteFailure):
@@ -635,183 +445,174 @@ class DynMoCallback(Callback):
         assert isinstance(outcome, RebalanceDecision)
         return outcome
 
+    def _decide(
+        self,
+        view: PipelineView,
+        costs: list[LayerCost],
+        hardware: Hardware,
+        step: int,
+        retune: RetuneOptions | None,
+    ) -> RebalanceDecision:
+        """The one call of :func:`~lightning_dynmo.balancing.policy.decide` (on the deciding rank)."""
+        # After a resume onto another pipeline: re-partition it, never release ranks at once.
+        resumed: dict[str, Any] = (
+            {"repack": False, "target_num_stages": None} if self._window.reason == "resume" else {}
+        )
+        balance = dataclasses.replace(self.balance, min_saving=self._min_saving(step), **resumed)
+        return decide(
+            balance.problem(costs, hardware),
+            view.placement,
+            balance,
+            view.num_microbatches,
+            view.schedule_name,
+            stage_workers=view.stage_workers(view.placement),
+            repack_layouts=view.repack_layouts() if self.balance.repack else None,
+            retune=retune,
+        )
+
     def _min_saving(self, step: int) -> float:
         """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts.
 
         The expected cost is the mean measured migration time (nothing before the first migration).
-        A placement is expected to last ``every_n_steps``, or ``auto_horizon_steps`` for events and
-        ``auto``; with ``every_step``, as long as the current one has lasted so far: right after a
-        migration the bar is high (noise does not move layers back and forth), and it falls while a
-        placement stays.
+        A placement is expected to last ``every_n_steps``, or ``horizon_steps`` (:class:`AutoConfig`) for
+        events and ``auto``; with ``every_step``, as long as the current one has lasted so far.
         """
         if self.balance.cost != "time":
             return 0.0  # the params view has no seconds to compare with
-        migrations = [r for r in self.rebalances if r["applied"]]
-        if not migrations:
-            return 0.0
         if self.triggers.every_step:
-            lasts = step - migrations[-1]["step"]
+            lasts = None
         elif self.triggers.every_n_steps is not None:
             lasts = self.triggers.every_n_steps
         else:
             lasts = self.triggers.auto_horizon_steps
-        return statistics.mean(r["migration_s"] for r in migrations) / max(lasts, 1)
-
-    def _link_times(
-        self, strategy: Any, costs: list[LayerCost], placement: Placement
-    ) -> list[list[float]] | None:
-        """Per link, per layer: seconds to send that layer's output over the link (one row per link).
-
-        Each link's seconds per byte are measured with the boundary's activation in every window but
-        the every-step ones (they reuse the last measurement, as long as the pipeline has not changed).
-        """
-        if len(strategy.stage_indices) != 1 or strategy.pipeline_size < 2:
-            return None  # virtual stages share ranks: a rank-pair stream does not measure them
-        links = placement.num_stages - 1
-        stale = self._link_s_per_byte is None or len(self._link_s_per_byte) != links
-        if stale or self._window_reason != "every_step":
-            last_layers = [placement.layers_of(s)[-1] for s in range(links)]
-            sizes = [costs[i].activation_bytes for i in last_layers]
-            seconds = measure_boundary_comm_s(sizes, strategy.pipeline_group, strategy.root_device)
-            self._link_s_per_byte = [t / max(b, 1) for t, b in zip(seconds, sizes, strict=True)]
-        assert self._link_s_per_byte is not None
-        return [[c.activation_bytes * per_byte for c in costs] for per_byte in self._link_s_per_byte]
+        return self._history.min_saving(step, lasts)
 
     # -- applying a decision --------------------------------------------------------------------------
 
-    def _apply_pending(self, trainer: pl.Trainer) -> None:
-        decision, costs = self._pending, self._pending_costs
+    def _apply_pending(self, trainer: pl.Trainer) -> PipelineView:
+        """Apply the pending decision (or record that it kept the placement); the pipeline after it."""
+        decision, overhead = self._pending, self._pending_overhead
         assert decision is not None
         self._pending = None
-        strategy = trainer.strategy
+        strategy = _strategy(trainer)
         migration_s = 0.0
         if decision.apply:
-            self._stage_loads.restart()
             start = self._clock()
             count = decision.num_microbatches
             retuned = {} if count is None else {"num_microbatches": count}  # only a re-tune passes a count
             strategy.apply_placement(decision.proposed, **retuned)
             migration_s = self._clock() - start
-        total = costs["profiling_s"] + costs["decision_s"] + migration_s
-        self._cost_to_share = total
-        self.overhead_s += total
-        self.placement, self._layout = str(strategy.placement), _layout_of(strategy)
-        record = {
-            "step": trainer.global_step,
-            "reason": self._window_reason,
-            "old": str(decision.current),
-            "new": str(decision.proposed),
-            "applied": decision.apply,
-            "why": decision.reason,
-            "predicted_gain": decision.predicted_gain,
-            "measured_gain": None,
-            "num_microbatches": strategy.num_microbatches,
-            **costs,
-            "migration_s": migration_s,
-        }
-        self.rebalances.append(record)
-        self.dropped_history["rebalances"] += keep_recent(self.rebalances)
-        self._params_settled = not decision.apply  # read only by params (skip_balanced)
-        if not decision.apply:
-            self._stage_loads.mark()  # by time: skip while the loads stay where this decision saw them
-        self._log_decision(trainer, decision, record)
-        if decision.apply and self._gain.rebalanced():
-            self._gain_record = record
+        view = strategy.pipeline_view()
+        record = DecisionRecord(
+            step=trainer.global_step,
+            reason=self._window.reason,
+            old=str(decision.current),
+            new=str(decision.proposed),
+            applied=decision.apply,
+            why=decision.reason,
+            predicted_gain=decision.predicted_gain,
+            num_microbatches=view.num_microbatches,
+            profiling_s=overhead.profiling_s,
+            decision_s=overhead.decision_s,
+            migration_s=migration_s,
+        )
+        self._cost_to_share = record.overhead_s
+        self.placement, self._layout = view.placement, view.layout
+        self._window.decided(decision.apply)
+        self._history.add(record)
+        self._log_decision(trainer, view, decision, record)
+        return view
 
-    def _log_decision(self, trainer: pl.Trainer, decision: RebalanceDecision, record: dict[str, Any]) -> None:
+    def _log_decision(
+        self, trainer: pl.Trainer, view: PipelineView, decision: RebalanceDecision, record: DecisionRecord
+    ) -> None:
         what = "rebalance" if decision.apply else "kept placement"
         line = (
-            f"DynMo {what} at step {record['step']} ({record['reason']}): "
-            f"{record['old']} -> {record['new']}; "
+            f"DynMo {what} at step {record.step} ({record.reason}): {record.old} -> {record.new}; "
             f"predicted step {decision.predicted_step_before:.4g} -> {decision.predicted_step_after:.4g} "
-            f"({decision.predicted_gain:+.1%}); {decision.reason}; profiling {record['profiling_s']:.3f} s, "
-            f"decision {record['decision_s']:.3f} s, migration {record['migration_s']:.3f} s"
+            f"({decision.predicted_gain:+.1%}); {decision.reason}; profiling {record.profiling_s:.3f} s, "
+            f"decision {record.decision_s:.3f} s, migration {record.migration_s:.3f} s"
         )
-        if trainer.global_rank == trainer.strategy.active_ranks[0]:
+        if trainer.global_rank == view.active_ranks[0]:
             log.log(logging.INFO if decision.apply else logging.DEBUG, line)
         metrics = {
             "dynmo/simulated_bubble_ratio": decision.bubble_ratio_after
             if decision.apply
             else decision.bubble_ratio_before,
             "dynmo/predicted_gain": decision.predicted_gain if decision.apply else 0.0,
-            "dynmo/profiling_s": record["profiling_s"],
-            "dynmo/decision_s": record["decision_s"],
-            "dynmo/migration_s": record["migration_s"],
+            "dynmo/profiling_s": record.profiling_s,
+            "dynmo/decision_s": record.decision_s,
+            "dynmo/migration_s": record.migration_s,
             "dynmo/overhead_s": self.overhead_s,
         }
-        placement = trainer.strategy.placement
-        metrics.update({f"dynmo/stage{s}/num_layers": float(n) for s, n in enumerate(placement.sizes)})
+        metrics.update({f"dynmo/stage{s}/num_layers": float(n) for s, n in enumerate(view.placement.sizes)})
         self._queued_metrics.update(metrics)
 
     # -- the per-step exchange --------------------------------------------------------------------------
 
     def _share_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, busy_s: float | None, step_s: float
+        self, trainer: pl.Trainer, view: PipelineView, busy_s: float | None, step_s: float
     ) -> None:
-        strategy = trainer.strategy
         mine = torch.tensor(
             [float(bool(self._new_events)), -1.0 if busy_s is None else busy_s, step_s, self._cost_to_share],
             dtype=torch.float64,
-            device=strategy.root_device,
+            device=view.root_device,
         )
         self._cost_to_share = 0.0
-        rows = _all_gather_rows(mine, strategy)
-        if rows[:, _EVENTS].any():
-            self._exchange_events(strategy)
+        rows = all_gather_rows(mine, view.active_ranks, view.active_group)
+        event = bool(rows[:, _EVENTS].any())
+        if event:
+            self._exchange_events(trainer, view)
             self._trigger.notify_event()
-            self._params_settled = False  # a dynamism event may change what the balancer reads
+            self._window.event_seen()
         if rows[:, _COST].max() > 0:
             self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
         step_max = float(rows[:, _STEP].max())
-        self._follow_measured_gain(trainer, step_max, cost_changed=bool(rows[:, _EVENTS].any()))
+        self._follow_measured_gain(trainer, view, step_max, cost_changed=event)
         if (rows[:, _BUSY] >= 0).all():
-            self._positions = self._positions or PositionIndex(strategy.pipeline_rank_of)
-            positions = self._positions.of(strategy.active_ranks)
-            stage_busy = busy_per_position(rows[:, _BUSY], positions, strategy.pipeline_size)
-            if rows[:, _EVENTS].any():
-                self._stage_loads.restart()  # the model changed in this step: its loads are stale
-            else:
-                self._stage_loads.update(stage_busy)
-            if self.triggers.auto and self._profiler is None and self._pending is None:
+            self._positions = self._positions or PositionIndex(view.pipeline_rank_of)
+            positions = self._positions.of(view.active_ranks)
+            stage_busy = busy_per_position(rows[:, _BUSY], positions, view.pipeline_size)
+            self._window.observe_loads(stage_busy, event)
+            if self.triggers.auto and not self._window.is_open and self._pending is None:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
-            self._log_step(trainer, stage_busy, step_max)
+            self._log_step(trainer, view, stage_busy, step_max)
 
-    def _exchange_events(self, strategy: Any) -> None:
+    def _exchange_events(self, trainer: pl.Trainer, view: PipelineView) -> None:
         # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
         mine = [e.to_dict() for e in self._new_events]
         self._new_events.clear()
-        with strategy.guard("the dynamism event exchange"):
-            shared = exchange_events(mine, strategy.active_group, len(strategy.active_ranks))
-        self.events.extend(DynamismEvent.from_dict(e) for e in shared)
-        self.dropped_history["events"] += keep_recent(self.events)
+        with _strategy(trainer).guard("the dynamism event exchange"):
+            shared = exchange_events(mine, view.active_group, len(view.active_ranks))
+        self._history.add_events([DynamismEvent.from_dict(e) for e in shared])
 
-    def _follow_measured_gain(self, trainer: pl.Trainer, step_s: float, cost_changed: bool) -> None:
-        measured = self._gain.observe(step_s, self._step_phase)
-        if cost_changed:
-            self._gain.cost_changed()  # after observing: this step ran (mostly) before the change
-        if measured is not None and self._gain_record is not None:
-            self._report_measured_gain(trainer, self._gain_record, measured)
-            self._gain_record = None
+    def _follow_measured_gain(
+        self, trainer: pl.Trainer, view: PipelineView, step_s: float, cost_changed: bool
+    ) -> None:
+        followed = self._history.observe_step(step_s, self._step_phase, cost_changed)
+        if followed is not None:
+            self._report_measured_gain(trainer, view, *followed)
 
     def _report_measured_gain(
-        self, trainer: pl.Trainer, record: dict[str, Any], measured: MeasuredGain
+        self, trainer: pl.Trainer, view: PipelineView, record: DecisionRecord, measured: MeasuredGain
     ) -> None:
-        record["measured_gain"] = measured.gain
-        if trainer.global_rank == trainer.strategy.active_ranks[0]:
+        if trainer.global_rank == view.active_ranks[0]:
             log.info(
                 "DynMo rebalance at step %d (%s -> %s): measured step time %.4g s -> %.4g s (%+.1f%%), "
                 "predicted %+.1f%%",
-                record["step"],
-                record["old"],
-                record["new"],
+                record.step,
+                record.old,
+                record.new,
                 measured.before_s,
                 measured.after_s,
                 100 * measured.gain,
-                100 * record["predicted_gain"],
+                100 * record.predicted_gain,
             )
         self._queued_metrics["dynmo/measured_gain"] = measured.gain
 
-    def _log_step(self, trainer: pl.Trainer, stage_busy: list[float], step_s: float) -> None:
+    def _log_step(
+        self, trainer: pl.Trainer, view: PipelineView, stage_busy: list[float], step_s: float
+    ) -> None:
         measured_imbalance = imbalance(stage_busy)
         bubble = max(0.0, 1.0 - sum(stage_busy) / (len(stage_busy) * step_s)) if step_s > 0 else 0.0
         values = {"imbalance": measured_imbalance, "bubble_ratio": bubble, "step_time_s": step_s}
@@ -823,7 +624,7 @@ class DynMoCallback(Callback):
         for name in values:
             metrics[f"dynmo/{name}_avg"] = float(self._averages[name].compute())
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
-        metrics["dynmo/active_workers"] = float(len(trainer.strategy.active_ranks))
+        metrics["dynmo/active_workers"] = float(len(view.active_ranks))
         metrics["dynmo/overhead_s"] = self.overhead_s
         if self.triggers.every_step:
             metrics["dynmo/skipped_windows"] = float(self.skipped_windows)
@@ -838,59 +639,14 @@ class DynMoCallback(Callback):
             self.balance = dataclasses.replace(self.balance, memory_capacity_bytes=float(total))
 
 
-def _smooth_part(previous: LayerCost | None, measured: LayerCost | None, weight: float) -> LayerCost | None:
-    """:func:`smooth_costs` for one pinned part (absent on either side: the measurement)."""
-    if previous is None or measured is None:
-        return measured
-    return smooth_costs([previous], [measured], weight)[0]
+def _strategy(trainer: pl.Trainer) -> DynMoStrategy:
+    """The Trainer's strategy, a DynMoStrategy (``setup`` refused any other; tests pass stand-ins)."""
+    return cast(DynMoStrategy, trainer.strategy)
 
 
-def _schedule_spec(strategy: Any) -> Any:
-    from lightning_dynmo.pipeline.step.schedule import resolve_schedule
-
-    return resolve_schedule(strategy.schedule_name)
-
-
-def _stage_workers(strategy: Any, placement: Placement) -> list[int] | None:
-    """The pipeline rank of every placement stage when ranks run several (virtual) stages, else None."""
-    if placement.num_stages == strategy.pipeline_size:
-        return None
-    from lightning_dynmo.pipeline.placement.layout import stage_to_pipeline_rank
-
-    style = strategy.stage_style
-    return [
-        stage_to_pipeline_rank(s, placement.num_stages, strategy.pipeline_size, style)
-        for s in range(placement.num_stages)
-    ]
-
-
-def _layout_of(strategy: Any) -> dict[str, Any]:
-    return pipeline_layout(strategy.schedule_name, strategy.pipeline_size, strategy.num_stages)
-
-
-def _repack_layouts(strategy: Any) -> dict[int, list[int]] | None:
-    """The pipelines a re-pack may propose when ranks run several stages (``None``: any stage count)."""
-    stages_per_rank = strategy.num_stages // strategy.pipeline_size
-    if stages_per_rank == 1:
-        return None
-    from lightning_dynmo.pipeline.placement.release import repack_layouts
-
-    return repack_layouts(
-        strategy.schedule_name,
-        strategy.stage_style,
-        strategy.pipeline_size,
-        stages_per_rank,
-        strategy.num_microbatches,
-    )
-
-
-def _all_gather_rows(row: torch.Tensor, strategy: Any) -> torch.Tensor:
-    """One row per active rank, in ``strategy.active_ranks`` order (a plain collective, no autograd)."""
-    if not (dist.is_available() and dist.is_initialized()) or len(strategy.active_ranks) == 1:
-        return row.reshape(1, -1).cpu()
-    rows = [torch.empty_like(row) for _ in strategy.active_ranks]
-    dist.all_gather(rows, row, group=strategy.active_group)
-    return torch.stack(rows).cpu()
+def _param_dtype(trainer: pl.Trainer) -> torch.dtype:
+    params = list(trainer.lightning_module.parameters())
+    return params[0].dtype if params else torch.get_default_dtype()
 
 
 def _loggers_write_now(trainer: pl.Trainer) -> bool:

@@ -3,7 +3,8 @@
 - :func:`set_emulated_slowdown`: every :class:`~lightning_dynmo.demos.EmulatedCost` in this process (this
   rank) sleeps that many times longer, like a worker that is that many times slower: a block that
   migrates here costs more here. :func:`emulated_speed_probe` is the matching reference workload for
-  ``DynMoCallback(speed_probe=...)``: a fixed sleep, stretched by the same factor, and timed.
+  ``DynMoCallback(profiling=ProfilingConfig(speed_probe=...))``: a fixed sleep, stretched by the same
+  factor, and timed.
 - :func:`emulate_slow_link`: sends from this process to one peer wait ``latency + bytes * s_per_byte``
   before they are posted, in the sending thread, like a synchronous send over a congested link. It wraps
   ``torch.distributed.isend``, through which torch's pipeline stages and ``send`` (the link measurement)

@@ -133,6 +133,7 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
 from lightning_dynmo.strategy.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
+from lightning_dynmo.strategy.view import PipelineView
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +254,30 @@ class DynMoStrategy(ParallelStrategy):
         self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
 
     # -- the surface callbacks use ------------------------------------------------------------------
+
+    def pipeline_view(self) -> PipelineView:
+        """What callbacks read of the pipeline now (take a fresh one after :meth:`apply_placement`)."""
+        return PipelineView(
+            placement=self.placement,
+            schedule=self._schedule,
+            num_microbatches=self.num_microbatches,
+            pipeline_size=self.pipeline_size,
+            stage_index=self.stage_index,
+            stage_indices=self.stage_indices,
+            is_first_stage=self.is_first_stage,
+            is_released=self.is_released,
+            global_rank=self.global_rank,
+            active_ranks=self.active_ranks,
+            pipeline_rank_of=self.pipeline_rank_of,
+            local_layers=self.local_layers if self.stage_index is not None else {},
+            pipeline_stages=self.pipeline_stages,
+            root_device=self.root_device,
+            pipeline_group=self.pipeline_group,
+            active_group=self.active_group,
+            data_parallel_group=self.data_parallel_group,
+            data_parallel_size=self.data_parallel_size,
+            has_tied_parameters=bool(self.tied_parameters),
+        )
 
     @property
     def placement(self) -> Placement:

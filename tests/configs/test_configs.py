@@ -199,7 +199,7 @@ def test_a_schema_has_every_argument_with_the_constructor_default(spec: SchemaSp
 
 def test_a_default_yaml_cannot_express_must_be_excluded() -> None:
     # Negative control: DynMoCallback's clock (a function) without its exclusion.
-    spec = SchemaSpec("clocked", "lightning_dynmo.callback.DynMoCallback", exclude=("event_bus",))
+    spec = SchemaSpec("clocked", "lightning_dynmo.callback.DynMoCallback", exclude=("event_bus", "profiling"))
     with pytest.raises(
         TypeError, match=r"DynMoCallback\(clock=\.\.\.\) defaults to .*add it to the SchemaSpec"
     ):
@@ -241,3 +241,18 @@ def test_a_freezing_schedule_from_the_command_line(compose_train: Compose) -> No
     )
     freezer = next(c for c in instantiate_all(cfg)["callbacks"] if isinstance(c, FreezingCallback)).freezer
     assert freezer.config.schedule == ((20, 2), (40, 4))
+
+
+def test_the_callbacks_grouped_knobs_from_the_command_line(compose_train: Compose) -> None:
+    cfg = compose_train(
+        [
+            "callbacks.dynmo.profiling.steps=2",
+            "callbacks.dynmo.profiling.measure_comm=false",
+            "callbacks.dynmo.repack={_target_:lightning_dynmo.callback.RepackConfig,max_slowdown:0.5}",
+        ]
+    )
+    callback = next(c for c in instantiate_all(cfg)["callbacks"] if isinstance(c, DynMoCallback))
+    assert (callback.profiling.steps, callback.profiling.measure_comm) == (2, False)
+    assert callback.balance.repack and callback.balance.max_slowdown == 0.5
+    with pytest.raises(Exception, match=r"callbacks\.dynmo\.profiling\.stpes"):
+        compose_train(["callbacks.dynmo.profiling.stpes=2"])

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from typing_extensions import override
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.fitting import ForcePlacement, local_state
 from tests.distributed.harness import run_distributed
@@ -122,7 +122,7 @@ def case_worker(rank: int, world_size: int, case: Case, ckpt: Path | None, resum
         trainer.save_checkpoint(ckpt)  # a no-op on a released rank
     dynmo: DynMoCallback | None = fit.first(DynMoCallback)
     mover: ForcePlacement | None = fit.first(ForcePlacement)
-    rebalances = dynmo.rebalances if dynmo is not None else []
+    rebalances = [r.to_dict() for r in dynmo.rebalances] if dynmo is not None else []
     return {
         "losses": fit.recorder.losses,
         "state": local_state(fit.model),
@@ -170,7 +170,9 @@ def fit_reference(fit: Fit) -> dict[str, Any]:
 
 def rebalance_on_events() -> DynMoCallback:
     """DynMoCallback as the freezing and pruning fits use it: a decision one step after each event."""
-    return DynMoCallback(balancer="partition", cost="time", profile_warmup_steps=0, profile_steps=1)
+    return DynMoCallback(
+        balancer="partition", cost="time", profiling=ProfilingConfig(warmup_steps=0, steps=1)
+    )
 
 
 def resume_elsewhere(

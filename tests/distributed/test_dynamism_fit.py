@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.dynamism.early_exit import EXIT_LOSS, EXITED, early_exit_config
 from lightning_dynmo.dynamism.mod import PREDICTOR_LOSS, mod_config
 from lightning_dynmo.dynamism.tokens import token_counts
@@ -94,7 +94,7 @@ def _mod(**kw: Any) -> GPTConfig:
 EARLY_EXIT = Case(
     "early_exit",
     _early_exit,
-    {"on_events": True, "profile_warmup_steps": 0, "profile_steps": 1},
+    {"on_events": True, "profiling": ProfilingConfig(warmup_steps=0, steps=1)},
     EXIT_LOSS,
     {"loss_weight": 0.0},
 )

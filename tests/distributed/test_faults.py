@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
 import lightning_dynmo.callback.dynmo_callback
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.pipeline.faults.guard import CommunicationError
 from tests.distributed.fitting import Run, make_strategy
@@ -165,7 +165,9 @@ def misbehaving_worker(
         val = run.datamodule().train_dataloader()
     if action == "decide":
         lightning_dynmo.callback.dynmo_callback.decide = _buggy_decide  # this forked rank only
-        callbacks.append(DynMoCallback(every_n_steps=_AT_BATCH, profile_warmup_steps=0, profile_steps=1))
+        callbacks.append(
+            DynMoCallback(every_n_steps=_AT_BATCH, profiling=ProfilingConfig(warmup_steps=0, steps=1))
+        )
     strategy = make_strategy(run, timeout=timedelta(seconds=_TIMEOUT_S))
     trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
     error: BaseException | None = None

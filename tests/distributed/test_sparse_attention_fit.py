@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.dynamism.sparse_attention import SparseAttentionOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
@@ -48,8 +48,7 @@ pytestmark = pytest.mark.distributed
 PERIODIC: tuple[tuple[str, Any], ...] = (
     ("cost", "params"),
     ("every_n_steps", 2),
-    ("profile_warmup_steps", 0),
-    ("profile_steps", 1),
+    ("profiling", ProfilingConfig(warmup_steps=0, steps=1)),
 )
 
 

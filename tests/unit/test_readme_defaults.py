@@ -1,15 +1,17 @@
-"""The defaults README's DynMoStrategy table documents are the constructor's defaults."""
+"""The defaults README's DynMoStrategy and DynMoCallback tables document are the constructors' defaults."""
 
 from __future__ import annotations
 
 import ast
 import inspect
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from lightning_dynmo.callback import AutoConfig, DynMoCallback, ProfilingConfig, RepackConfig
 from lightning_dynmo.strategy import DynMoStrategy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -41,14 +43,25 @@ def _table(text: str, heading: str) -> list[list[str]]:
     return rows[2:]
 
 
-def documented_defaults(text: str) -> dict[str, Any]:
+# Names a documented default may use beyond literals (the callback's config and clock defaults).
+_NAMES = {"ProfilingConfig": ProfilingConfig, "time": time}
+
+
+def _value(literal: str) -> Any:
+    try:
+        return ast.literal_eval(literal)
+    except ValueError:
+        return eval(literal, dict(_NAMES))  # the README's own text, evaluated against _NAMES only
+
+
+def documented_defaults(text: str, heading: str = "### DynMoStrategy") -> dict[str, Any]:
     """Argument name -> documented default (a Python literal, or what a described default stands for)."""
     out: dict[str, Any] = {}
-    for names_cell, default_cell, *_ in _table(text, "### DynMoStrategy"):
+    for names_cell, default_cell, *_ in _table(text, heading):
         names = re.findall(r"`([a-z_]+)`", names_cell)
         literals = re.findall(r"`([^`]+)`", default_cell)
         if len(literals) == len(names) and re.fullmatch(r"(`[^`]+`(, )?)+", default_cell):
-            out.update({n: ast.literal_eval(v) for n, v in zip(names, literals, strict=True)})
+            out.update({n: _value(v) for n, v in zip(names, literals, strict=True)})
             continue
         for name in names:
             key = (name, default_cell)
@@ -92,3 +105,24 @@ def test_a_wrong_documented_default_is_caught() -> None:
         documented_defaults(described)
     wrong = documented_defaults(text.replace(row.group(0), "| `num_microbatches` | `2` |"))
     assert wrong["num_microbatches"] != constructor_defaults()["num_microbatches"]
+
+
+@pytest.mark.parametrize(
+    ("heading", "constructor"),
+    [
+        ("### DynMoCallback", DynMoCallback),
+        ("#### ProfilingConfig", ProfilingConfig),
+        ("#### AutoConfig", AutoConfig),
+        ("#### RepackConfig", RepackConfig),
+    ],
+)
+def test_readme_callback_tables_match_the_constructor_defaults(heading: str, constructor: Any) -> None:
+    documented = documented_defaults(README.read_text(), heading)
+    params = inspect.signature(constructor).parameters
+    actual = {n: p.default for n, p in params.items() if n != "self"}
+    assert set(documented) == set(actual), (
+        f"undocumented: {sorted(set(actual) - set(documented))}, "
+        f"documented but not arguments: {sorted(set(documented) - set(actual))}"
+    )
+    wrong = {n: (documented[n], actual[n]) for n in actual if documented[n] != actual[n]}
+    assert not wrong, f"README default != constructor default: {wrong}"

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo.balancing import BalanceProblem, partition
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.demos import DemoGPT, EmulatedCost
 from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
 from lightning_dynmo.profiling import module_has_hooks
@@ -42,7 +42,7 @@ CALLBACK = {
     "balancer": "partition",
     "cost": "time",
     "every_n_steps": 2,
-    "profile_steps": 2,
+    "profiling": ProfilingConfig(steps=2),
     "on_events": False,
 }
 
@@ -82,7 +82,7 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
         "losses": recorder.losses,
         "state": local_state(model),
         "placement": str(trainer.strategy.placement),
-        "rebalances": dynmo.rebalances,
+        "rebalances": [r.to_dict() for r in dynmo.rebalances],
         "costs": dynmo.last_costs,
         "hardware": hardware,
         "hooks_left": any(module_has_hooks(m) for m in [model, *trainer.strategy.local_layers.values()]),
@@ -113,7 +113,7 @@ def _run(tmp_path: Any, scenario: str, **extra: Any) -> list[dict[str, Any]]:
 
 
 def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: Any) -> None:
-    results = _run(tmp_path, "heavy_head", measure_comm=False)
+    results = _run(tmp_path, "heavy_head", profiling=ProfilingConfig(steps=2, measure_comm=False))
     first = results[0]
     costs, hardware = first["costs"], first["hardware"]
     assert all(r["costs"] == costs and r["hardware"] == hardware for r in results)
@@ -132,9 +132,10 @@ def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: A
 
 
 def test_a_slow_worker_is_measured_and_given_fewer_blocks(tmp_path: Any) -> None:
-    results = _run(
-        tmp_path, "slow_worker", measure_comm=False, measure_speed=True, speed_probe=emulated_speed_probe
+    profiling = ProfilingConfig(
+        steps=2, measure_comm=False, measure_speed=True, speed_probe=emulated_speed_probe
     )
+    results = _run(tmp_path, "slow_worker", profiling=profiling)
     hardware = results[0]["hardware"]
     assert hardware.worker_slowdown == pytest.approx([1.0, 3.0], rel=0.15)
     costs = results[0]["costs"]  # on the reference worker: every block costs the same wherever it ran

@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.demos import DemoGPT
 from tests.distributed.callback.test_callback_rebalance import RUN, SLEEP_MS, PruneFirstHalf
 from tests.distributed.fitting import make_strategy
@@ -39,7 +39,7 @@ def _fit_logged(rank: int, world_size: int, log_every: int) -> dict[str, Any]:
         devices=world_size,
         strategy=make_strategy(RUN),
         use_distributed_sampler=False,
-        callbacks=[PruneFirstHalf(), DynMoCallback(profile_steps=2)],
+        callbacks=[PruneFirstHalf(), DynMoCallback(profiling=ProfilingConfig(steps=2))],
         **{**RUN.trainer_kwargs(), "logger": logger, "log_every_n_steps": log_every},
     )
     model = DemoGPT(num_layers=RUN.num_layers, lr_gamma=RUN.lr_gamma, sleep_ms=[SLEEP_MS] * RUN.num_layers)

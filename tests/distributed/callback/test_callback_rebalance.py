@@ -18,8 +18,8 @@ import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition
 from lightning_dynmo.balancing.workers import worker_loads
-from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.callback import dynmo_callback as callback_module
+from lightning_dynmo.callback import AutoConfig, DynMoCallback, ProfilingConfig
+from lightning_dynmo.callback import window as window_module
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import DynamismEvent, notify_dynamism
 from lightning_dynmo.profiling import module_has_hooks
@@ -77,7 +77,7 @@ def fit_with_callback(
         "losses": recorder.losses,
         "state": local_state(model),
         "placement": str(trainer.strategy.placement),
-        "rebalances": dynmo.rebalances,
+        "rebalances": [r.to_dict() for r in dynmo.rebalances],
         "events": dynmo.events,
         "costs": dynmo.last_costs,
         "skipped": dynmo.skipped_windows,
@@ -88,7 +88,12 @@ def fit_with_callback(
 
 def test_callback_rebalances_after_a_pruning_event(tmp_path: Any) -> None:
     # every_n_steps=7 adds a second window after the migration: the received layers get profiled too.
-    kwargs = {"balancer": "partition", "cost": "time", "every_n_steps": 7, "profile_steps": 2}
+    kwargs = {
+        "balancer": "partition",
+        "cost": "time",
+        "every_n_steps": 7,
+        "profiling": ProfilingConfig(steps=2),
+    }
     results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
     first = results[0]
     costs = first["costs"]
@@ -175,7 +180,7 @@ def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement
         assert r["skipped"] >= run.steps - 3 and r["skipped"] == lazy[0]["skipped"]
     # Negative control: with the drift rule off (SKIP_DRIFT 0, set before the ranks fork), the headroom
     # alone does not skip these steps: every step is profiled and decided again.
-    monkeypatch.setattr(callback_module, "SKIP_DRIFT", 0.0)
+    monkeypatch.setattr(window_module, "SKIP_DRIFT", 0.0)
     control = tmp_path / "headroom_only"
     headroom_only = run_distributed(fit_with_callback, 2, control, timeout_s=150, args=(kwargs, *rest))
     for r in headroom_only:
@@ -185,19 +190,20 @@ def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement
 def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
     kwargs = {
         "on_events": False,
-        "auto": True,
-        "auto_threshold": 0.5,
-        "auto_patience_steps": 2,
-        "auto_horizon_steps": 100,
-        "auto_cooldown_steps": 100,
-        "rebalance_cost_prior_s": 0.05,
-        "profile_steps": 2,
+        "auto": AutoConfig(
+            threshold=0.5,
+            patience_steps=2,
+            horizon_steps=100,
+            cooldown_steps=100,
+            rebalance_cost_prior_s=0.05,
+        ),
+        "profiling": ProfilingConfig(steps=2),
     }
     results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs,))
     for r in results:
         [rebalance] = r["rebalances"]
         assert rebalance["reason"] == "auto"
-        # fires only once the change has been seen for auto_patience_steps steps
+        # fires only once the change has been seen for patience_steps steps
         assert rebalance["step"] >= CHANGE_AT + 2
         assert r["placement"] == "0-5|6-7" == str(partition(BalanceProblem(r["costs"]), 2))
 
@@ -206,8 +212,8 @@ def test_a_restored_callback_reapplies_its_placement(tmp_path: Any) -> None:
     # Resume path without checkpoint files (the strategy does not write placement-independent
     # checkpoints yet): a callback loaded from a state_dict puts its placement back when training starts.
     saved = DynMoCallback()
-    saved.placement = "0-5|6-7"
-    saved.events = [DynamismEvent("pruned", (0, 1, 2, 3), 2, "emulated")]
+    saved.placement = Placement.from_string("0-5|6-7")
+    saved._history.add_events([DynamismEvent("pruned", (0, 1, 2, 3), 2, "emulated")])
     state = saved.state_dict()
     kwargs = {"on_events": False}
     results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=(kwargs, state))
@@ -226,7 +232,12 @@ def test_virtual_stages_are_rebalanced_per_rank(tmp_path: Any) -> None:
     # finds a 16 + 16 split.
     units = [3.0, 1.0, 4.0, 6.0, 1.0, 6.0, 6.0, 5.0]
     run = replace(RUN, schedule="Interleaved1F1B", placement="0-0|1-3|4-5|6-7")
-    kwargs = {"balancer": "partition", "on_events": False, "every_n_steps": 3, "profile_steps": 2}
+    kwargs = {
+        "balancer": "partition",
+        "on_events": False,
+        "every_n_steps": 3,
+        "profiling": ProfilingConfig(steps=2),
+    }
     sleep_ms = [2.0 * u for u in units]
     args = (kwargs, None, run, 0, sleep_ms)
     results = run_distributed(fit_with_callback, 2, tmp_path, timeout_s=150, args=args)

@@ -1,8 +1,9 @@
 """DynMoCallback with the strategy's phase-2 features: re-pack and release, resume from a checkpoint file.
 
-- Re-pack: every block becomes free at a known step (the work shrinks); ``repack=True`` with
-  ``target_num_stages=1`` moves everything onto rank 0 and releases rank 1 mid-fit. Rank 1 leaves ``fit``
-  early; rank 0 trains on and its losses and whole model equal the single-process reference.
+- Re-pack: every block becomes free at a known step (the work shrinks);
+  ``repack=RepackConfig(target_num_stages=1)`` moves everything onto rank 0 and releases rank 1 mid-fit.
+  Rank 1 leaves ``fit`` early; rank 0 trains on and its losses and whole model equal the single-process
+  reference.
 - Resume: a run rebalances after a pruning event and saves a checkpoint at the epoch's end; a fresh run
   with a fresh callback resumes from the file, starts on the default uniform placement, and the callback
   puts back the saved placement and history; the second epoch equals the uninterrupted reference.
@@ -21,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig, RepackConfig
 from lightning_dynmo.demos import DemoGPT
 from lightning_dynmo.events import notify_dynamism
 from tests.distributed.fitting import TOL, LossRecorder, local_state, make_strategy, reference
@@ -97,10 +98,8 @@ def test_callback_repacks_onto_one_rank_and_releases_the_other(tmp_path: Path) -
     # Once the blocks are free only real compute is left, and one rank doing it all is slower than two:
     # freeing a rank costs step time, accepted here through max_slowdown (the gate is on by default).
     kwargs = {
-        "repack": True,
-        "target_num_stages": 1,
-        "max_slowdown": 4.0,
-        "profile_steps": 2,
+        "repack": RepackConfig(target_num_stages=1, max_slowdown=4.0),
+        "profiling": ProfilingConfig(steps=2),
         "memory_capacity_bytes": 2**40,
     }
     args = (run, range(8), kwargs, None, False)
@@ -125,11 +124,10 @@ def test_callback_repacks_a_v_schedule_onto_a_pipeline_it_can_run(tmp_path: Path
     # through max_slowdown.
     run = EpochRun(schedule="ZBVZeroBubble", num_layers=8, steps=8, epochs=1)
     kwargs = {
-        "repack": True,
+        "repack": RepackConfig(max_slowdown=10.0),
         "cost": "params",
-        "max_slowdown": 10.0,
         "every_n_steps": 2,
-        "profile_steps": 1,
+        "profiling": ProfilingConfig(steps=1),
         "memory_capacity_bytes": 2**40,
     }
     rank0, rank1 = run_distributed(
@@ -149,7 +147,7 @@ def test_callback_repacks_a_v_schedule_onto_a_pipeline_it_can_run(tmp_path: Path
 def test_resume_from_a_checkpoint_restores_the_callbacks_placement_and_history(tmp_path: Path) -> None:
     run = EpochRun(num_layers=8, steps=12, epochs=1)
     ckpt = tmp_path / "epoch1.ckpt"
-    kwargs = {"balancer": "partition", "cost": "time", "profile_steps": 2}
+    kwargs = {"balancer": "partition", "cost": "time", "profiling": ProfilingConfig(steps=2)}
     first = run_distributed(worker, 2, tmp_path, timeout_s=150, args=(run, range(4), kwargs, ckpt, False))
     saved = first[0]["callback"]
     assert saved["placement"] == "0-5|6-7" and [e["kind"] for e in saved["events"]] == ["pruned"]
@@ -172,7 +170,7 @@ def test_resume_from_a_checkpoint_restores_the_callbacks_placement_and_history(t
 
 
 SAVE_RUN = EpochRun(num_layers=8, steps=4, epochs=1)
-RESUME_KWARGS: dict[str, Any] = {"profile_steps": 1, "on_events": False}
+RESUME_KWARGS: dict[str, Any] = {"profiling": ProfilingConfig(steps=1), "on_events": False}
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition
 from lightning_dynmo.balancing.policy import smooth_costs
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 
 
 def _costs(times: list[float], params: int = 7) -> list[LayerCost]:
@@ -48,7 +48,7 @@ def test_noise_that_does_not_persist_stops_moving_layers_a_drift_does_not():
 )
 def test_bad_weight_is_rejected_by_the_callback_and_the_function(weight, match):
     with pytest.raises(ValueError, match=match):
-        DynMoCallback(cost_smoothing=weight)
+        DynMoCallback(profiling=ProfilingConfig(cost_smoothing=weight))
     with pytest.raises(ValueError, match=match):
         smooth_costs(None, _costs([1.0]), weight)
     with pytest.raises(ValueError, match="previous has 1 layers but measured has 2"):
@@ -56,5 +56,5 @@ def test_bad_weight_is_rejected_by_the_callback_and_the_function(weight, match):
 
 
 def test_defaults_follow_the_trigger():
-    assert DynMoCallback(every_step=True).cost_smoothing == 0.8
-    assert DynMoCallback(every_n_steps=10).cost_smoothing == 0.0
+    assert DynMoCallback(every_step=True).profiling.cost_smoothing == 0.8
+    assert DynMoCallback(every_n_steps=10).profiling.cost_smoothing == 0.0

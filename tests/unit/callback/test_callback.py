@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.callback import AutoConfig, DecisionRecord, DynMoCallback, ProfilingConfig, RepackConfig
+from lightning_dynmo.callback.config import MOVED_KEYWORDS
 from lightning_dynmo.events import DynamismEvent, EventBus
 
 
@@ -27,14 +29,15 @@ def test_static_defaults_to_no_triggers():
         ({"balancer": "greedy"}, r"balancer='greedy' is not a balancer"),
         ({"cost": "flops"}, r"cost='flops' is not a cost view"),
         ({"every_n_steps": 0}, r"every_n_steps=0 must be an integer >= 1"),
-        ({"target_num_stages": 2}, r"target_num_stages=2 is only used when re-packing"),
         ({"balancer": "static", "every_n_steps": 10}, r"balancer='static' never rebalances"),
         ({"balancer": "static", "on_events": True}, r"triggers are enabled: on_events=True"),
         ({"every_step": True, "auto": True}, r"every_step=True and auto=True contradict"),
         ({"repack": True, "balancer": "static"}, r"repack=True with balancer='static' contradict"),
-        ({"profile_steps": 0}, r"profile_steps=0 must be an integer >= 1"),
-        ({"profile_warmup_steps": -1}, r"profile_warmup_steps=-1 must be an integer >= 0"),
+        ({"repack": RepackConfig(), "balancer": "static"}, r"repack=True with balancer='static' contradict"),
+        ({"every_step": True, "auto": AutoConfig()}, r"every_step=True and auto=True contradict"),
         ({"skip_balanced": "yes"}, r"skip_balanced='yes' must be True or False"),
+        ({"auto": "yes"}, r"auto='yes' must be True, False or AutoConfig\(\.\.\.\)"),
+        ({"repack": 1.0}, r"repack=1.0 must be True, False or RepackConfig\(\.\.\.\)"),
     ],
 )
 def test_bad_options_are_rejected(kwargs, match):
@@ -42,8 +45,95 @@ def test_bad_options_are_rejected(kwargs, match):
         DynMoCallback(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": 0}, r"ProfilingConfig\(steps=0\) must be an integer >= 1"),
+        ({"warmup_steps": -1}, r"ProfilingConfig\(warmup_steps=-1\) must be an integer >= 0"),
+    ],
+)
+def test_bad_profiling_options_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ProfilingConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "match"),
+    [
+        (
+            "profile_warmup_steps",
+            r"profile_warmup_steps moved to DynMoCallback\(profiling=ProfilingConfig\(warmup_steps=",
+        ),
+        ("profile_steps", r"profile_steps moved to DynMoCallback\(profiling=ProfilingConfig\(steps="),
+        (
+            "cost_smoothing",
+            r"cost_smoothing moved to DynMoCallback\(profiling=ProfilingConfig\(cost_smoothing=",
+        ),
+        ("measure_comm", r"measure_comm moved to DynMoCallback\(profiling=ProfilingConfig\(measure_comm="),
+        ("measure_speed", r"measure_speed moved to DynMoCallback\(profiling=ProfilingConfig\(measure_speed="),
+        ("speed_probe", r"speed_probe moved to DynMoCallback\(profiling=ProfilingConfig\(speed_probe="),
+        ("auto_threshold", r"auto_threshold moved to DynMoCallback\(auto=AutoConfig\(threshold="),
+        (
+            "auto_patience_steps",
+            r"auto_patience_steps moved to DynMoCallback\(auto=AutoConfig\(patience_steps=",
+        ),
+        ("auto_horizon_steps", r"auto_horizon_steps moved to DynMoCallback\(auto=AutoConfig\(horizon_steps="),
+        (
+            "auto_cooldown_steps",
+            r"auto_cooldown_steps moved to DynMoCallback\(auto=AutoConfig\(cooldown_steps=",
+        ),
+        (
+            "rebalance_cost_prior_s",
+            r"rebalance_cost_prior_s moved to DynMoCallback\(auto=AutoConfig\(rebalance_cost_prior_s=",
+        ),
+        (
+            "target_num_stages",
+            r"target_num_stages moved to DynMoCallback\(repack=RepackConfig\(target_num_stages=",
+        ),
+        ("max_slowdown", r"max_slowdown moved to DynMoCallback\(repack=RepackConfig\(max_slowdown="),
+        (
+            "retune_microbatches",
+            r"retune_microbatches moved to DynMoCallback\(repack=RepackConfig\(retune_microbatches=",
+        ),
+    ],
+)
+def test_an_old_keyword_fails_naming_its_new_place(keyword, match):
+    with pytest.raises(TypeError, match=match):
+        DynMoCallback(**{keyword: 1})
+
+
+def test_every_moved_keyword_is_tested():
+    tested = {p[0] for p in test_an_old_keyword_fails_naming_its_new_place.pytestmark[0].args[1]}
+    assert tested == set(MOVED_KEYWORDS)
+
+
+def test_the_grouped_knobs_reach_the_policy():
+    callback = DynMoCallback(
+        auto=AutoConfig(
+            threshold=0.2, patience_steps=3, horizon_steps=40, cooldown_steps=7, rebalance_cost_prior_s=0.5
+        ),
+        repack=RepackConfig(target_num_stages=1, max_slowdown=0.5, retune_microbatches=True),
+        profiling=ProfilingConfig(warmup_steps=2, steps=4, cost_smoothing=0.5, measure_comm=False),
+    )
+    t, b = callback.triggers, callback.balance
+    assert (t.auto, t.auto_threshold, t.auto_patience_steps, t.auto_horizon_steps) == (True, 0.2, 3, 40)
+    assert (t.auto_cooldown_steps, t.rebalance_cost_prior_s) == (7, 0.5)
+    assert (b.repack, b.target_num_stages, b.max_slowdown, callback.retune_microbatches) == (
+        True,
+        1,
+        0.5,
+        True,
+    )
+    assert callback.profiling == ProfilingConfig(
+        warmup_steps=2, steps=4, cost_smoothing=0.5, measure_comm=False
+    )
+    off = DynMoCallback(auto=False, repack=False)
+    assert not off.triggers.auto and not off.balance.repack and not off.retune_microbatches
+    assert DynMoCallback(auto=True).triggers.auto_threshold == AutoConfig().threshold
+
+
 def test_repack_target_larger_than_the_pipeline_is_rejected_when_training_starts():
-    callback = DynMoCallback(repack=True, target_num_stages=4, memory_capacity_bytes=1e9)
+    callback = DynMoCallback(repack=RepackConfig(target_num_stages=4), memory_capacity_bytes=1e9)
     with pytest.raises(
         ValueError, match=r"target_num_stages=4 is larger than the current pipeline \(2 stages\)"
     ):
@@ -58,15 +148,15 @@ def test_wrong_strategy_is_a_type_error():
 
 def test_state_dict_round_trip_keeps_placement_history_and_trigger():
     callback = DynMoCallback(every_n_steps=5)
-    callback.placement = "0-5|6-7"
-    callback.events = [DynamismEvent("pruned", (0, 1), 2, "emulated")]
-    callback.rebalances = [{"step": 6, "old": "0-3|4-7", "new": "0-5|6-7", "applied": True}]
-    callback.overhead_s = 0.25
+    callback.placement = Placement.from_string("0-5|6-7")
+    callback._history.add_events([DynamismEvent("pruned", (0, 1), 2, "emulated")])
+    callback._history.add(_record(step=6, old="0-3|4-7", new="0-5|6-7", applied=True, migration_s=0.25))
     callback._trigger.record_rebalance(6, extra_cost_s=0.25)
     restored = DynMoCallback(every_n_steps=5)
     restored.load_state_dict(callback.state_dict())
     assert restored.state_dict() == callback.state_dict()
-    assert restored.placement == "0-5|6-7"
+    assert restored.placement == Placement.from_string("0-5|6-7")
+    assert restored.rebalances == callback.rebalances and restored.overhead_s == 0.25
     assert restored._restored_placement == "0-5|6-7"  # applied to the strategy when training starts
     assert restored._trigger.history == callback._trigger.history
 
@@ -111,35 +201,71 @@ def test_throughput_counts_pipeline_replicas_not_processes():
     assert [t.world_size for t in ours._throughputs.values()] == [2]
 
 
+def _record(**fields: object) -> DecisionRecord:
+    base: dict[str, object] = {
+        "step": 0,
+        "reason": "event",
+        "old": "0-3|4-7",
+        "new": "0-3|4-7",
+        "applied": False,
+        "why": "",
+        "predicted_gain": 0.0,
+        "num_microbatches": 4,
+        "profiling_s": 0.0,
+        "decision_s": 0.0,
+        "migration_s": 0.0,
+    }
+    return DecisionRecord(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_of_flat_dicts_loads_into_records():
+    # The checkpoint format of earlier versions, without num_microbatches (recorded since the re-tune).
+    old = {"step": 6, "reason": "event", "old": "0-3|4-7", "new": "0-5|6-7", "applied": True, "why": "x"}
+    old |= {
+        "predicted_gain": 0.1,
+        "measured_gain": None,
+        "profiling_s": 0.1,
+        "decision_s": 0.2,
+        "migration_s": 0.3,
+    }
+    state = {"placement": "0-5|6-7", "events": [], "rebalances": [old], "overhead_s": 0.6}
+    state["trigger"] = DynMoCallback().state_dict()["trigger"]
+    callback = DynMoCallback()
+    callback.load_state_dict(state)
+    (record,) = callback.rebalances
+    assert record == _record(**{**old, "num_microbatches": None})
+    assert callback.state_dict()["rebalances"] == [{**old, "num_microbatches": None}]
+
+
 def test_a_migration_must_pay_back_over_the_placements_expected_life():
     applied = [
-        {"step": 10, "applied": True, "migration_s": 0.1},
-        {"step": 5, "applied": False, "migration_s": 0},
+        _record(step=10, applied=True, migration_s=0.1),
+        _record(step=5, applied=False, migration_s=0),
     ]
     every_step = DynMoCallback(every_step=True)
     assert every_step._min_saving(11) == 0.0  # no migration measured yet
-    every_step.rebalances = applied
+    every_step._history.rebalances = applied
     assert every_step._min_saving(11) == pytest.approx(0.1)  # just moved: the bar is the whole cost
     assert every_step._min_saving(20) == pytest.approx(0.01)  # a placement that lasted falls to noise
     periodic = DynMoCallback(every_n_steps=50)
-    periodic.rebalances = applied
+    periodic._history.rebalances = applied
     assert periodic._min_saving(11) == pytest.approx(0.1 / 50)
     by_params = DynMoCallback(cost="params", every_step=True)
-    by_params.rebalances = applied
+    by_params._history.rebalances = applied
     assert by_params._min_saving(11) == 0.0  # parameter counts are not seconds
 
 
 def test_every_step_windows_reuse_recent_activation_sizes_only():
-    from lightning_dynmo.callback.dynmo_callback import ACTIVATION_REFRESH_STEPS
+    from lightning_dynmo.callback.window import ACTIVATION_REFRESH_STEPS
 
     callback = DynMoCallback(every_step=True)
-    callback._activations = {0: (10, 2, 50), 1: (20, 4, 50 - ACTIVATION_REFRESH_STEPS)}
+    callback._window.activations = {0: (10, 2, 50), 1: (20, 4, 50 - ACTIVATION_REFRESH_STEPS)}
     local = {0: object(), 1: object(), 2: object()}
     # Layer 0 was metered recently on this rank; layer 1 too long ago; layer 2 never (it just arrived).
-    assert callback._known_activations(local, 50 + 10, "every_step") == {0: (10, 2)}
+    assert callback._window.known_activations(local, 50 + 10, "every_step") == {0: (10, 2)}
     # Any other window meters every layer.
     for reason in ("event", "every_n_steps", "auto"):
-        assert callback._known_activations(local, 60, reason) == {}
+        assert callback._window.known_activations(local, 60, reason) == {}
 
 
 def test_resume_restores_a_placement_only_on_the_pipeline_it_was_for():

@@ -17,10 +17,13 @@ from torch import nn
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import RebalanceDecision
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
+from lightning_dynmo.callback.history import WindowOverhead
 from lightning_dynmo.events import DynamismEvent
+from lightning_dynmo.pipeline import resolve_schedule
 from lightning_dynmo.profiling import StageBusyTimer
 from lightning_dynmo.profiling.clock import StepClock
+from lightning_dynmo.strategy.view import PipelineView
 
 
 class FakeClock:
@@ -34,9 +37,9 @@ class FakeClock:
 class ScriptedDecision(DynMoCallback):
     """The window closes with a fixed decision instead of gathering costs over a process group."""
 
-    def _close_window(self, trainer: Any) -> None:
-        assert self._profiler is not None
-        self._profiler = None
+    def _close_window(self, trainer: Any, view: Any, batch: Any) -> None:
+        assert self._window.is_open
+        self._window.profiler = None
         current = trainer.strategy.placement
         self._pending = RebalanceDecision(
             apply=True,
@@ -50,7 +53,7 @@ class ScriptedDecision(DynMoCallback):
             imbalance_after=0.0,
             reason="scripted",
         )
-        self._pending_costs = {"profiling_s": 0.0, "decision_s": 0.0}
+        self._pending_overhead = WindowOverhead(profiling_s=0.0, decision_s=0.0)
 
 
 def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
@@ -76,11 +79,33 @@ def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
         strategy.placement = placement
 
     strategy.apply_placement = apply_placement
+    strategy.pipeline_view = lambda: PipelineView(
+        placement=strategy.placement,
+        schedule=resolve_schedule(strategy.schedule_name),
+        num_microbatches=strategy.num_microbatches,
+        pipeline_size=strategy.pipeline_size,
+        stage_index=strategy.stage_index,
+        stage_indices=(0,),
+        is_first_stage=True,
+        is_released=strategy.is_released,
+        global_rank=strategy.global_rank,
+        active_ranks=strategy.active_ranks,
+        pipeline_rank_of=lambda rank: rank,
+        local_layers=strategy.local_layers,
+        pipeline_stages=strategy.pipeline_stages,
+        root_device=strategy.root_device,
+        pipeline_group=None,
+        active_group=None,
+        data_parallel_group=None,
+        data_parallel_size=1,
+        has_tied_parameters=False,
+    )
     strategy.broadcast = lambda obj, src=0: obj
     strategy.guard = lambda what: contextlib.nullcontext()
     strategy.active_group = None
     trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=0, optimizers=[], loggers=[])
-    callback = ScriptedDecision(profile_warmup_steps=1, profile_steps=3, measure_comm=False, clock=clock)
+    profiling = ProfilingConfig(warmup_steps=1, steps=3, measure_comm=False)
+    callback = ScriptedDecision(profiling=profiling, clock=clock)
     callback._busy = StageBusyTimer(StepClock(torch.device("cpu")))
     return callback, trainer, layer
 
@@ -105,7 +130,7 @@ def test_measured_gain_is_against_the_steps_right_before_the_rebalance(forget_th
         if step == 3:
             callback._new_events.append(DynamismEvent("custom", (1,), step, "early exit"))
         _step(callback, trainer, layer, clock, 1.0)
-    assert callback._profiler is None and callback._trigger._pending_event
+    assert not callback._window.is_open and callback._trigger._pending_event
     for seconds in (3.0, 0.9, 0.9, 0.9):  # the window: warm-up, then three measured steps
         _step(callback, trainer, layer, clock, seconds)
     assert callback._pending is not None
@@ -114,5 +139,5 @@ def test_measured_gain_is_against_the_steps_right_before_the_rebalance(forget_th
     assert trainer.strategy.applied == ["0-0|1-1"]
     (record,) = callback.rebalances
     expected = 1 - 0.8 / 1.0 if forget_the_event else 1 - 0.8 / 0.9
-    assert record["measured_gain"] == pytest.approx(expected)
+    assert record.measured_gain == pytest.approx(expected)
     assert callback._queued_metrics["dynmo/measured_gain"] == pytest.approx(expected)

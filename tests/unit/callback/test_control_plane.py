@@ -83,9 +83,11 @@ def test_callback_history_is_capped_when_a_checkpoint_is_loaded() -> None:
     state = DynMoCallback().state_dict()
     del state["dropped_history"]  # a checkpoint written before the cap
     state["events"] = [DynamismEvent("custom", step=i).to_dict() for i in range(MAX_HISTORY + 5)]
-    state["rebalances"] = [{"step": i, "applied": False} for i in range(MAX_HISTORY + 2)]
+    kept = {"reason": "event", "old": "0-1", "new": "0-1", "why": "", "predicted_gain": 0.0}
+    kept |= {"profiling_s": 0.0, "decision_s": 0.0, "migration_s": 0.0}
+    state["rebalances"] = [{"step": i, "applied": False, **kept} for i in range(MAX_HISTORY + 2)]
     callback = DynMoCallback()
     callback.load_state_dict(state)
     assert len(callback.events) == MAX_HISTORY and callback.events[0].step == 5
-    assert len(callback.rebalances) == MAX_HISTORY and callback.rebalances[0]["step"] == 2
+    assert len(callback.rebalances) == MAX_HISTORY and callback.rebalances[0].step == 2
     assert callback.state_dict()["dropped_history"] == {"events": 5, "rebalances": 2}

@@ -1,0 +1,164 @@
+"""The profiling window: when it opens and closes, what it may reuse, and when a step has nothing to gain.
+
+A window wraps this rank's layers in a :class:`~lightning_dynmo.profiling.LayerProfiler` for
+``warmup_steps + steps`` steps; its result is what :mod:`.measure` turns into costs. Every-step windows
+reuse recent activation sizes (:meth:`ProfilingWindow.known_activations`) and are skipped while they
+cannot change the placement (:meth:`ProfilingWindow.nothing_to_gain`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_dynmo.balancing.gain import StepPhase
+from lightning_dynmo.balancing.headroom import StageLoadAverage
+from lightning_dynmo.pipeline import part_modules
+from lightning_dynmo.profiling import LayerProfiler, ProfileResult
+from lightning_dynmo.strategy.view import PipelineView
+
+__all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "ProfilingWindow"]
+
+#: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
+ACTIVATION_REFRESH_STEPS = 100
+#: skip_balanced by time: after a decision kept the placement, every-step windows are skipped while no
+#: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share.
+SKIP_DRIFT = 0.05
+
+
+class ProfilingWindow:
+    """This rank's profiling windows, one at a time, and what the skipping rule remembers between them.
+
+    Args:
+        warmup_steps: Steps profiled but not counted at the start of a window.
+        steps: Steps measured per window.
+        smoothing: The history weight of the averaged stage loads (the costs' smoothing weight).
+        skip: Whether every-step windows that cannot change the placement are skipped
+            (``skip_balanced``, never with a re-pack).
+        by_params: Whether the balancer weighs parameter counts (they change only with an event).
+        min_gain: The smallest predicted gain a new placement needs.
+    """
+
+    def __init__(
+        self, *, warmup_steps: int, steps: int, smoothing: float, skip: bool, by_params: bool, min_gain: float
+    ) -> None:
+        self.warmup_steps = warmup_steps
+        self.steps = steps
+        self._skip, self._by_params, self._min_gain = skip, by_params, min_gain
+        self.stage_loads = StageLoadAverage(smoothing)
+        self.skipped = 0  # every-step windows skipped by skip_balanced (this run)
+        self._params_settled = False  # by params: the last decision kept the placement, no event since
+        self.profiler: LayerProfiler | None = None
+        self.reason = ""
+        self.busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
+        self._steps_run = 0
+        # Per local layer or part: (saved-activation bytes, output bytes, step metered).
+        self.activations: dict[int | str, tuple[int, int, int]] = {}
+
+    @property
+    def is_open(self) -> bool:
+        """Whether a window is profiling."""
+        return self.profiler is not None
+
+    def nothing_to_gain(self) -> bool:
+        """Whether this step's every-step window cannot change the placement (``skip_balanced``).
+
+        Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
+        skips the same steps.
+        """
+        if not self._skip:
+            return False
+        if self._by_params:
+            return self._params_settled
+        room = self.stage_loads.headroom
+        if room is None:
+            return False
+        drift = self.stage_loads.drift  # set while the last decision kept the placement on these loads
+        return room < self._min_gain or (drift is not None and drift < SKIP_DRIFT)
+
+    def open(self, view: PipelineView, optimizer: Any, step: int, reason: str) -> None:
+        """Start profiling this rank's layers and parts for a window opened by ``reason``."""
+        self.reason = reason
+        self.profiler = LayerProfiler(
+            view.local_layers,
+            warmup_steps=self.warmup_steps,
+            profile_steps=self.steps,
+            device=view.root_device,
+            optimizer=optimizer,
+            stages=view.pipeline_stages,
+            microbatches_per_step=view.num_microbatches,
+            known_activations=self.known_activations(view.local_layers, step, reason),
+            parts=part_modules([stage.submod for stage in view.pipeline_stages]),
+        )
+        self.profiler.start()
+        self._steps_run = 0
+        self.busy_s = []
+
+    def known_activations(
+        self, layers: Mapping[int, Any], step: int, reason: str
+    ) -> dict[int | str, tuple[int, int]]:
+        """Activation sizes an every-step window can reuse instead of metering them again.
+
+        Saved-activation sizes follow shapes, not routing, so back-to-back every-step windows reuse what
+        an earlier window on this rank measured for the same layer, for up to
+        ``ACTIVATION_REFRESH_STEPS`` steps: they then run without the meter's per-tensor hook (which
+        would also sit inside the timed forward, as those windows have no warm-up step). Windows opened
+        for any other reason (an event, a period, ``auto``) meter every layer.
+        """
+        if reason != "every_step":
+            return {}
+        return {
+            i: (saved, output)
+            for i, (saved, output, metered_at) in self.activations.items()
+            if (i in layers or isinstance(i, str)) and step - metered_at < ACTIVATION_REFRESH_STEPS
+        }
+
+    def begin_step(self) -> StepPhase:
+        """Start a step: its phase for the gain meter (``"quiet"`` outside a window)."""
+        if self.profiler is None:
+            return "quiet"
+        self.profiler.begin_step()
+        self._steps_run += 1
+        return "warmup" if self._steps_run <= self.warmup_steps else "profiled"
+
+    def end_step(self, phase: StepPhase, busy_s: float | None) -> bool:
+        """End a step; whether the window is complete (then :meth:`close` it)."""
+        if phase == "profiled" and busy_s is not None:
+            self.busy_s.append(busy_s)
+        return self.profiler is not None and self.profiler.end_step()
+
+    def close(self, step: int) -> ProfileResult:
+        """The complete window's result; remembers the activation sizes it metered."""
+        assert self.profiler is not None
+        result = self.profiler.result()
+        known = self.profiler.known_activations
+        self.profiler = None
+        for i, (saved, output) in result.activations().items():
+            if i not in known:
+                self.activations[i] = (saved, output, step)
+        return result
+
+    def stop(self) -> None:
+        """Drop an unfinished window (training ended)."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+    def decided(self, applied: bool) -> None:
+        """A decision was taken: a new placement restarts the loads; a kept one settles the skip rule."""
+        self._params_settled = not applied  # read only by params
+        if applied:
+            self.stage_loads.restart()
+        else:
+            self.stage_loads.mark()  # by time: skip while the loads stay where this decision saw them
+
+    def event_seen(self) -> None:
+        """Some rank had a dynamism event: it may change what the balancer reads."""
+        self._params_settled = False
+
+    def observe_loads(self, stage_busy: list[float], event: bool) -> None:
+        """Feed a step's agreed per-stage busy times (an event makes the loads stale instead)."""
+        if event:
+            self.stage_loads.restart()  # the model changed in this step: its loads are stale
+        else:
+            self.stage_loads.update(stage_busy)
