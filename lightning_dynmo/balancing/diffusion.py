@@ -51,6 +51,9 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.stage_model import FloatArray, IntArray, StageModel
 
+#: Relative slack of the load tests of a chain (a stage may reach the bottleneck up to rounding).
+LOAD_SLACK = 1e-12
+
 
 @dataclass(frozen=True)
 class DiffusionResult:
@@ -390,10 +393,12 @@ class _ChainTable:
             return state.model.loads_of(lo, hi, state.stage_ids)[order]
 
         loads = state.loads[order]
-        bottleneck = float(np.max(state.loads))
+        # A stage may reach the bottleneck, not exceed it; the slack absorbs the rounding of vectorised
+        # loads (a chain that leaves a stage exactly at the bottleneck was refused by one ulp).
+        limit = float(np.max(state.loads)) * (1.0 + LOAD_SLACK)
         recv_load, pass_load, src_load = new_loads(received), new_loads(passing), new_loads(source)
-        pass_ok = pass_load <= bottleneck
-        recv_ok = recv_load <= bottleneck
+        pass_ok = pass_load <= limit
+        recv_ok = recv_load <= limit
         if state.capped:  # without caps every memory test passes; skip the arrays
             mems, caps, mx = state.mems[order], state.caps[order], state.memory[passed_layer][order]
             gain_mem = np.concatenate(([0.0], mx[:-1]))

@@ -138,6 +138,10 @@ def test_diffuse_rejects_bad_input(kwargs, match):
 def _brute_best_chain(costs, bounds, caps, src, eps, extras=None):
     """Smallest sum-of-squares change below ``-eps * squares`` over every valid chain from ``src``.
 
+    A stage may end at most ``slack`` above the bottleneck, relatively; ``slack`` moves opposite to
+    ``eps``, so ``eps`` = 2e-12 is stricter than diffusion's tolerances on both counts (its chains are a
+    subset of diffusion's) and 0.5e-12 looser (a superset).
+
     By direct enumeration of the chains and direct sums of the records (``extras``: the keyword
     arguments of ``direct_loads`` for first/last extras, links and slowdowns).
     """
@@ -152,7 +156,8 @@ def _brute_best_chain(costs, bounds, caps, src, eps, extras=None):
         return direct_memory(costs, Placement(tuple(b)), **mem_extras)
 
     old, old_mem = loads(bounds), mems(bounds)
-    peak, squares = max(old), sum(x * x for x in old)
+    squares = sum(x * x for x in old)
+    peak = max(old) * (1.0 + 1e-24 / eps)  # eps 2e-12: slack 0.5e-12; eps 0.5e-12: slack 2e-12
     best = None
     if bounds[src + 1] - bounds[src] < 2:
         return None
@@ -312,3 +317,20 @@ def test_diffusion_moves_work_off_a_slow_worker_and_a_heavy_head():
     assert head.placement.sizes == (5, 3)  # 5 | 3 + 2
     link = diffuse(BalanceProblem(costs, hardware=Hardware(comm_time_s=[[2.0] * 8])), "0-3|4-7")
     assert link.placement.sizes == (3, 5)  # 3 + 2 | 5
+
+
+def test_a_chain_that_leaves_a_stage_exactly_at_the_bottleneck_is_found():
+    # Found by hypothesis: stage 1 passes layer 1 on and receives layer 4, ending exactly at the bottleneck
+    # (14.48 s); the vectorised load came out one ulp above it and the chain from the slow stage 2 was lost.
+    from lightning_dynmo.balancing.diffusion import _State
+    from lightning_dynmo.balancing.stage_model import StageModel
+
+    a = LayerCost(fwd_time_s=1.8921815632222199, bwd_time_s=3.590671344607083)
+    costs = [LayerCost(bwd_time_s=2.0), a, LayerCost(), LayerCost(bwd_time_s=9.0), a, LayerCost()]
+    problem = BalanceProblem(costs, hardware=Hardware(worker_slowdown=[1.0, 1.0, 2.0]))
+    state = _State(StageModel.build(problem, 3), [0, 1, 4, 6])
+    extras = {"first": None, "last": None, "slowdown": [1.0, 1.0, 2.0], "comm": None}
+    expected = _brute_best_chain(costs, state.bounds, [math.inf] * 3, 2, 2e-12, extras)
+    assert expected == pytest.approx(-68.2536, abs=1e-3)
+    assert state._best_chain(2) == (-1, 0)
+    assert state._chain_deltas(2, -1)[0] == pytest.approx(expected)
