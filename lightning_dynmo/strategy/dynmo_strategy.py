@@ -37,13 +37,11 @@ per rank, so a placement then has ``2 * pipeline_size`` stages, mapped "loop" (s
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -54,7 +52,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -65,7 +62,6 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -73,7 +69,6 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import (
-    CHECKPOINT_KEY,
     BuiltPipeline,
     CommContext,
     FailureBoard,
@@ -88,51 +83,22 @@ from lightning_dynmo.pipeline import (
     TiedCopies,
     TiedParameter,
     UnitMove,
-    active_ranks_of,
-    attach_unit,
-    broadcast_from,
     build_groups,
-    build_pipeline,
-    build_repacked_groups,
-    call_step_end_hook,
-    check_model_contract,
-    check_no_user_hooks,
-    check_placement,
-    check_same_on_all_ranks,
-    checked_loss_fn,
     communication_guard,
     describe_peers,
-    detach_unit,
-    find_tied_parameters,
     full_state_from_checkpoint,
-    global_mean_loss,
     initial_placement,
-    keep_local_units,
-    layout_of,
     load_local_state,
-    migrate_units,
     pipeline_units,
-    plan_repack,
-    read_checkpoint,
-    reduce_step_losses,
-    repack_moves,
-    repair_checkpoint,
     report_interrupt,
     resolve_schedule,
-    run_schedule_step,
-    save_sharded,
-    split_batch,
-    stage_to_pipeline_rank,
-    staged_file_save,
-    state_to_save,
-    unit_moves,
-    unit_owners,
 )
 from lightning_dynmo.pipeline import (
     grads as pipeline_grads,
 )
+from lightning_dynmo.strategy import checkpointing, collectives, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
-from lightning_dynmo.strategy.trainer_checks import check_same_batch_in_pipeline, check_trainer_setup
+from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
 from lightning_dynmo.strategy.view import PipelineView
 
 log = logging.getLogger(__name__)
@@ -161,11 +127,8 @@ class DynMoStrategy(ParallelStrategy):
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
-        accelerator: Set by the Trainer.
-        parallel_devices: Set by the Trainer.
-        cluster_environment: Set by the Trainer (Lightning, torchrun or SLURM environments).
-        checkpoint_io: Set by the Trainer.
-        precision_plugin: Set by the Trainer.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Set by the
+            Trainer (the cluster environment: Lightning's, torchrun's or SLURM's).
         loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
             disables logging.
         on_release: Called on every rank with a :class:`~lightning_dynmo.pipeline.ReleaseEvent`
@@ -257,27 +220,7 @@ class DynMoStrategy(ParallelStrategy):
 
     def pipeline_view(self) -> PipelineView:
         """What callbacks read of the pipeline now (take a fresh one after :meth:`apply_placement`)."""
-        return PipelineView(
-            placement=self.placement,
-            schedule=self._schedule,
-            num_microbatches=self.num_microbatches,
-            pipeline_size=self.pipeline_size,
-            stage_index=self.stage_index,
-            stage_indices=self.stage_indices,
-            is_first_stage=self.is_first_stage,
-            is_released=self.is_released,
-            global_rank=self.global_rank,
-            active_ranks=self.active_ranks,
-            pipeline_rank_of=self.pipeline_rank_of,
-            local_layers=self.local_layers if self.stage_index is not None else {},
-            pipeline_stages=self.pipeline_stages,
-            root_device=self.root_device,
-            pipeline_group=self.pipeline_group,
-            active_group=self.active_group,
-            data_parallel_group=self.data_parallel_group,
-            data_parallel_size=self.data_parallel_size,
-            has_tied_parameters=bool(self.tied_parameters),
-        )
+        return PipelineView.of(self)
 
     @property
     def placement(self) -> Placement:
@@ -367,13 +310,7 @@ class DynMoStrategy(ParallelStrategy):
 
         Profilers wrap their methods to time a step; they are rebuilt by :meth:`apply_placement`.
         """
-        if self._pipe is None:
-            return []
-        schedule = self._pipe.schedule
-        stages = getattr(schedule, "_stages", None)  # multi-stage schedules
-        if stages is None:
-            stages = [schedule._stage]  # type: ignore[attr-defined]  # single-stage schedules
-        return list(stages)
+        return [] if self._pipe is None else self._pipe.stages
 
     @property
     def stage_style(self) -> str:
@@ -468,15 +405,6 @@ class DynMoStrategy(ParallelStrategy):
         self._data_parallel_group = groups.data_parallel
         self._board = FailureBoard.open(self.world_size)
 
-    def _pair_tied_copies(self) -> None:
-        self._ties.pair(
-            self._module(),
-            self.optimizers,
-            rank=self.global_rank,
-            pipeline_ranks=self._pipeline_global_ranks(),
-            last_position=self._last_stage_position(),
-        )
-
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
         """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
@@ -496,22 +424,11 @@ class DynMoStrategy(ParallelStrategy):
         check_trainer_setup(module, self.precision_plugin, self._layer_sync, trainer.callbacks, fitting)
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
         if module is not self._cut_module:
-            self._spec = check_model_contract(module)
-            if self._num_stages_of_run() > 1:
-                self._ties = TiedCopies(find_tied_parameters(module, self._spec))
-                check_no_user_hooks(self._local_units())  # units may migrate; hooks would not
-            self._placement = self._resolve_placement(self._spec, module)
-            self._pair_tied_copies()
-            spec, grid, style = self._spec, self._require_grid(), self._schedule.style
-            owners = unit_owners(self._placement, grid, style, spec.first_parts, spec.last_parts)
-            mine = (self.data_parallel_rank, self.global_rank)
-            owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
-            keep_local_units(module, spec, owned, device=self.root_device)
-            self._cut_module = module
+            replacement.place_initially(self, module)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
-        self._install_sigterm_agreement(trainer)
+        sigterm.install(self, trainer)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -585,169 +502,16 @@ class DynMoStrategy(ParallelStrategy):
             RuntimeError: if this rank was released, it is called inside a training step, or a peer was
                 lost during the transfer.
         """
-        if self._released:
-            raise RuntimeError(
-                f"apply_placement was called on rank {self.global_rank}, which a re-pack released; only the "
-                f"active ranks {list(self._active_ranks)} take part. Check strategy.is_released first."
-            )
-        pipeline_grads.check_no_step_in_flight(self._step_in_flight, "apply_placement")
-        spec = self._require_spec()
-        target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-        with self.guard("apply_placement (the check that every rank applies the same placement)"):
-            what = "apply_placement was called with different placements (or micro-batch counts)"
-            agreed = f"{target}" + (
-                "" if num_microbatches is None else f" num_microbatches={num_microbatches}"
-            )
-            check_same_on_all_ranks(agreed, self._active_ranks, self._active_group, what)
-        if target.num_stages > self.placement.num_stages:
-            raise ValueError(
-                f"placement {target} has {target.num_stages} stages but the pipeline runs "
-                f"{self.placement.num_stages} on the active ranks {list(self._active_ranks)}; "
-                "apply_placement keeps or reduces the number of stages (re-pack) but never grows it, "
-                "because released ranks have left the job. To train on more stages, save a checkpoint "
-                "and resume it with more devices: DynMo checkpoints load at any placement."
-            )
-        # Before anything moves, so that a bad count fails every rank alike.
-        self._microbatches.check_retune(num_microbatches, self._schedule, target, self.placement)
-        if target.num_stages < self.placement.num_stages:
-            return self._repack(target, num_microbatches)
-        check_placement(target, spec.num_layers, self._num_stages_of_run())
-        old = self.placement
-        if target == old:
-            return MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
-        planned = unit_moves(
-            old, target, self._require_grid(), self._schedule.style, spec.first_parts, spec.last_parts
-        )
-        report = self._migrate(planned, f"migration {old} -> {target}")
-        self._placement = target
-        self.rebuild_pipeline()
-        log.info("rank %d: placement %s -> %s (%d units moved)", self.global_rank, old, target, len(planned))
-        return report
+        return replacement.apply_placement(self, new, num_microbatches)
 
     def _migrate(self, moves: list[UnitMove], what: str) -> MigrationReport:
-        # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
-        # one agreement over the active ranks, and all replicas' transfers at the same time.
-        with communication_guard(what, self._comm_context()):
-            received, report = migrate_units(
-                moves,
-                self._local_units(),
-                self.optimizers,
-                device=self.root_device,
-                group=self._active_group,
-                lr_schedulers=[config.scheduler for config in self.lr_scheduler_configs],
-            )
-        for move in moves:
-            if move.src == self.global_rank:
-                detach_unit(self._module(), move.unit)
-        for unit, module in received.items():
-            attach_unit(self._module(), unit, module)
-        return report
+        return replacement.migrate(self, moves, what)
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 
-    def _repack(self, target: Placement, num_microbatches: int | None) -> MigrationReport:
-        spec, old, old_grid = self._require_spec(), self.placement, self._require_grid()
-        check_placement(target, spec.num_layers, target.num_stages)
-        new_grid = plan_repack(old_grid, old, target, self._schedule.stages_per_rank)
-        planned = repack_moves(
-            old, target, old_grid, new_grid, self._schedule.style, spec.first_parts, spec.last_parts
-        )
-        report = self._migrate(planned, f"re-pack {old} -> {target}")
-        old_active = self._active_ranks
-        self._grid, self._placement = new_grid, target
-        self._active_ranks = active_ranks_of(new_grid)
-        trainer = self._trainer()
-        event = ReleaseEvent(
-            released_ranks=tuple(r for r in old_active if r not in self._active_ranks),
-            active_ranks=self._active_ranks,
-            old_placement=str(old),
-            new_placement=str(target),
-            global_step=trainer.global_step if trainer is not None else 0,
-        )
-        if self.global_rank in self._active_ranks:
-            # Only members build the new groups; the data-parallel groups of kept positions are unchanged.
-            self._pipeline_group, self._active_group = build_repacked_groups(
-                new_grid, self.global_rank, self._timeout
-            )
-            self._pair_tied_copies()
-            self._microbatches.retune(num_microbatches)
-            self.rebuild_pipeline()
-        else:
-            self._ties.clear()
-            self._release()
-        self._announce_release(event)
-        return report
-
-    def _release(self) -> None:
-        for unit in list(self._local_units()):
-            detach_unit(self._module(), unit)
-        for optimizer in self.optimizers:
-            optimizer.state.clear()
-            for group in optimizer.param_groups:
-                group["params"] = []
-        self._pipe = None
-        self._pipeline_group = self._active_group = self._data_parallel_group = None
-        self._released = True
-        gc.collect()
-        if self.root_device.type == "cuda":
-            torch.cuda.empty_cache()
-        trainer = self._trainer()
-        if trainer is not None:
-            # Leave fit at the next batch boundary; min_epochs/min_steps must not hold a released rank back.
-            trainer.should_stop = True
-            trainer.fit_loop.min_epochs = 0
-            trainer.fit_loop.epoch_loop.min_steps = 0
-
-    def _install_sigterm_agreement(self, trainer: pl.Trainer) -> None:
-        # Lightning's SIGTERM handler broadcasts inside the signal handler, and its epoch loop stops the
-        # signalled rank alone: both hang a pipeline (see pipeline/shutdown.py). DynMo's handler only notes.
-        self._sigterm = SigtermAgreement(forward=self.launcher.kill if self.launcher is not None else None)
-        trainer._signal_connector._sigterm_notifier_fn = self._sigterm.handle  # type: ignore[method-assign]
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree_on_sigterm  # type: ignore[method-assign]
-
-    def _agree_on_sigterm(self) -> None:
-        """At a batch boundary, on every active rank: stop all of them if any received SIGTERM."""
-        if self._released or not _distributed_is_initialized():
-            return
-        with self.guard("the SIGTERM check at a batch start"):
-            stop = self._sigterm.agree(self._active_group, self.root_device)
-        if stop and (trainer := self._trainer()) is not None:
-            trainer._signal_connector.received_sigterm = True
-            raise SIGTERMException()
-
-    def _announce_release(self, event: ReleaseEvent) -> None:
-        if self.is_global_zero:
-            log.info(event.describe())
-        if self._released:
-            log.info(
-                "rank %d: released by the re-pack %s -> %s; freeing its modules and leaving fit.",
-                self.global_rank,
-                event.old_placement,
-                event.new_placement,
-            )
-        if self._on_release is not None:
-            self._on_release(event)
-        trainer = self._trainer()
-        if trainer is None:
-            return
-        for callback in trainer.callbacks:
-            hook = getattr(callback, "on_dynmo_ranks_released", None)
-            if callable(hook):
-                hook(trainer, self._module(), event)
-
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._released:
-            trainer = self._trainer()
-            if trainer is not None:
-                trainer.should_stop = True
-            raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
-        if batch_idx == 0 and len(self._active_ranks) > 1:
-            replicas = [self._require_grid().data_parallel_rank(r) for r in self._active_ranks]
-            with self.guard("the check that every stage reads the same batch"):
-                check_same_batch_in_pipeline(
-                    batch, self._active_group, self._active_ranks, replicas, self.root_device
-                )
+        steps.batch_start(self, batch, batch_idx)
 
     def _trainer(self) -> pl.Trainer | None:
         module = self.lightning_module
@@ -786,66 +550,25 @@ class DynMoStrategy(ParallelStrategy):
 
         It also takes the optimizer state returned by :meth:`optimizer_state`.
         """
-        self._saved_optimizer_states = None
-        if self._released:
-            return {}
-        dst = self._require_grid().pipeline_ranks(0)[0] if self.data_parallel_rank == 0 else None
-        with self.guard("checkpoint saving (gathering the model and optimizer state)"):
-            model, self._saved_optimizer_states = state_to_save(
-                self._local_units(),
-                list(self.optimizers),
-                self._save_distributed_checkpoint,
-                dst,
-                self._pipeline_group,
-            )
-        return model
+        return checkpointing.module_state_dict(self)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This optimizer's state keyed by parameter name, gathered by :meth:`lightning_module_state_dict`."""
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        if self._saved_optimizer_states is None:
-            return {}
-        index = next(k for k, opt in enumerate(self.optimizers) if opt is raw)
-        return self._saved_optimizer_states[index]  # type: ignore[no-any-return]
+        return checkpointing.optimizer_state(self, optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if self._released:
-            return
-        if self.is_global_zero:
-            checkpoint[CHECKPOINT_KEY] = layout_of(self)
-        if self._save_distributed_checkpoint:
-            with self.guard("checkpoint saving (each rank writing its units)"):
-                save_sharded(
-                    filepath, checkpoint, group=self._active_group, coordinator=self._active_ranks[0]
-                )
-        elif self.is_global_zero:
-            with staged_file_save(filepath) as target:
-                super().save_checkpoint(checkpoint, target, storage_options=storage_options)
-        self._saved_optimizer_states = None
+        save_file = partial(super().save_checkpoint, storage_options=storage_options)
+        checkpointing.save(self, checkpoint, filepath, save_file)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
-        with self.guard("checkpoint loading"):
-            self._repair_interrupted_save(checkpoint_path)
-            units, aliases = self._local_units(), self._ties.aliases
-            loaded = read_checkpoint(
-                checkpoint_path, units, bool(self.optimizers), aliases, self._active_group, weights_only
-            )
+        loaded = checkpointing.load(self, checkpoint_path, weights_only)
         return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
-
-    def _repair_interrupted_save(self, checkpoint_path: Any) -> None:
-        """A save killed while it replaced ``checkpoint_path`` left it set aside: put it back first."""
-        if not isinstance(checkpoint_path, str | Path) or Path(checkpoint_path).exists():
-            return
-        if self.global_rank == self._active_ranks[0]:
-            repair_checkpoint(checkpoint_path)
-        if dist.is_initialized():
-            dist.barrier(group=self._active_group)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -862,77 +585,13 @@ class DynMoStrategy(ParallelStrategy):
 
     def rebuild_pipeline(self) -> None:
         """New stages and schedule on this rank (all active ranks together, at a step boundary)."""
-        self._pipe = build_pipeline(
-            self._module(),
-            self._require_spec(),
-            self.placement,
-            self._schedule,
-            pipeline_rank=self._require_grid().pipeline_rank(self.global_rank),
-            pipeline_size=self.pipeline_size,
-            num_microbatches=self._microbatches.current,
-            device=self.root_device,
-            group=self._pipeline_group,
-        )
-        self._microbatches.batch_shape = None
+        replacement.rebuild_pipeline(self)
 
     # -- one training step ------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        if self._released:
-            # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
-            zero = torch.zeros((), device=self.root_device)
-            return pipeline_grads.loss_carrying_grads(zero, [], [])
-        self._step_in_flight = True  # until backward has put this step's gradients into .grad
-        module, spec = self._module(), self._require_spec()
-        batch = args[0] if args else kwargs["batch"]
-        inputs, target, side = split_batch(module, spec, batch)
-        self._check_batch_shape(inputs, target, side)
-        params = list(module.parameters())
-        # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
-        accumulated = pipeline_grads.take_grads(params)
-        context = self._comm_context()
-        pipe = self._require_pipe()
-        with (
-            self.precision_plugin.train_step_context(),
-            communication_guard("a schedule step", context),
-            self._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
-        ):
-            step = run_schedule_step(
-                pipe,
-                inputs,
-                target,
-                side,
-                aux_losses=spec.aux_losses,
-                aux_loss_scale=self._loss_scaling.scale,
-                model_name=type(module).__name__,
-            )
-        step_grads = pipeline_grads.take_grads(params)
-        pipeline_grads.restore_grads(params, accumulated)
-        with communication_guard("the loss reduction", context):
-            loss, aux = reduce_step_losses(
-                step.losses,
-                step.aux,
-                spec.aux_losses,
-                num_microbatches=self._microbatches.current,
-                data_parallel_size=self.data_parallel_size,
-                group=self._active_group,
-                device=self.root_device,
-                dtype=step.losses[0].dtype
-                if step.losses
-                else (params[0].dtype if params else torch.get_default_dtype()),
-            )
-        if self._loss_log_name is not None:
-            module.log(self._loss_log_name, loss, prog_bar=True)
-            for name, value in aux.items():
-                module.log(f"train_aux/{name}", value)
-        call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
-
-    def _check_batch_shape(self, inputs: Tensor, target: Tensor, side: Mapping[str, Tensor]) -> None:
-        # The schedule caches activation shapes from its first step; a new shape needs new stages.
-        if self._microbatches.new_pipeline_needed(inputs, target, side):
-            self.rebuild_pipeline()
+        return steps.training_step(self, *args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -961,19 +620,7 @@ class DynMoStrategy(ParallelStrategy):
             self._sync_blocked = False
 
     def _route_clipping_through_pipeline(self) -> None:
-        # Lightning clips through the precision plugin on local parameters only; the norm must cover
-        # every stage. Data-parallel replicas hold identical gradients by then: the pipeline group suffices.
-        plugin = self.precision_plugin
-        self.precision_plugin = plugin  # pin the instance the Trainer uses
-
-        def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
-            params = list(plugin.main_params(optimizer))
-            # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
-            second = self._ties.second_copies(self._module())
-            counted = [p for p in params if id(p) not in second]
-            pipeline_grads.clip_grad_norm(params, float(clip_val), self._pipeline_group, counted=counted)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+        steps.route_clipping_through_pipeline(self)
 
     # -- evaluation (validate / test / predict) ---------------------------------------------------------
 
@@ -985,13 +632,13 @@ class DynMoStrategy(ParallelStrategy):
         ``on_validation_batch_end`` hooks receive the returned loss.
         """
         with self.precision_plugin.val_step_context():
-            return self._evaluation_step("validate", *args, **kwargs)
+            return steps.evaluation_step(self, "validate", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """Like :meth:`validation_step`, for ``Trainer.test`` (logged as ``test_loss_log_name``)."""
         with self.precision_plugin.test_step_context():
-            return self._evaluation_step("test", *args, **kwargs)
+            return steps.evaluation_step(self, "test", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -1002,99 +649,23 @@ class DynMoStrategy(ParallelStrategy):
         the pipeline, so ``Trainer.predict`` returns the same predictions on every rank (as a
         single-device run would). The model's own ``predict_step`` is not called.
         """
-        _, evaluator, (inputs, _, side) = self._forward_only_step("predict", args, kwargs)
-        src = self._pipeline_global_ranks()[self._last_stage_position()]
-        with (
-            self.precision_plugin.predict_step_context(),
-            self.guard("a predict step"),
-        ):
-            output = evaluator.predict(
-                self._require_pipe(), inputs, side, device=self.root_device, group=self._pipeline_group
-            )
-            return broadcast_from(output, src, group=self._pipeline_group, device=self.root_device)
-
-    def _last_stage_position(self) -> int:
-        """The pipeline position (0 = the first stage's rank) of the rank running the last stage."""
-        placement = self.placement
-        return stage_to_pipeline_rank(
-            placement.num_stages - 1, placement.num_stages, self.pipeline_size, self._schedule.style
-        )
-
-    def _pipeline_global_ranks(self) -> list[int]:
-        """Global ranks of this rank's pipeline, by pipeline position."""
-        if self._pipeline_group is None:
-            return [self.global_rank]
-        return dist.get_process_group_ranks(self._pipeline_group)
-
-    def _check_not_released(self, phase: str) -> None:
-        if self._released:
-            raise RuntimeError(
-                f"rank {self.global_rank} was released by a re-pack and holds no part of the model, so it "
-                f"cannot {phase}; run it on the active ranks {list(self._active_ranks)} (check "
-                "strategy.is_released) or on a single device from a checkpoint."
-            )
-
-    def _forward_only_step(
-        self, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[pl.LightningModule, PipelineEvaluator, tuple[Any, Any, Any]]:
-        """What a validation, test or predict step starts with: checks, the module, evaluator and batch."""
-        self._check_not_released(phase)
-        self._agree_on_sigterm()
-        module = self._module()
-        batch = args[0] if args else kwargs["batch"]
-        split = split_batch(module, self._require_spec(), batch)
-        if self._evaluator is None:
-            self._evaluator = PipelineEvaluator(self._schedule, self._microbatches.current)
-        return module, self._evaluator, split
-
-    def _evaluation_step(self, phase: str, *args: Any, **kwargs: Any) -> Tensor:
-        module, evaluator, (inputs, target, side) = self._forward_only_step(phase, args, kwargs)
-        with self.guard(f"a {phase} step"):
-            losses = evaluator.step(
-                self._require_pipe(),
-                inputs,
-                target,
-                side,
-                loss_fn=checked_loss_fn(module),
-                device=self.root_device,
-                group=self._pipeline_group,
-            )
-            params = list(module.parameters())
-            dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
-            loss, num_samples = global_mean_loss(
-                losses, int(inputs.shape[0]), group=self._active_group, device=self.root_device, dtype=dtype
-            )
-        name = self._eval_log_names[phase]
-        if name is not None:
-            # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
-            module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
-        return loss
+        return steps.predict_step(self, *args, **kwargs)
 
     # -- collectives over the active ranks ------------------------------------------------------------------
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized() and not self._released:
-            with self.guard(f"strategy.barrier({name!r})"):
-                dist.barrier(group=self._active_group)
+        collectives.barrier(self, name)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized() or self._released:
-            return obj
-        box = [obj]
-        with self.guard(f"strategy.broadcast(src={src})"):
-            dist.broadcast_object_list(box, src=src, group=self._active_group)
-        return box[0]
+        return collectives.broadcast(self, obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor) and not self._released:
-            with self.guard("strategy.reduce"):
-                return _sync_ddp_if_available(tensor, group or self._active_group, reduce_op=reduce_op)
-        return tensor
+        return collectives.reduce(self, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
@@ -1105,10 +676,7 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        if self._released:
-            return decision
-        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
-        return bool(votes == len(self._active_ranks)) if all else bool(votes)
+        return collectives.reduce_boolean_decision(self, decision, all)
 
     # -- helpers ------------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import pipeline_layout
 from lightning_dynmo.pipeline import repack_layouts, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.step.schedule import ScheduleSpec
+
+if TYPE_CHECKING:
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
 __all__ = ["PipelineView"]
 
@@ -71,6 +74,31 @@ class PipelineView:
     data_parallel_group: dist.ProcessGroup | None
     data_parallel_size: int
     has_tied_parameters: bool
+
+    @classmethod
+    def of(cls, strategy: DynMoStrategy) -> PipelineView:
+        """The view of ``strategy``'s pipeline now."""
+        return cls(
+            placement=strategy.placement,
+            schedule=strategy._schedule,
+            num_microbatches=strategy.num_microbatches,
+            pipeline_size=strategy.pipeline_size,
+            stage_index=strategy.stage_index,
+            stage_indices=strategy.stage_indices,
+            is_first_stage=strategy.is_first_stage,
+            is_released=strategy.is_released,
+            global_rank=strategy.global_rank,
+            active_ranks=strategy.active_ranks,
+            pipeline_rank_of=strategy.pipeline_rank_of,
+            local_layers=strategy.local_layers if strategy.stage_index is not None else {},
+            pipeline_stages=strategy.pipeline_stages,
+            root_device=strategy.root_device,
+            pipeline_group=strategy.pipeline_group,
+            active_group=strategy.active_group,
+            data_parallel_group=strategy.data_parallel_group,
+            data_parallel_size=strategy.data_parallel_size,
+            has_tied_parameters=bool(strategy.tied_parameters),
+        )
 
     @property
     def schedule_name(self) -> str:

@@ -103,6 +103,14 @@ class BuiltPipeline:
     has_last: bool
     num_microbatches: int
 
+    @property
+    def stages(self) -> list[Any]:
+        """The torch ``PipelineStage`` objects of :attr:`schedule` (one, or one per virtual stage)."""
+        stages = getattr(self.schedule, "_stages", None)  # multi-stage schedules
+        if stages is None:
+            stages = [self.schedule._stage]  # type: ignore[attr-defined]  # single-stage schedules
+        return list(stages)
+
 
 def build_pipeline(
     model: nn.Module,

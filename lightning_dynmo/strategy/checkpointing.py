@@ -1,0 +1,97 @@
+"""What a rank of :class:`~lightning_dynmo.DynMoStrategy` contributes to a Lightning checkpoint, and repairs.
+
+:func:`module_state_dict` gathers the model (a one-file save, on global rank 0) or keeps this rank's units
+(a sharded save); :func:`repair_interrupted_save` puts back a checkpoint a killed save left set aside.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lightning_dynmo.pipeline import (
+    CHECKPOINT_KEY,
+    layout_of,
+    read_checkpoint,
+    repair_checkpoint,
+    save_sharded,
+    staged_file_save,
+    state_to_save,
+)
+
+if TYPE_CHECKING:
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
+
+log = logging.getLogger(__name__)
+
+
+def module_state_dict(strategy: DynMoStrategy) -> dict[str, Any]:
+    strategy._saved_optimizer_states = None
+    if strategy._released:
+        return {}
+    dst = strategy._require_grid().pipeline_ranks(0)[0] if strategy.data_parallel_rank == 0 else None
+    with strategy.guard("checkpoint saving (gathering the model and optimizer state)"):
+        model, strategy._saved_optimizer_states = state_to_save(
+            strategy._local_units(),
+            list(strategy.optimizers),
+            strategy._save_distributed_checkpoint,
+            dst,
+            strategy._pipeline_group,
+        )
+    return model
+
+
+def repair_interrupted_save(strategy: DynMoStrategy, checkpoint_path: Any) -> None:
+    if not isinstance(checkpoint_path, str | Path) or Path(checkpoint_path).exists():
+        return
+    if strategy.global_rank == strategy._active_ranks[0]:
+        repair_checkpoint(checkpoint_path)
+    if dist.is_initialized():
+        dist.barrier(group=strategy._active_group)
+
+
+def optimizer_state(strategy: DynMoStrategy, optimizer: Any) -> dict[str, Any]:
+    """This optimizer's state keyed by parameter name, gathered by :func:`module_state_dict`."""
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    raw = getattr(optimizer, "_optimizer", optimizer)
+    if strategy._saved_optimizer_states is None:
+        return {}
+    index = next(k for k, opt in enumerate(strategy.optimizers) if opt is raw)
+    return strategy._saved_optimizer_states[index]  # type: ignore[no-any-return]
+
+
+def save(
+    strategy: DynMoStrategy,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    save_file: Callable[[dict[str, Any], Any], None],
+) -> None:
+    """Each active rank writes its units (sharded), or global rank 0 one gathered file with ``save_file``."""
+    if strategy._released:
+        return
+    if strategy.is_global_zero:
+        checkpoint[CHECKPOINT_KEY] = layout_of(strategy)
+    if strategy._save_distributed_checkpoint:
+        with strategy.guard("checkpoint saving (each rank writing its units)"):
+            save_sharded(
+                filepath, checkpoint, group=strategy._active_group, coordinator=strategy._active_ranks[0]
+            )
+    elif strategy.is_global_zero:
+        with staged_file_save(filepath) as target:
+            save_file(checkpoint, target)
+    strategy._saved_optimizer_states = None
+
+
+def load(strategy: DynMoStrategy, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
+    """A verified checkpoint (this rank's share of a directory), or ``None``: Lightning reads that one."""
+    with strategy.guard("checkpoint loading"):
+        repair_interrupted_save(strategy, checkpoint_path)
+        units, aliases = strategy._local_units(), strategy._ties.aliases
+        loaded = read_checkpoint(
+            checkpoint_path, units, bool(strategy.optimizers), aliases, strategy._active_group, weights_only
+        )
+    return loaded

@@ -1,0 +1,203 @@
+"""The pipeline's steps as Lightning calls them on :class:`~lightning_dynmo.DynMoStrategy`.
+
+:func:`training_step` runs one torch schedule step (forward and backward of every micro-batch), reduces the
+loss, logs it, and returns a loss that carries the step's gradients into Lightning's ``backward``.
+:func:`evaluation_step` (validation, test) and :func:`predict_step` run a forward-only pipeline step; their
+results are the same on every rank. A rank a re-pack released refuses them (:func:`check_not_released`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dynmo.pipeline import (
+    PipelineEvaluator,
+    broadcast_from,
+    call_step_end_hook,
+    checked_loss_fn,
+    communication_guard,
+    global_mean_loss,
+    reduce_step_losses,
+    run_schedule_step,
+    split_batch,
+    stage_to_pipeline_rank,
+)
+from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.strategy import sigterm
+from lightning_dynmo.strategy.trainer_checks import check_same_batch_in_pipeline
+
+if TYPE_CHECKING:
+    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
+
+log = logging.getLogger(__name__)
+
+
+def training_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
+    if strategy._released:
+        # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
+        zero = torch.zeros((), device=strategy.root_device)
+        return pipeline_grads.loss_carrying_grads(zero, [], [])
+    strategy._step_in_flight = True  # until backward has put this step's gradients into .grad
+    module, spec = strategy._module(), strategy._require_spec()
+    batch = args[0] if args else kwargs["batch"]
+    inputs, target, side = split_batch(module, spec, batch)
+    # The schedule caches activation shapes from its first step; a new shape needs new stages.
+    if strategy._microbatches.new_pipeline_needed(inputs, target, side):
+        strategy.rebuild_pipeline()
+    params = list(module.parameters())
+    # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
+    accumulated = pipeline_grads.take_grads(params)
+    context = strategy._comm_context()
+    pipe = strategy._require_pipe()
+    with (
+        strategy.precision_plugin.train_step_context(),
+        communication_guard("a schedule step", context),
+        strategy._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
+    ):
+        step = run_schedule_step(
+            pipe,
+            inputs,
+            target,
+            side,
+            aux_losses=spec.aux_losses,
+            aux_loss_scale=strategy._loss_scaling.scale,
+            model_name=type(module).__name__,
+        )
+    step_grads = pipeline_grads.take_grads(params)
+    pipeline_grads.restore_grads(params, accumulated)
+    with communication_guard("the loss reduction", context):
+        loss, aux = reduce_step_losses(
+            step.losses,
+            step.aux,
+            spec.aux_losses,
+            num_microbatches=strategy._microbatches.current,
+            data_parallel_size=strategy.data_parallel_size,
+            group=strategy._active_group,
+            device=strategy.root_device,
+            dtype=step.losses[0].dtype
+            if step.losses
+            else (params[0].dtype if params else torch.get_default_dtype()),
+        )
+    if strategy._loss_log_name is not None:
+        module.log(strategy._loss_log_name, loss, prog_bar=True)
+        for name, value in aux.items():
+            module.log(f"train_aux/{name}", value)
+    call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+    return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
+
+
+def predict_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
+    _, evaluator, (inputs, _, side) = _forward_only_step(strategy, "predict", args, kwargs)
+    src = pipeline_global_ranks(strategy)[last_stage_position(strategy)]
+    with (
+        strategy.precision_plugin.predict_step_context(),
+        strategy.guard("a predict step"),
+    ):
+        output = evaluator.predict(
+            strategy._require_pipe(),
+            inputs,
+            side,
+            device=strategy.root_device,
+            group=strategy._pipeline_group,
+        )
+        return broadcast_from(output, src, group=strategy._pipeline_group, device=strategy.root_device)
+
+
+def evaluation_step(strategy: DynMoStrategy, phase: str, *args: Any, **kwargs: Any) -> Tensor:
+    module, evaluator, (inputs, target, side) = _forward_only_step(strategy, phase, args, kwargs)
+    with strategy.guard(f"a {phase} step"):
+        losses = evaluator.step(
+            strategy._require_pipe(),
+            inputs,
+            target,
+            side,
+            loss_fn=checked_loss_fn(module),
+            device=strategy.root_device,
+            group=strategy._pipeline_group,
+        )
+        params = list(module.parameters())
+        dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
+        loss, num_samples = global_mean_loss(
+            losses,
+            int(inputs.shape[0]),
+            group=strategy._active_group,
+            device=strategy.root_device,
+            dtype=dtype,
+        )
+    name = strategy._eval_log_names[phase]
+    if name is not None:
+        # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
+        module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
+    return loss
+
+
+def _forward_only_step(
+    strategy: DynMoStrategy, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[pl.LightningModule, PipelineEvaluator, tuple[Any, Any, Any]]:
+    check_not_released(strategy, phase)
+    sigterm.agree(strategy)
+    module = strategy._module()
+    batch = args[0] if args else kwargs["batch"]
+    split = split_batch(module, strategy._require_spec(), batch)
+    if strategy._evaluator is None:
+        strategy._evaluator = PipelineEvaluator(strategy._schedule, strategy._microbatches.current)
+    return module, strategy._evaluator, split
+
+
+def last_stage_position(strategy: DynMoStrategy) -> int:
+    placement = strategy.placement
+    return stage_to_pipeline_rank(
+        placement.num_stages - 1, placement.num_stages, strategy.pipeline_size, strategy._schedule.style
+    )
+
+
+def pipeline_global_ranks(strategy: DynMoStrategy) -> list[int]:
+    if strategy._pipeline_group is None:
+        return [strategy.global_rank]
+    return dist.get_process_group_ranks(strategy._pipeline_group)
+
+
+def check_not_released(strategy: DynMoStrategy, phase: str) -> None:
+    if strategy._released:
+        raise RuntimeError(
+            f"rank {strategy.global_rank} was released by a re-pack and holds no part of the model, so it "
+            f"cannot {phase}; run it on the active ranks {list(strategy._active_ranks)} (check "
+            "strategy.is_released) or on a single device from a checkpoint."
+        )
+
+
+def route_clipping_through_pipeline(strategy: DynMoStrategy) -> None:
+    # Lightning clips through the precision plugin on local parameters only; the norm must cover
+    # every stage. Data-parallel replicas hold identical gradients by then: the pipeline group suffices.
+    plugin = strategy.precision_plugin
+    strategy.precision_plugin = plugin  # pin the instance the Trainer uses
+
+    def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+        params = list(plugin.main_params(optimizer))
+        # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
+        second = strategy._ties.second_copies(strategy._module())
+        counted = [p for p in params if id(p) not in second]
+        pipeline_grads.clip_grad_norm(params, float(clip_val), strategy._pipeline_group, counted=counted)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+
+def batch_start(strategy: DynMoStrategy, batch: Any, batch_idx: int) -> None:
+    """A released rank leaves the epoch; at the first batch, every stage must read the same batch."""
+    if strategy._released:
+        trainer = strategy._trainer()
+        if trainer is not None:
+            trainer.should_stop = True
+        raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
+    if batch_idx == 0 and len(strategy._active_ranks) > 1:
+        replicas = [strategy._require_grid().data_parallel_rank(r) for r in strategy._active_ranks]
+        with strategy.guard("the check that every stage reads the same batch"):
+            check_same_batch_in_pipeline(
+                batch, strategy._active_group, strategy._active_ranks, replicas, strategy.root_device
+            )
