@@ -14,6 +14,8 @@ from torch import Tensor
 
 from lightning_dynmo.demos import hardware
 
+__all__ = ["EmulatedCost", "check_emulated_ms"]
+
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
@@ -26,6 +28,13 @@ class _Sleep(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         time.sleep(ctx.bwd_s)
         return grad, None, None
+
+
+def check_emulated_ms(fwd_ms: float, bwd_ms: float | None) -> None:
+    """Raise ``ValueError`` unless both emulated costs (``bwd_ms=None``: twice ``fwd_ms``) are >= 0 ms."""
+    bwd = 2.0 * fwd_ms if bwd_ms is None else bwd_ms
+    if fwd_ms < 0 or bwd < 0:
+        raise ValueError(f"fwd_ms={fwd_ms}, bwd_ms={bwd_ms}: emulated costs must be >= 0 milliseconds.")
 
 
 class EmulatedCost(torch.nn.Module):
@@ -42,11 +51,9 @@ class EmulatedCost(torch.nn.Module):
 
     def __init__(self, fwd_ms: float = 0.0, bwd_ms: float | None = None):
         super().__init__()
-        bwd = 2.0 * fwd_ms if bwd_ms is None else bwd_ms
-        if fwd_ms < 0 or bwd < 0:
-            raise ValueError(f"fwd_ms={fwd_ms}, bwd_ms={bwd_ms}: emulated costs must be >= 0 milliseconds.")
+        check_emulated_ms(fwd_ms, bwd_ms)
         self.fwd_ms = float(fwd_ms)
-        self.bwd_ms = float(bwd)
+        self.bwd_ms = float(2.0 * fwd_ms if bwd_ms is None else bwd_ms)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fwd_ms == 0.0 and self.bwd_ms == 0.0:

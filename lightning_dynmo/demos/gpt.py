@@ -1,28 +1,30 @@
-"""DemoGPT: a tiny pre-LN GPT that follows DynMo's model contract.
+"""DemoGPT: the GPT of :mod:`lightning_dynmo.models`, small, with ``"emulated"`` blocks and demo defaults.
 
-``tok_emb + pos_emb`` (first stage) -> ``layers["0"] .. layers[str(n-1)]`` (pre-LN blocks with causal
-attention and an MLP) -> ``ln_f + head`` (last stage) -> cross-entropy. Built under its own seed, so a
-single-process reference run can rebuild the identical model; trains single-process with its own
-``training_step`` and pipelined under :class:`~lightning_dynmo.DynMoStrategy`.
+:class:`DemoConfig` holds the demo's settings (a tiny shape for CPU tests, an optional emulated cost per
+block, AdamW with an optional per-step exponential LR decay) and translates them into the real GPT's
+:class:`~lightning_dynmo.models.GPTConfig` and :class:`~lightning_dynmo.models.OptimizerConfig`;
+:class:`DemoGPT` is a :class:`~lightning_dynmo.models.GPT` built from them (like Lightning's
+``BoringModel``, a model to try things on).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from typing_extensions import override
 
-from lightning_dynmo.demos.cost import EmulatedCost
+from lightning_dynmo.demos.emulated_block import EmulatedBlockOptions
+from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
+from lightning_dynmo.models.gpt import GPT
+
+__all__ = ["DemoConfig", "DemoGPT"]
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class DemoConfig:
     """Shape and training settings of :class:`DemoGPT`.
 
     Attributes:
@@ -33,13 +35,12 @@ class GPTConfig:
         num_layers: Number of blocks (``layers["0"]`` .. ``layers[str(num_layers - 1)]``).
         mlp_ratio: MLP hidden width as a multiple of ``d_model``.
         lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
+        weight_decay: AdamW weight decay (of the GPT's decay group: the matrices of Linear layers).
         lr_gamma: If below 1, an ``ExponentialLR`` scheduler multiplies the LR by it every step.
         sleep_ms: Emulated forward cost per block in milliseconds (backward sleeps twice as long);
             empty means no emulation, otherwise one value per block.
         seed: Seed for the initial weights.
-        tie_embeddings: The output head reuses the token embedding's weight (GPT-2 style); the head
-            then has no bias.
+        tie_embeddings: The output head reuses the token embedding's weight (GPT-2 style).
     """
 
     vocab_size: int = 64
@@ -56,11 +57,6 @@ class GPTConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.d_model % self.num_heads != 0:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}; pick a d_model "
-                "that is a multiple of num_heads."
-            )
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1.")
         if self.sleep_ms and len(self.sleep_ms) != self.num_layers:
@@ -68,112 +64,54 @@ class GPTConfig:
                 f"sleep_ms has {len(self.sleep_ms)} values but num_layers={self.num_layers}; give one per "
                 "block or none."
             )
+        # The shape rules (e.g. d_model divisible by num_heads) are the GPT's: checked by building its config.
+        self.gpt_config()
+        self.optimizer_config()
+
+    def gpt_config(self) -> GPTConfig:
+        """The GPT's shape: every block of kind ``"emulated"``, sleeping its ``sleep_ms`` entry (or not)."""
+        sleeps = list(self.sleep_ms) or [0.0] * self.num_layers
+        return GPTConfig(
+            vocab_size=self.vocab_size,
+            seq_len=self.seq_len,
+            num_layers=self.num_layers,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            d_ff=self.mlp_ratio * self.d_model,
+            tie_embeddings=self.tie_embeddings,
+            blocks=tuple(EmulatedBlockOptions(fwd_ms=ms) for ms in sleeps),
+            seed=self.seed,
+        )
+
+    def optimizer_config(self) -> OptimizerConfig:
+        """AdamW with torch's default betas (the demo's optimizer); the LR decay is added by DemoGPT."""
+        return OptimizerConfig(lr=self.lr, betas=(0.9, 0.999), weight_decay=self.weight_decay)
 
 
-class Block(nn.Module):
-    """Pre-LN transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, plus an emulated cost."""
+class DemoGPT(GPT):
+    """A tiny :class:`~lightning_dynmo.models.GPT` with the demo's defaults and emulated block costs.
 
-    def __init__(self, config: GPTConfig, sleep_ms: float = 0.0):
-        super().__init__()
-        d = config.d_model
-        self.num_heads = config.num_heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, config.mlp_ratio * d)
-        self.fc2 = nn.Linear(config.mlp_ratio * d, d)
-        self.cost = EmulatedCost(sleep_ms)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self._attention(self.ln1(x))
-        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-        return self.cost(x)
-
-    def _attention(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.transpose(1, 2).reshape(b, t, d))
-
-
-class DemoGPT(pl.LightningModule):
-    """A tiny GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.model.contract`).
+    Its blocks are ``"emulated"`` blocks (:class:`~lightning_dynmo.demos.emulated_block.EmulatedBlock`):
+    ``layers["i"].cost`` is the block's :class:`~lightning_dynmo.demos.EmulatedCost`.
 
     Args:
-        config: Model and optimizer settings; keyword ``overrides`` replace single fields.
+        config: The demo's settings; keyword ``overrides`` replace single fields.
+
+    Attributes:
+        demo_config: The settings it was built from (``lr``, ``lr_gamma``, ``sleep_ms``, ...);
+            ``config`` is the GPT's :class:`~lightning_dynmo.models.GPTConfig` made from them.
     """
 
-    pipeline_first_parts = ("tok_emb", "pos_emb")
-    pipeline_last_parts = ("ln_f", "head")
+    def __init__(self, config: DemoConfig | None = None, **overrides: Any):
+        demo = DemoConfig(**{**(config.__dict__ if config else {}), **overrides})
+        super().__init__(demo.gpt_config(), demo.optimizer_config())
+        self.demo_config = demo
 
-    def __init__(self, config: GPTConfig | None = None, **overrides: Any):
-        super().__init__()
-        cfg = GPTConfig(**{**(config.__dict__ if config else {}), **overrides})
-        self.config = cfg
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
-            sleeps = list(cfg.sleep_ms) or [0.0] * cfg.num_layers
-            self.layers = nn.ModuleDict({str(i): Block(cfg, sleeps[i]) for i in range(cfg.num_layers)})
-            self.ln_f = nn.LayerNorm(cfg.d_model)
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=not cfg.tie_embeddings)
-            if cfg.tie_embeddings:
-                self.head.weight = self.tok_emb.weight
-            for name, p in self.named_parameters():
-                if name.endswith("proj.weight") or name.endswith("fc2.weight"):
-                    nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.num_layers))
-
-    # -- the pipeline contract ------------------------------------------------------------------
-
-    def pipeline_batch(self, batch: Tensor) -> tuple[Tensor, Tensor]:
-        """Token rows of length ``seq_len + 1`` -> (inputs, next-token targets)."""
-        return batch[:, :-1], batch[:, 1:]
-
-    def pipeline_first(self, idx: Tensor) -> Tensor:
-        """Token plus position embeddings."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.tok_emb(idx) + self.pos_emb(positions)
-
-    def pipeline_last(self, hidden: Tensor) -> Tensor:
-        """Final norm and the vocabulary head."""
-        return self.head(self.ln_f(hidden))
-
-    def pipeline_loss(self, logits: Tensor, target: Tensor) -> Tensor:
-        """Mean next-token cross-entropy."""
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-    # -- ordinary LightningModule ---------------------------------------------------------------
-
-    def forward(self, idx: Tensor) -> Tensor:
-        x = self.pipeline_first(idx)
-        for block in self.layers.values():
-            x = block(x)
-        return self.pipeline_last(x)
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        inputs, target = self.pipeline_batch(batch)
-        loss = self.pipeline_loss(self(inputs), target)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        # The single-process counterpart of DynMoStrategy's pipelined validation (same name, same value).
-        return self._evaluation_loss(batch, "val_loss")
-
-    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return self._evaluation_loss(batch, "test_loss")
-
-    def _evaluation_loss(self, batch: Tensor, name: str) -> Tensor:
-        inputs, target = self.pipeline_batch(batch)
-        loss = self.pipeline_loss(self(inputs), target)
-        self.log(name, loss, prog_bar=True, batch_size=inputs.shape[0])
-        return loss
-
+    @override
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
-        if self.config.lr_gamma >= 1.0:
-            return opt
-        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=self.config.lr_gamma)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        """The GPT's AdamW, decayed by ``lr_gamma`` every step when it is below 1."""
+        optimizer = super().configure_optimizers()  # no schedule: the demo's OptimizerConfig has none
+        if self.demo_config.lr_gamma >= 1.0:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=self.demo_config.lr_gamma)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,9 +1,17 @@
-"""Dynamic blocks for the GPT, one module per case; importing a module registers its block kind.
+"""Dynamic blocks and controllers for the GPT, one module per case; importing one registers its block kind.
 
-``moe`` (Mixture of Experts, kind ``"moe"``), ``early_exit`` (CALM-style token exit, kind
-``"early_exit"``), ``mod`` (Mixture of Depths, kind ``"mod"``), ``sparse_attention`` (hash-based
-block-sparse attention, kind ``"sparse_attention"``); ``tokens`` holds what the token-routing cases share;
-``pruning`` is the gradual global magnitude pruner and ``freezing`` the layer freezer (no block kinds).
+Modules:
+
+- :mod:`.moe`: Mixture of Experts, a block (kind ``"moe"``) whose MLP is experts chosen per token.
+- :mod:`.early_exit`: CALM-style early exit (kind ``"early_exit"``), confident tokens leave the model.
+- :mod:`.mod`: Mixture of Depths (kind ``"mod"``), a router picks the tokens a block processes.
+- :mod:`.sparse_attention`: hash-based block-sparse attention (kind ``"sparse_attention"``).
+- :mod:`.tokens`: running a block on some tokens only, what the token-routing cases share.
+- :mod:`.pruning`: gradual global magnitude pruning with sparse execution (controller, settings, model).
+- :mod:`.pruning_schedule`: Zhu & Gupta's schedule, the sparsity to reach at each optimizer step.
+- :mod:`.magnitude_select`: one global magnitude threshold over a model split across ranks.
+- :mod:`.sparse_linear`: a Linear layer with a pruning mask that can run on a sparse (CSR) kernel.
+- :mod:`.freezing`: layer freezing front to back (AutoFreeze-style or on a schedule), no block kind.
 """
 
 from lightning_dynmo.dynamism import early_exit as early_exit

@@ -6,6 +6,19 @@ extend with :func:`register_block`; ``"dense"`` (:class:`DenseBlock`) is built i
 
 :mod:`lightning_dynmo.models.huggingface` (``HuggingFaceCausalLM``, the ``hf`` extra) pipelines a
 ``transformers`` causal LM with its own modules; it is not imported here, so ``transformers`` stays optional.
+
+Modules:
+
+- :mod:`.gpt`: :class:`GPT`, a pre-norm GPT-2 with a pluggable block per layer, under the pipeline contract.
+- :mod:`.config`: :class:`GPTConfig` (shape, blocks, seed) and :class:`OptimizerConfig` (AdamW, LR schedule).
+- :mod:`.registry`: the block registry, which kinds of block a GPT can use (:func:`register_block`).
+- :mod:`.dense`: the dense GPT-2 block (kind ``"dense"``) and the pieces block variants reuse.
+- :mod:`.init`: initial weights, seeded per unit (GPT-2's initialisation).
+- :mod:`.optim`: AdamW with two weight-decay groups, the same on every rank, and its warm-up/cosine schedule.
+- :mod:`.reference`: the single-process training step, computed as a pipeline computes it.
+- :mod:`.huggingface`: ``HuggingFaceCausalLM``, a ``transformers`` causal LM under the pipeline contract.
+- :mod:`.hf_architecture`: where a Hugging Face causal LM keeps the pieces DynMo pipelines, and their names.
+- :mod:`.hf_blocks`: a Hugging Face decoder layer as a pipeline block (causal mask, rotary, router loss).
 """
 
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig

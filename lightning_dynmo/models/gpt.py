@@ -116,7 +116,12 @@ class GPT(pl.LightningModule):
         self._side_state_init = interface.side_state_init  # from the block classes: known on every rank
         # Token-weighted mean losses for perplexity. Every rank holds the same values (the strategy's loss
         # is already global), so nothing is synced: a re-pack's released ranks would never join a sync.
-        self.eval_loss_means = nn.ModuleDict({p: MeanMetric(sync_on_compute=False) for p in ("val", "test")})
+        # Built on the CPU even inside a meta-device declaration (local construction materialises pipeline
+        # units only, and a meta metric state could never be moved); Lightning moves them with the model.
+        with torch.device("cpu"):
+            self.eval_loss_means = nn.ModuleDict(
+                {p: MeanMetric(sync_on_compute=False) for p in ("val", "test")}
+            )
 
     # -- the pipeline contract ------------------------------------------------------------------
 

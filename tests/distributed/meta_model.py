@@ -1,6 +1,6 @@
 """DemoGPT declared on the meta device, with per-unit initialisation (the local-construction contract).
 
-``MetaGPT`` allocates nothing when built; ``pipeline_init_unit`` gives each unit DemoGPT's kind of
+``MetaGPT`` allocates nothing when built; ``pipeline_init_unit`` gives each unit simple
 initial values (torch's defaults, and the scaled-down residual projections), seeded per unit by the
 caller. ``ConfiguredGPT`` builds the same units in Lightning's ``configure_model`` hook instead.
 One process materialises either with :func:`~lightning_dynmo.pipeline.model.construction.materialize_model`.
@@ -11,12 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
 from lightning_dynmo.demos import DemoGPT
-from lightning_dynmo.demos.gpt import GPTConfig
 from lightning_dynmo.pipeline.model.construction import materialize_model
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -26,7 +24,7 @@ class MetaGPT(DemoGPT):
 
     Args:
         dtype: The dtype the tensors are declared (and so initialised) in.
-        overrides: :class:`~lightning_dynmo.demos.gpt.GPTConfig` fields.
+        overrides: :class:`~lightning_dynmo.demos.DemoConfig` fields.
     """
 
     def __init__(self, dtype: torch.dtype = torch.float32, **overrides: Any) -> None:
@@ -42,7 +40,7 @@ class MetaGPT(DemoGPT):
                 module.reset_parameters()
         std = 0.02 / math.sqrt(2 * self.config.num_layers)
         for pname, param in unit.named_parameters():
-            if pname.endswith(("proj.weight", "fc2.weight")):
+            if pname.endswith(("proj.weight", "fc_out.weight")):
                 nn.init.normal_(param, std=std)
 
 
@@ -56,16 +54,21 @@ class ConfiguredGPT(MetaGPT):
     """
 
     def __init__(self, dtype: torch.dtype = torch.float32, whole: bool = False, **overrides: Any) -> None:
-        pl.LightningModule.__init__(self)
-        self.config = GPTConfig(**overrides)
+        super().__init__(dtype, **overrides)  # on the meta device: allocates nothing
+        for name in self._unit_attributes():
+            delattr(self, name)  # the units come in configure_model
         self._dtype = dtype
         self._whole = whole
+        self._overrides = overrides
+
+    def _unit_attributes(self) -> tuple[str, ...]:
+        return (*self.pipeline_first_parts, "layers", *self.pipeline_last_parts)
 
     def configure_model(self) -> None:
         if "layers" in self._modules:
             return
-        built = MetaGPT(dtype=self._dtype, **self.config.__dict__)
-        for name in (*self.pipeline_first_parts, "layers", *self.pipeline_last_parts):
+        built = MetaGPT(dtype=self._dtype, **self._overrides)
+        for name in self._unit_attributes():
             setattr(self, name, getattr(built, name))
         self.pipeline_init_seed = built.pipeline_init_seed
         if self._whole or not isinstance(self.trainer.strategy, DynMoStrategy):

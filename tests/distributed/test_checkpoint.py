@@ -246,7 +246,8 @@ def test_a_damaged_checkpoint_stops_every_rank_naming_the_file_and_entry(
     ckpt = tmp_path / "damaged.ckpt"
     shutil.copytree(saved_checkpoint, ckpt)
     items = json.loads((ckpt / MANIFEST_FILENAME).read_text())["items"]
-    file, offset, length, _, key = next(i for i in items if i[4].endswith("layers.5.fc1.weight.exp_avg"))
+    moment = "layers.5.mlp.fc_in.weight.exp_avg"
+    file, offset, length, _, key = next(i for i in items if i[4].endswith(moment))
     with open(ckpt / file, "r+b") as f:
         f.seek(offset + length // 2)
         f.write(b"\xff" * 64)

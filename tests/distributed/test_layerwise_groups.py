@@ -33,7 +33,7 @@ class LayerwiseLR(DemoGPT):
         self.schedule = schedule
 
     def configure_optimizers(self) -> Any:
-        n, lr = self.config.num_layers, self.config.lr
+        n, lr = self.config.num_layers, self.demo_config.lr
         groups = [
             {"params": list(getattr(self, name).parameters()), "lr": lr * 0.7**n}
             for name in ("tok_emb", "pos_emb")
@@ -50,7 +50,8 @@ class LayerwiseLR(DemoGPT):
         )
         optimizer = torch.optim.AdamW(groups, weight_decay=0.1)
         if self.schedule == "exponential":
-            scheduler: Any = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=self.config.lr_gamma)
+            gamma = self.demo_config.lr_gamma
+            scheduler: Any = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=gamma)
         else:
             scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, [lambda s, k=k: 0.9**s + k for k in range(len(groups))]

@@ -62,7 +62,7 @@ class OverflowGPT(DemoGPT):
 
     def on_after_backward(self) -> None:
         if self.trainer.global_step == self.overflow_at and "0" in self.layers:
-            self.layers["0"].fc1.weight.grad[0, 0] = float("inf")
+            self.layers["0"].mlp.fc_in.weight.grad[0, 0] = float("inf")
 
 
 class Recorder(LossRecorder):

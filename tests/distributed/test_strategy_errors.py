@@ -45,7 +45,7 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     os.environ["NODE_RANK"] = "0"
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
     if case.get("tie_blocks"):
-        model.layers["1"].ln1.weight = model.layers["0"].ln1.weight
+        model.layers["1"].ln_1.weight = model.layers["0"].ln_1.weight
     trainer = quiet_trainer(
         devices=world_size,
         strategy=DynMoStrategy(**case.get("strategy", {})),
@@ -114,6 +114,6 @@ def test_batch_not_divisible_into_microbatches(tmp_path: Any) -> None:
 
 def test_blocks_sharing_a_parameter_fail_before_training(tmp_path: Any) -> None:
     with pytest.raises(
-        TypeError, match=r"shares one parameter between pipeline units: layers.0.ln1.weight is"
+        TypeError, match=r"shares one parameter between pipeline units: layers.0.ln_1.weight is"
     ):
         _raise_as_on_every_rank({"tie_blocks": True}, tmp_path)

@@ -37,7 +37,7 @@ class WarmupInOptimizerStep(DemoGPT):
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
     ) -> None:
         for group in optimizer.param_groups:
-            group["lr"] = self.config.lr * min(1.0, (self.trainer.global_step + 1) / 4)
+            group["lr"] = self.demo_config.lr * min(1.0, (self.trainer.global_step + 1) / 4)
         optimizer.step(closure=optimizer_closure)
 
 

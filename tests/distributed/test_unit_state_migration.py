@@ -32,7 +32,7 @@ class WeightMask(nn.Module):
 
 
 class MaskedGPT(DemoGPT):
-    """DemoGPT whose blocks' ``fc1.weight`` is ``original * mask`` (a fixed random half of the entries).
+    """DemoGPT whose blocks' ``mlp.fc_in.weight`` is ``original * mask`` (a fixed random half of entries).
 
     ``hooks``: ``"at-init"`` puts a forward pre-hook on block 1; ``"on-train-start"`` adds it when training
     starts (after the strategy checked the model).
@@ -42,15 +42,15 @@ class MaskedGPT(DemoGPT):
         super().__init__(**kwargs)
         gen = torch.Generator().manual_seed(1)
         for block in self.layers.values():
-            mask = (torch.rand(block.fc1.weight.shape, generator=gen) > 0.5).float()
-            parametrize.register_parametrization(block.fc1, "weight", WeightMask(mask))
+            mask = (torch.rand(block.mlp.fc_in.weight.shape, generator=gen) > 0.5).float()
+            parametrize.register_parametrization(block.mlp.fc_in, "weight", WeightMask(mask))
         self.hooks = hooks
         if hooks == "at-init":
             self._add_hook()
 
     def _add_hook(self) -> None:
         if "1" in self.layers:  # on the rank that owns block 1
-            self.layers["1"].ln1.register_forward_pre_hook(lambda module, args: None)
+            self.layers["1"].ln_1.register_forward_pre_hook(lambda module, args: None)
 
     def on_train_start(self) -> None:
         if self.hooks == "on-train-start":
@@ -87,7 +87,7 @@ def test_a_parametrized_layer_migrates_and_trains_exactly(tmp_path: Any) -> None
     ref = reference(RUN)
     results = fit_pipelined(RUN, tmp_path)
     assert all(res["applied"] == ["0-3|4-5", "0-0|1-5"] for res in results)
-    assert any(k.endswith("fc1.parametrizations.weight.0.mask") for k in results[1]["state"])
+    assert any(k.endswith("fc_in.parametrizations.weight.0.mask") for k in results[1]["state"])
     assert_matches_reference(results, ref, RUN)
     dropped = fit_pipelined(RUN, tmp_path, strategy_cls=DropParametrizations)
     assert max_param_diff(dropped, ref) > 1e-4
@@ -98,12 +98,12 @@ def test_a_parametrized_layer_migrates_and_trains_exactly(tmp_path: Any) -> None
     [
         (
             "at-init",
-            r"(?s)rank 0 -----.*unit 'layers.1': 'ln1' carries a forward pre-hook.*rank 1 -----.*"
-            r"unit 'layers.1': 'ln1' carries a forward pre-hook",
+            r"(?s)rank 0 -----.*unit 'layers.1': 'ln_1' carries a forward pre-hook.*rank 1 -----.*"
+            r"unit 'layers.1': 'ln_1' carries a forward pre-hook",
         ),
         (
             "on-train-start",
-            r"(?s)rank 0 -----.*unit 'layers.1': 'ln1' carries a forward pre-hook.*rank 1 -----.*"
+            r"(?s)rank 0 -----.*unit 'layers.1': 'ln_1' carries a forward pre-hook.*rank 1 -----.*"
             r"Migration aborted: rank\(s\) \[0\] rejected the moves",
         ),
     ],

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from lightning_dynmo.demos import DemoGPT, EmulatedCost, GPTConfig, RandomTokenDataModule, RandomTokenDataset
+from lightning_dynmo.demos import DemoConfig, DemoGPT, EmulatedCost, RandomTokenDataModule, RandomTokenDataset
 
 
 def test_same_seed_same_model_and_data() -> None:
-    a, b = DemoGPT(num_layers=2), DemoGPT(GPTConfig(num_layers=2))
+    a, b = DemoGPT(num_layers=2), DemoGPT(DemoConfig(num_layers=2))
     assert all(
         torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     )
@@ -47,11 +47,11 @@ def test_emulated_cost_sleeps_and_is_an_identity() -> None:
 
 def test_bad_settings() -> None:
     with pytest.raises(ValueError, match="d_model=30 is not divisible by num_heads=4"):
-        GPTConfig(d_model=30, num_heads=4)
+        DemoConfig(d_model=30, num_heads=4)
     with pytest.raises(ValueError, match="num_layers=0 must be >= 1"):
-        GPTConfig(num_layers=0)
+        DemoConfig(num_layers=0)
     with pytest.raises(ValueError, match="sleep_ms has 1 values but num_layers=2"):
-        GPTConfig(num_layers=2, sleep_ms=(1.0,))
+        DemoConfig(num_layers=2, sleep_ms=(1.0,))
     with pytest.raises(ValueError, match="emulated costs must be >= 0 milliseconds"):
         EmulatedCost(fwd_ms=-1.0)
     with pytest.raises(ValueError, match="need num_samples >= 1"):

@@ -229,3 +229,13 @@ def test_a_datamodule_that_does_not_fit_the_model_is_refused(
     trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
     with pytest.raises(ValueError, match=match):
         trainer.fit(model, data)
+
+
+def test_declared_on_the_meta_device_its_metric_states_stay_real() -> None:
+    # Local construction materialises only the pipeline units, then moves the model with ``.to(device)``:
+    # a metric state left on meta could never move.
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**TINY))
+    assert model.layers["0"].attn.qkv.weight.is_meta
+    states = [t for m in model.eval_loss_means.values() for t in m.metric_state.values()]
+    assert states and not any(t.is_meta for t in states)

@@ -86,7 +86,7 @@ def test_an_uninitialised_tensor_is_named() -> None:
                 super().pipeline_init_unit(name, unit)
 
     with pytest.raises(
-        TypeError, match=r"unit 'layers.1' was materialised .* \['ln1.weight'.*pipeline_init_unit"
+        TypeError, match=r"unit 'layers.1' was materialised .* \['ln_1.weight'.*pipeline_init_unit"
     ):
         materialize_model(Forgetful(num_layers=2))
 
@@ -111,4 +111,4 @@ def test_a_model_built_on_a_real_device_is_left_as_it_is() -> None:
     materialize_model(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert keep_local_units(model, check_model_contract(model), ["layers.0"], device=CPU) == 0
-    assert torch.equal(model.layers["0"].qkv.weight, before["layers.0.qkv.weight"])
+    assert torch.equal(model.layers["0"].attn.qkv.weight, before["layers.0.attn.qkv.weight"])
