@@ -14,6 +14,9 @@ dynamic cases use; the subpackages group the mechanisms, each module summarised 
   checksums, renaming).
 - :mod:`.faults`: failures that name the failing rank, and a clean stop on SIGTERM (guard, board, shutdown).
 
+:mod:`.aux` and :mod:`.sharded` keep the import paths of 0.1 (``pipeline.aux.add_aux_loss``,
+``pipeline.sharded.export_full_checkpoint``); new code imports from this front door.
+
 Imports point down only: ``faults`` and ``model`` need nothing else of the pipeline; ``step`` and
 ``placement`` build on them; ``migration`` on ``model``; ``checkpoint`` on ``migration`` and ``model``.
 """

@@ -5,6 +5,12 @@
 - :mod:`.dynmo_strategy`: :class:`DynMoStrategy`, the Lightning glue over :mod:`lightning_dynmo.pipeline`.
 - :mod:`.args`: its constructor arguments, checked when it is built (before any process starts).
 - :mod:`.trainer_checks`: Trainer setups the strategy cannot honour, refused with the alternative.
+- :mod:`.replacement`: the initial placement, and live re-placement (migrate, re-pack, release).
+- :mod:`.steps`: the training, evaluation and predict steps as Lightning calls them.
+- :mod:`.checkpointing`: what a rank saves and loads of a Lightning checkpoint; repairs of killed saves.
+- :mod:`.collectives`: Lightning's collectives over the active ranks, guarded.
+- :mod:`.sigterm`: SIGTERM noted in the handler and agreed by every rank at a batch start.
+- :mod:`.view`: :class:`PipelineView`, the typed snapshot of the pipeline that callbacks read.
 """
 
 from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import pkgutil
 from pathlib import Path
 
@@ -96,3 +97,14 @@ def test_the_shape_checks_catch_offenders() -> None:
     assert _long_classes(f"class Big:\n{body}\n") == [("Big", MAX_CLASS_LINES + 1)]
     assert _silent_local_imports("def f():\n    import os\n") == [2]
     assert _silent_local_imports("def f():\n    # a cycle with the strategy\n    import os\n") == []
+
+
+def test_the_callback_takes_no_more_knobs_than_model_checkpoint() -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dynmo.callback import DynMoCallback
+
+    def knobs(cls: type) -> int:
+        return len(inspect.signature(cls.__init__).parameters) - 1  # without self
+
+    assert knobs(DynMoCallback) <= knobs(ModelCheckpoint) == 13
