@@ -107,4 +107,5 @@ def test_the_callback_takes_no_more_knobs_than_model_checkpoint() -> None:
     def knobs(cls: type) -> int:
         return len(inspect.signature(cls.__init__).parameters) - 1  # without self
 
-    assert knobs(DynMoCallback) <= knobs(ModelCheckpoint) == 13
+    # Issue 18's bound: ModelCheckpoint's 13 knobs when it was filed (Lightning 2.6 has since added two).
+    assert knobs(DynMoCallback) <= 13 <= knobs(ModelCheckpoint)
