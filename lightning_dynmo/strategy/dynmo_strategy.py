@@ -123,7 +123,7 @@ class DynMoStrategy(ParallelStrategy):
             a :class:`~lightning_dynmo.balancing.Placement`. It must have ``pipeline_size`` stages
             (twice that for multi-stage schedules).
         timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
-            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults.py``).
+            some ranks only, fails every rank after it, naming the call (see ``pipeline/faults/guard.py``).
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
