@@ -78,26 +78,17 @@ class PipelineView:
     @classmethod
     def of(cls, strategy: DynMoStrategy) -> PipelineView:
         """The view of ``strategy``'s pipeline now."""
+        same_name = (
+            "placement", "num_microbatches", "pipeline_size", "stage_index", "stage_indices",
+            "is_first_stage", "is_released", "global_rank", "active_ranks", "pipeline_rank_of",
+            "pipeline_stages", "root_device", "pipeline_group", "active_group", "data_parallel_group",
+            "data_parallel_size",
+        )  # fmt: skip
         return cls(
-            placement=strategy.placement,
             schedule=strategy._schedule,
-            num_microbatches=strategy.num_microbatches,
-            pipeline_size=strategy.pipeline_size,
-            stage_index=strategy.stage_index,
-            stage_indices=strategy.stage_indices,
-            is_first_stage=strategy.is_first_stage,
-            is_released=strategy.is_released,
-            global_rank=strategy.global_rank,
-            active_ranks=strategy.active_ranks,
-            pipeline_rank_of=strategy.pipeline_rank_of,
             local_layers=strategy.local_layers if strategy.stage_index is not None else {},
-            pipeline_stages=strategy.pipeline_stages,
-            root_device=strategy.root_device,
-            pipeline_group=strategy.pipeline_group,
-            active_group=strategy.active_group,
-            data_parallel_group=strategy.data_parallel_group,
-            data_parallel_size=strategy.data_parallel_size,
             has_tied_parameters=bool(strategy.tied_parameters),
+            **{name: getattr(strategy, name) for name in same_name},
         )
 
     @property

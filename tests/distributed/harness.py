@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 import uuid
@@ -105,6 +106,9 @@ def _worker(
     results: mp.Queue[tuple[int, bool, bytes]],
 ) -> None:
     torch.set_num_threads(1)
+    # A fresh rank: a SIGTERM handler an earlier test left in the parent (torch's elastic launcher installs
+    # one) would keep Lightning from installing its own, which it only does over the default handler.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         dist.init_process_group(
             "gloo",

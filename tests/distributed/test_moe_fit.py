@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.callback import DynMoCallback, RepackConfig
 from lightning_dynmo.dynamism.moe import LOAD_BALANCE_LOSS, Z_LOSS, MoEOptions
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
@@ -173,7 +173,7 @@ def test_moe_gpt_on_2_data_parallel_x_2_pipeline_equals_single_process(tmp_path:
 
 @pytest.mark.slow
 def test_moe_gpt_repacked_onto_one_rank_continues_exactly(tmp_path: Path) -> None:
-    dynmo = (*EVERY_STEP, ("repack", True), ("target_num_stages", 1), ("max_slowdown", 4.0))
+    dynmo = (*EVERY_STEP, ("repack", RepackConfig(target_num_stages=1, max_slowdown=4.0)))
     run = MoERun(placement="0-1|2-3", dynmo=(*dynmo, ("memory_capacity_bytes", 2**40)))
     rank0, rank1 = fit_case(run, tmp_path)
     assert not rank0["released"] and rank1["released"]
