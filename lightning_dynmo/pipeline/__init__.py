@@ -61,7 +61,11 @@ from lightning_dynmo.pipeline.model.contract import (
 from lightning_dynmo.pipeline.model.ties import TiedCopies
 from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
 from lightning_dynmo.pipeline.model.units import attach_unit, detach_unit, pipeline_units
-from lightning_dynmo.pipeline.placement.groups import build_groups, check_same_on_all_ranks
+from lightning_dynmo.pipeline.placement.groups import (
+    build_groups,
+    check_same_on_all_ranks,
+    restart_attempt_store,
+)
 from lightning_dynmo.pipeline.placement.layout import (
     PlannedMove,
     RankGrid,
@@ -153,6 +157,7 @@ __all__ = [
     "repair_checkpoint",
     "report_interrupt",
     "resolve_schedule",
+    "restart_attempt_store",
     "retune_candidates",
     "run_block",
     "run_schedule_step",

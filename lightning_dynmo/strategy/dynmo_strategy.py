@@ -92,6 +92,7 @@ from lightning_dynmo.pipeline import (
     pipeline_units,
     report_interrupt,
     resolve_schedule,
+    restart_attempt_store,
 )
 from lightning_dynmo.pipeline import (
     grads as pipeline_grads,
@@ -396,7 +397,9 @@ class DynMoStrategy(ParallelStrategy):
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
         made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        extra = {"store": s} if made_here and (s := restart_attempt_store(self._timeout)) else {}
+        env, backend = self.cluster_environment, self._process_group_backend
+        _init_dist_connection(env, backend, timeout=self._timeout, **extra)  # extra: torchrun restarts
         self._active_ranks = tuple(range(self.world_size))
         groups = build_groups(
             self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here

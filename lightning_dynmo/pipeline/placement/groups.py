@@ -12,6 +12,7 @@ all-reduce of a digest; the values themselves are gathered only to name a mismat
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,10 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from lightning_dynmo.pipeline.placement.layout import RankGrid
 
-__all__ = ["GridGroups", "build_groups", "check_same_on_all_ranks"]
+__all__ = ["GridGroups", "build_groups", "check_same_on_all_ranks", "restart_attempt_store"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,24 @@ def check_same_on_all_ranks(
             f"{what} on different ranks ({per_rank}); decide it once (e.g. on rank 0) and broadcast it with "
             "strategy.broadcast before the call."
         )
+
+
+def restart_attempt_store(timeout: timedelta | None) -> Store | None:
+    """Under torchrun's agent store, a store whose keys belong to this restart attempt; else ``None``.
+
+    After ``torchrun --max-restarts`` restarts the workers, the default ``env://`` initialisation reads the
+    gloo addresses the previous attempt's ranks published in the agent's store, and connecting to those
+    dead ranks fails ("Connection refused"). Prefixing the keys with the attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gives every attempt a clean rendezvous.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,  # the agent hosts it
+        timeout=timeout or timedelta(minutes=30),
+    )
+    return PrefixStore(f"/dynmo/attempt_{attempt}", store)
