@@ -15,6 +15,7 @@ MoE expert-bias update).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -69,7 +70,7 @@ class _Controller(Protocol):
     def load_state_dict(self, state: Mapping[str, Any], /) -> None: ...
 
 
-class _ControllerCallback(Callback):
+class _ControllerCallback(Callback, ABC):
     """The frame both callbacks share: a controller that prepares the blocks, is saved in checkpoints.
 
     The controller prepares the whole model's blocks at ``setup`` (before the strategy keeps each rank's
@@ -107,13 +108,13 @@ class _ControllerCallback(Callback):
         if scope is not None:
             self._step(step, scope)
 
+    @abstractmethod
     def _scope(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
         """What the controller works on now; ``None`` on a rank a re-pack released."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _step(self, step: int, scope: Any) -> None:
         """Run the controller at the first batch of optimizer step ``step``."""
-        raise NotImplementedError
 
 
 class PruningCallback(_ControllerCallback):

@@ -6,30 +6,9 @@ optimizers and the pipeline), ``training_step`` / ``backward`` (one torch schedu
 step, its gradients handed to Lightning's automatic optimization), ``apply_placement`` (move layers
 between ranks at a step boundary) and the collectives over the active ranks.
 
-One schedule step replaces the LightningModule's ``training_step``: the strategy splits the batch with
-``pipeline_batch``, runs forward and backward of every micro-batch through torch's schedule, logs the
-true loss (reduced from the last stage) on every rank, and returns a loss that carries the step's
-gradients into Lightning's ``backward``, so gradient accumulation, clipping (by the norm over all
-stages), LR schedulers and precision plugins work as usual. Gradients are averaged over each stage's
-data-parallel group when Lightning would sync (not inside an accumulation window). A parameter the
-first-stage and last-stage parts share (a tied embedding and head) lives as one copy on each of the two
-ranks when they differ: the two ranks exchange the copies' gradients point to point and add them at the
-same moment, and the last stage's copy is left out of the clipping norm, so both take the
-single-process step (after a re-pack that puts both parts on one rank, they are one parameter again).
-After each step the model's optional ``on_pipeline_step_end(loss, batch, batch_idx)`` hook runs on
-every rank.
-
-``validation_step`` / ``test_step`` run a forward-only pipeline step (see
-:mod:`lightning_dynmo.pipeline.step.evaluation`) and log the batch's mean loss, the same on every rank, as
-``val_loss`` / ``test_loss``; ``predict_step`` runs the same forward-only step without a loss and
-broadcasts the last stage's output, so ``Trainer.predict`` returns the whole model's predictions on
-every rank.
-
-Layout: global rank ``g`` is pipeline rank ``g % pipeline_size`` of replica ``g // pipeline_size``.
-Single-stage schedules (GPipe, 1F1B) run one placement stage per rank; multi-stage schedules
-(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) run two *virtual* stages
-per rank, so a placement then has ``2 * pipeline_size`` stages, mapped "loop" (stage ``s`` on rank
-``s % pipeline_size``) or "V" (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2P - 1 - r``).
+How a step runs (the schedule step, its gradients, tied parameters, evaluation and predict) is told in
+:mod:`lightning_dynmo.strategy.steps`; how ranks, stages and virtual stages map onto each other in
+:mod:`lightning_dynmo.pipeline.placement.layout`.
 
 ``import lightning_dynmo.strategy.dynmo_strategy`` registers the strategy as ``"dynmo"`` so
 ``Trainer(strategy="dynmo")`` works.
