@@ -1,13 +1,15 @@
 """The callback's exchanges between ranks, each one collective whatever the number of ranks (issue #13).
 
 Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had an
-event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :class:`PositionIndex`
+event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :func:`broadcast_object`
+(the decision), :class:`PositionIndex`
 and :func:`busy_per_position` (the per-step rows reduced per pipeline position with tensor ops, no Python
 loop over ranks), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
 
 At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
 720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
-few bytes per rank at most.
+few bytes per rank at most. All of them run on the strategy's *control group*, whose timeout is short
+(``DynMoStrategy(control_timeout=...)``): ranks reach them within a step of each other.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "MAX_HISTORY",
     "PositionIndex",
     "all_gather_rows",
+    "broadcast_object",
     "busy_per_position",
     "exchange_events",
     "keep_recent",
@@ -122,3 +125,12 @@ def all_gather_rows(
     rows = [torch.empty_like(row) for _ in active_ranks]
     dist.all_gather(rows, row, group=group)
     return torch.stack(rows).cpu()
+
+
+def broadcast_object(obj: Any, src: int, active_ranks: Sequence[int], group: dist.ProcessGroup | None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (``active_ranks``, in order)."""
+    if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]

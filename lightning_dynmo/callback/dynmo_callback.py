@@ -54,6 +54,7 @@ from lightning_dynmo.callback.config import (
 from lightning_dynmo.callback.control_plane import (
     PositionIndex,
     all_gather_rows,
+    broadcast_object,
     busy_per_position,
     exchange_events,
 )
@@ -435,7 +436,8 @@ class DynMoCallback(Callback):
                 what = f"the rebalance decision at step {step}"
                 failure, outcome = err, RemoteFailure.of(err, source, what)
                 err.add_note(f"DynMo: raised on rank {source} during {what}; every rank stops with it.")
-        outcome = _strategy(trainer).broadcast(outcome, src=source)
+        with _strategy(trainer).guard(f"the rebalance decision's broadcast at step {step}", control=True):
+            outcome = broadcast_object(outcome, source, view.active_ranks, view.control_group)
         if failure is not None:
             raise failure
         if isinstance(outcome, RemoteFailure):
@@ -559,7 +561,8 @@ class DynMoCallback(Callback):
             device=view.root_device,
         )
         self._cost_to_share = 0.0
-        rows = all_gather_rows(mine, view.active_ranks, view.active_group)
+        with _strategy(trainer).guard("the callback's per-step exchange", control=True):
+            rows = all_gather_rows(mine, view.active_ranks, view.control_group)
         event = bool(rows[:, _EVENTS].any())
         if event:
             self._exchange_events(trainer, view)
@@ -582,8 +585,8 @@ class DynMoCallback(Callback):
         # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
         mine = [e.to_dict() for e in self._new_events]
         self._new_events.clear()
-        with _strategy(trainer).guard("the dynamism event exchange"):
-            shared = exchange_events(mine, view.active_group, len(view.active_ranks))
+        with _strategy(trainer).guard("the dynamism event exchange", control=True):
+            shared = exchange_events(mine, view.control_group, len(view.active_ranks))
         self._history.add_events([DynamismEvent.from_dict(e) for e in shared])
 
     def _follow_measured_gain(

@@ -46,6 +46,7 @@ from lightning_dynmo.pipeline.faults.guard import (
     report_interrupt,
 )
 from lightning_dynmo.pipeline.faults.shutdown import SigtermAgreement
+from lightning_dynmo.pipeline.faults.stall_watch import StallWatch
 from lightning_dynmo.pipeline.migration.transport import MigrationReport, UnitMove, migrate_units
 from lightning_dynmo.pipeline.model.construction import keep_local_units
 from lightning_dynmo.pipeline.model.contract import (
@@ -62,8 +63,11 @@ from lightning_dynmo.pipeline.model.ties import TiedCopies
 from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
 from lightning_dynmo.pipeline.model.units import attach_unit, detach_unit, pipeline_units
 from lightning_dynmo.pipeline.placement.groups import (
+    CONTROL_TIMEOUT_NAME,
+    DEFAULT_CONTROL_TIMEOUT,
     build_groups,
     check_same_on_all_ranks,
+    control_timeout_of,
     restart_attempt_store,
 )
 from lightning_dynmo.pipeline.placement.layout import (
@@ -99,6 +103,8 @@ from lightning_dynmo.pipeline.step.stage import in_shape_inference, part_modules
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "CONTROL_TIMEOUT_NAME",
+    "DEFAULT_CONTROL_TIMEOUT",
     "HIDDEN",
     "BuiltPipeline",
     "CheckpointSaveError",
@@ -114,6 +120,7 @@ __all__ = [
     "ReleaseEvent",
     "RemoteFailure",
     "SigtermAgreement",
+    "StallWatch",
     "TiedCopies",
     "TiedParameter",
     "UnitMove",
@@ -133,6 +140,7 @@ __all__ = [
     "checked_loss_fn",
     "collect_aux_losses",
     "communication_guard",
+    "control_timeout_of",
     "describe_peers",
     "detach_unit",
     "export_full_checkpoint",

@@ -5,6 +5,7 @@
 - :mod:`.dynmo_strategy`: :class:`DynMoStrategy`, the Lightning glue over :mod:`lightning_dynmo.pipeline`.
 - :mod:`.args`: its constructor arguments, checked when it is built (before any process starts).
 - :mod:`.trainer_checks`: Trainer setups the strategy cannot honour, refused with the alternative.
+- :mod:`.connection`: the process groups (the control group with its own timeout), failure board, stall watch.
 - :mod:`.replacement`: the initial placement, and live re-placement (migrate, re-pack, release).
 - :mod:`.steps`: the training, evaluation and predict steps as Lightning calls them.
 - :mod:`.checkpointing`: what a rank saves and loads of a Lightning checkpoint; repairs of killed saves.

@@ -27,11 +27,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -48,6 +43,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import (
+    DEFAULT_CONTROL_TIMEOUT,
     BuiltPipeline,
     CommContext,
     FailureBoard,
@@ -59,24 +55,23 @@ from lightning_dynmo.pipeline import (
     RankGrid,
     ReleaseEvent,
     SigtermAgreement,
+    StallWatch,
     TiedCopies,
     TiedParameter,
     UnitMove,
-    build_groups,
     communication_guard,
-    describe_peers,
+    control_timeout_of,
     full_state_from_checkpoint,
     initial_placement,
     load_local_state,
     pipeline_units,
     report_interrupt,
     resolve_schedule,
-    restart_attempt_store,
 )
 from lightning_dynmo.pipeline import (
     grads as pipeline_grads,
 )
-from lightning_dynmo.strategy import checkpointing, collectives, replacement, sigterm, steps
+from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
 from lightning_dynmo.strategy.view import PipelineView
@@ -104,6 +99,10 @@ class DynMoStrategy(ParallelStrategy):
             (twice that for multi-stage schedules).
         timeout: Timeout of every process group the strategy uses: a lost peer, or a collective called on
             some ranks only, fails every rank after it, naming the call (see ``pipeline/faults/guard.py``).
+        control_timeout: Timeout of DynMo's own agreements (the placement check of ``apply_placement``,
+            the callback's decisions, per-step rows and events; never longer than ``timeout``): ranks
+            reach them within a step of each other, so a longer wait is a call made on some ranks only.
+            Default 100 s; raise it if a training step can take longer. ``None``: ``timeout``.
         start_method: How Lightning starts the processes when it launches them itself: ``"popen"``
             (re-runs the script, default), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
@@ -135,6 +134,7 @@ class DynMoStrategy(ParallelStrategy):
         num_microbatches: int = 4,
         placement: str | Placement = "uniform",
         timeout: timedelta | None = default_pg_timeout,
+        control_timeout: timedelta | None = DEFAULT_CONTROL_TIMEOUT,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -167,7 +167,7 @@ class DynMoStrategy(ParallelStrategy):
         self._schedule = resolve_schedule(schedule)
         self._pipeline_size_arg = pipeline_size
         self._microbatches = MicrobatchCount(num_microbatches)
-        self._timeout = timeout
+        self._timeout, self._control_timeout = timeout, control_timeout_of(timeout, control_timeout)
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._loss_log_name = loss_log_name
@@ -182,6 +182,7 @@ class DynMoStrategy(ParallelStrategy):
         self._grid: RankGrid | None = None
         self._active_ranks: tuple[int, ...] = ()
         self._active_group: dist.ProcessGroup | None = None
+        self._control_group: dist.ProcessGroup | None = None  # DynMo's agreements (its own timeout)
         self._pipeline_group: dist.ProcessGroup | None = None
         self._data_parallel_group: dist.ProcessGroup | None = None
         self._spec: ModelSpec | None = None
@@ -192,6 +193,7 @@ class DynMoStrategy(ParallelStrategy):
         self._ties = TiedCopies()
         self._sync_blocked = False
         self._board: FailureBoard | None = None
+        self._watch: StallWatch | None = None
         self._sigterm = SigtermAgreement()
         self._step_in_flight = False  # see training_step and apply_placement
         self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
@@ -372,20 +374,7 @@ class DynMoStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self._process_group_backend is None:
-            self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
-        assert self.cluster_environment is not None
-        made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
-        extra = {"store": s} if made_here and (s := restart_attempt_store(self._timeout)) else {}
-        env, backend = self.cluster_environment, self._process_group_backend
-        _init_dist_connection(env, backend, timeout=self._timeout, **extra)  # extra: torchrun restarts
-        self._active_ranks = tuple(range(self.world_size))
-        groups = build_groups(
-            self._require_grid(), self.global_rank, self._timeout, world_has_timeout=made_here
-        )
-        self._active_group, self._pipeline_group = groups.active, groups.pipeline
-        self._data_parallel_group = groups.data_parallel
-        self._board = FailureBoard.open(self.world_size)
+        connection.connect(self)
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
@@ -499,15 +488,21 @@ class DynMoStrategy(ParallelStrategy):
         module = self.lightning_module
         return getattr(module, "_trainer", None) if module is not None else None
 
-    def _comm_context(self) -> CommContext:
-        # Cheap: peers and units are described only if the guarded step fails (issue #13's scale).
-        me, style = self.global_rank, self._schedule.style
-        peers = partial(describe_peers, me, self._active_ranks, self._grid, self._placement, style)
-        return CommContext(me, self.stage_indices, peers, self._timeout, self._board, self._local_units)
+    def _comm_context(self, control: bool = False) -> CommContext:
+        return connection.comm_context(self, control)
 
-    def guard(self, what: str) -> AbstractContextManager[None]:
-        """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers."""
-        return communication_guard(what, self._comm_context())
+    def guard(self, what: str, control: bool = False) -> AbstractContextManager[None]:
+        """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers.
+
+        ``control=True`` for DynMo's own agreements on the control group (its shorter timeout is named).
+        """
+        return communication_guard(what, self._comm_context(control))
+
+    @override
+    def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+        super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

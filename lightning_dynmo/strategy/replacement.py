@@ -60,10 +60,11 @@ def apply_placement(
     pipeline_grads.check_no_step_in_flight(strategy._step_in_flight, "apply_placement")
     spec = strategy._require_spec()
     target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
-    with strategy.guard("apply_placement (the check that every rank applies the same placement)"):
+    check = "apply_placement (the check that every rank applies the same placement)"
+    with strategy.guard(check, control=True):
         what = "apply_placement was called with different placements (or micro-batch counts)"
         agreed = f"{target}" + ("" if num_microbatches is None else f" num_microbatches={num_microbatches}")
-        check_same_on_all_ranks(agreed, strategy._active_ranks, strategy._active_group, what)
+        check_same_on_all_ranks(agreed, strategy._active_ranks, strategy._control_group, what)
     if target.num_stages > strategy.placement.num_stages:
         raise ValueError(
             f"placement {target} has {target.num_stages} stages but the pipeline runs "
@@ -111,8 +112,8 @@ def repack(strategy: DynMoStrategy, target: Placement, num_microbatches: int | N
     )
     if strategy.global_rank in strategy._active_ranks:
         # Only members build the new groups; the data-parallel groups of kept positions are unchanged.
-        strategy._pipeline_group, strategy._active_group = build_repacked_groups(
-            new_grid, strategy.global_rank, strategy._timeout
+        strategy._pipeline_group, strategy._active_group, strategy._control_group = build_repacked_groups(
+            new_grid, strategy.global_rank, strategy._timeout, strategy._control_timeout
         )
         pair_tied_copies(strategy)
         strategy._microbatches.retune(num_microbatches)
@@ -133,6 +134,7 @@ def release(strategy: DynMoStrategy) -> None:
             group["params"] = []
     strategy._pipe = None
     strategy._pipeline_group = strategy._active_group = strategy._data_parallel_group = None
+    strategy._control_group = None
     strategy._released = True
     gc.collect()
     if strategy.root_device.type == "cuda":

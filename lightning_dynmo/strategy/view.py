@@ -50,6 +50,8 @@ class PipelineView:
         root_device: This rank's device.
         pipeline_group: The process group of this rank's pipeline.
         active_group: The process group over ``active_ranks`` (``None`` once released).
+        control_group: The same ranks with DynMo's control timeout: the callback's agreements run on it
+            (``None`` once released).
         data_parallel_group: The group of the replicas of this rank's stage (``None`` without replicas).
         data_parallel_size: Number of pipeline replicas.
         has_tied_parameters: Whether the first and last parts share a parameter (a tied embedding).
@@ -71,6 +73,7 @@ class PipelineView:
     root_device: torch.device
     pipeline_group: dist.ProcessGroup | None
     active_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None
     data_parallel_group: dist.ProcessGroup | None
     data_parallel_size: int
     has_tied_parameters: bool
@@ -86,6 +89,7 @@ class PipelineView:
         )  # fmt: skip
         return cls(
             schedule=strategy._schedule,
+            control_group=strategy._control_group,
             local_layers=strategy.local_layers if strategy.stage_index is not None else {},
             has_tied_parameters=bool(strategy.tied_parameters),
             **{name: getattr(strategy, name) for name in same_name},

@@ -38,6 +38,7 @@ import lightning_dynmo.callback.dynmo_callback
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.pipeline.faults.guard import CommunicationError
+from lightning_dynmo.pipeline.placement.groups import DEFAULT_CONTROL_TIMEOUT
 from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
 
@@ -147,7 +148,12 @@ class OneRankOnly(pl.Callback):
 
 
 def misbehaving_worker(
-    rank: int, world_size: int, action: str, culprit: int, tmp_path: Path
+    rank: int,
+    world_size: int,
+    action: str,
+    culprit: int,
+    tmp_path: Path,
+    timeout: timedelta | None = timedelta(seconds=_TIMEOUT_S),
 ) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
@@ -168,7 +174,8 @@ def misbehaving_worker(
         callbacks.append(
             DynMoCallback(every_n_steps=_AT_BATCH, profiling=ProfilingConfig(warmup_steps=0, steps=1))
         )
-    strategy = make_strategy(run, timeout=timedelta(seconds=_TIMEOUT_S))
+    # timeout=None: the strategy's defaults (the process groups' 30 minutes, the control timeout).
+    strategy = make_strategy(run, **({} if timeout is None else {"timeout": timeout}))
     trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
     error: BaseException | None = None
     try:
@@ -221,6 +228,33 @@ def test_a_collective_called_on_one_rank_fails_on_both_naming_both_calls(
         CommunicationError,
         match=rf"^DynMo: rank 1 \(stage 1\) failed in a schedule step while rank 0 \(stage 0\) was "
         rf"waiting in {call}\.",
+    ):
+        _reraise(rank1)
+
+
+@pytest.mark.slow
+def test_with_default_timeouts_apply_placement_on_one_rank_fails_on_both_within_the_control_timeout(
+    tmp_path: Path,
+) -> None:
+    # The process groups keep their default 30-minute timeout; only DynMo's control timeout bounds the wait.
+    bound_s = DEFAULT_CONTROL_TIMEOUT.total_seconds()
+    start = time.monotonic()
+    rank0, rank1 = run_distributed(
+        misbehaving_worker, 2, tmp_path, timeout_s=bound_s + 120, args=("apply_placement", 0, tmp_path, None)
+    )
+    elapsed = time.monotonic() - start
+    assert elapsed < bound_s + 45, f"the ranks took {elapsed:.1f} s to stop"
+    with pytest.raises(
+        CommunicationError,
+        match=r"^DynMo: rank 0 \(stage 0\) failed in apply_placement \(the check that every rank applies the "
+        r"same placement\) while rank 1 \(stage 1\) was waiting in a schedule step\..* until DynMo's control "
+        rf"timeout of {bound_s:g} s",
+    ):
+        _reraise(rank0)
+    with pytest.raises(
+        CommunicationError,
+        match=r"^DynMo: rank 1 \(stage 1\) failed in a schedule step while rank 0 \(stage 0\) was waiting in "
+        r"apply_placement \(the check that every rank applies the same placement\)\.",
     ):
         _reraise(rank1)
 

@@ -2,5 +2,6 @@
 
 - :mod:`.guard`: wrap a communicating step so its failure names the failing rank and the call.
 - :mod:`.failure_board`: failure records shared through the process group's store.
+- :mod:`.stall_watch`: a thread posting the call this rank is stuck in, so a peer can name it.
 - :mod:`.shutdown`: SIGTERM on any rank stops every rank at the same batch boundary.
 """

@@ -120,6 +120,20 @@ class FailureBoard:
         except Exception as err:
             log.debug("DynMo: could not post a failure record (%s: %s)", type(err).__name__, err)
 
+    def client(self) -> FailureBoard:
+        """The same board through a store client of its own (for another thread)."""
+        return FailureBoard(self._store, self._prefix)
+
+    def clear(self, rank: int) -> None:
+        """Take back rank ``rank``'s record (a wait it posted that ended well)."""
+        store = self._error_path_store()
+        if store is None:
+            return
+        try:
+            store.delete_key(self._key(rank))
+        except Exception as err:
+            log.debug("DynMo: could not clear a failure record (%s: %s)", type(err).__name__, err)
+
     def first_failure(self, excluding: int) -> FailureRecord | None:
         """The run's first raised error, unless rank ``excluding`` (the reader) raised it."""
         record = self._read(self._prefix + "first")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline.faults.failure_board import REPORT_GRACE_S, FailureBoard, FailureRecord
+from lightning_dynmo.pipeline.faults.stall_watch import StallWatch
 from lightning_dynmo.pipeline.placement.layout import RankGrid, StageStyle, stages_of_pipeline_rank
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class CommContext:
         board: The run's failure board (``None``: no records are posted or read).
         units: A function returning this rank's units by name (``"layers.3"``), to name the unit an error
             came from (called on error only).
+        watch: Posts the call this rank is in once it stalls (``None``: nothing is posted until it fails).
+        timeout_name: What ``timeout`` is called in messages, e.g. DynMo's control-plane timeout.
     """
 
     rank: int
@@ -96,6 +99,8 @@ class CommContext:
     timeout: timedelta | None
     board: FailureBoard | None = None
     units: Callable[[], Mapping[str, nn.Module]] | None = None
+    watch: StallWatch | None = None
+    timeout_name: str = "the process-group timeout"
 
     def peer_map(self) -> Mapping[int, str]:
         """The peers, described (the expensive part, deferred until an error)."""
@@ -164,7 +169,8 @@ def communication_guard(what: str, context: CommContext) -> Generator[None, None
             unit, stage and step (torch's "failed to run forward" wrapper is taken off).
     """
     try:
-        yield
+        with context.watch.watching(what, context.stage_text) if context.watch else nullcontext():
+            yield
     except CommunicationError:
         raise  # an inner guard described it already
     except Exception as err:
@@ -241,13 +247,13 @@ def describe_failure(
             "The ranks were in different calls: every active rank must make the same collective calls in "
             "the same order (apply_placement, strategy.broadcast / barrier / reduce / all_gather and "
             "checkpoint saving are collective: call them on every rank, not under `if "
-            "trainer.is_global_zero`); a call made on some ranks only waits for the others until the "
-            f"process-group timeout of {timeout}."
+            "trainer.is_global_zero`); a call made on some ranks only waits for the others until "
+            f"{context.timeout_name} of {timeout}."
         )
     else:
         text = (
             f"DynMo: {me} lost contact with a peer during {what}. {peers} One of these ranks died or stalled "
-            f"(a stall is reported after the process-group timeout of {timeout}); check its log."
+            f"(a stall is reported after {context.timeout_name} of {timeout}); check its log."
         )
     return f"{text} Original error: {type(err).__name__}: {err}"
 

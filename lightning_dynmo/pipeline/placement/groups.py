@@ -24,7 +24,35 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from lightning_dynmo.pipeline.placement.layout import RankGrid
 
-__all__ = ["GridGroups", "build_groups", "check_same_on_all_ranks", "restart_attempt_store"]
+__all__ = [
+    "CONTROL_TIMEOUT_NAME",
+    "DEFAULT_CONTROL_TIMEOUT",
+    "GridGroups",
+    "build_groups",
+    "check_same_on_all_ranks",
+    "control_timeout_of",
+    "restart_attempt_store",
+]
+
+#: How long DynMo's control-plane agreements wait for every active rank by default. Ranks reach them within
+#: one training step of each other (the pipeline's sends and receives keep them in step), so this bounds a
+#: call made on some ranks only (a user's bug) to under two minutes instead of the process group's 30; the
+#: same figure torchtitan uses for its training collectives after the first step.
+DEFAULT_CONTROL_TIMEOUT = timedelta(seconds=100)
+#: How error messages name the control group's timeout (``DynMoStrategy(control_timeout=...)`` sets it).
+CONTROL_TIMEOUT_NAME = "DynMo's control timeout"
+
+
+def control_timeout_of(timeout: timedelta | None, control_timeout: timedelta | None) -> timedelta | None:
+    """The control group's timeout: ``control_timeout``, never longer than the process groups' ``timeout``.
+
+    ``None`` for either means torch's default for that one (30 minutes for gloo).
+    """
+    if control_timeout is None:
+        return timeout
+    if timeout is None:
+        return control_timeout
+    return min(timeout, control_timeout)
 
 
 @dataclass(frozen=True)
@@ -36,15 +64,22 @@ class GridGroups:
         pipeline: This rank's pipeline, ranks in pipeline order.
         data_parallel: The ranks holding the same pipeline position in every replica (``None`` without
             data parallelism).
+        control: All training ranks again, with the control timeout: DynMo's own agreements run on it.
     """
 
     active: dist.ProcessGroup
     pipeline: dist.ProcessGroup
     data_parallel: dist.ProcessGroup | None
+    control: dist.ProcessGroup
 
 
 def build_groups(
-    grid: RankGrid, rank: int, timeout: timedelta | None, *, world_has_timeout: bool
+    grid: RankGrid,
+    rank: int,
+    timeout: timedelta | None,
+    *,
+    world_has_timeout: bool,
+    control_timeout: timedelta | None = DEFAULT_CONTROL_TIMEOUT,
 ) -> GridGroups:
     """Create the groups of ``grid``; collective over the world, call on every rank.
 
@@ -55,6 +90,8 @@ def build_groups(
         world_has_timeout: Whether the default group was created with ``timeout`` (by the strategy). If
             not (a process group made by a launcher script or a test), the active ranks get a group of
             their own: the pipeline group itself with a single replica, a new group otherwise.
+        control_timeout: The control group's timeout (capped by ``timeout``, see
+            :func:`control_timeout_of`).
     """
     pipeline: dist.ProcessGroup | None = None
     for replica in range(grid.data_parallel_size):
@@ -74,7 +111,8 @@ def build_groups(
     if not world_has_timeout:
         active = pipeline if grid.data_parallel_size == 1 else dist.new_group(timeout=timeout)
     assert active is not None
-    return GridGroups(active, pipeline, data_parallel)
+    control = dist.new_group(timeout=control_timeout_of(timeout, control_timeout))
+    return GridGroups(active, pipeline, data_parallel, control)
 
 
 def check_same_on_all_ranks(

@@ -177,24 +177,32 @@ def repack_moves(
 
 
 def build_repacked_groups(
-    grid: PackedGrid, rank: int, timeout: timedelta | None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Create this active rank's new pipeline group and the group of all active ranks.
+    grid: PackedGrid, rank: int, timeout: timedelta | None, control_timeout: timedelta | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """Create this active rank's new pipeline group and the groups of all active ranks.
 
     Only members call ``new_group`` (``use_local_synchronization=True``), so released ranks need not
     take part; ``sort_ranks=False`` keeps pipeline order equal to group-rank order (torch's stages pair
     up by group rank). With one replica the active group is the pipeline group.
 
+    Args:
+        grid: The re-packed grid.
+        rank: This (active) global rank.
+        timeout: The strategy's timeout.
+        control_timeout: The control group's timeout (already capped by ``timeout``).
+
     Returns:
-        ``(pipeline_group, active_group)``.
+        ``(pipeline_group, active_group, control_group)``.
     """
     pipeline = list(grid.pipeline_ranks(grid.data_parallel_rank(rank)))
+    active = list(active_ranks_of(grid))
     kwargs = {"use_local_synchronization": True, "sort_ranks": False}
     pipeline_group = dist.new_group(pipeline, timeout=timeout, **kwargs)  # type: ignore[arg-type]
-    if grid.data_parallel_size == 1:
-        return pipeline_group, pipeline_group
-    active_group = dist.new_group(list(active_ranks_of(grid)), timeout=timeout, **kwargs)  # type: ignore[arg-type]
-    return pipeline_group, active_group
+    active_group = pipeline_group
+    if grid.data_parallel_size > 1:
+        active_group = dist.new_group(active, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+    control_group = dist.new_group(active, timeout=control_timeout, **kwargs)  # type: ignore[arg-type]
+    return pipeline_group, active_group, control_group
 
 
 @dataclass(frozen=True)

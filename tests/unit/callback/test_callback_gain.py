@@ -96,12 +96,13 @@ def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
         root_device=strategy.root_device,
         pipeline_group=None,
         active_group=None,
+        control_group=None,
         data_parallel_group=None,
         data_parallel_size=1,
         has_tied_parameters=False,
     )
     strategy.broadcast = lambda obj, src=0: obj
-    strategy.guard = lambda what: contextlib.nullcontext()
+    strategy.guard = lambda what, control=False: contextlib.nullcontext()
     strategy.active_group = None
     trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=0, optimizers=[], loggers=[])
     profiling = ProfilingConfig(warmup_steps=1, steps=3, measure_comm=False)
