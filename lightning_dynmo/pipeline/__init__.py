@@ -31,6 +31,7 @@ from lightning_dynmo.pipeline.checkpoint.contents import (
     state_to_save,
 )
 from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
+from lightning_dynmo.pipeline.checkpoint.resume import resume_path
 from lightning_dynmo.pipeline.checkpoint.sharded import (
     CheckpointSaveError,
     export_full_checkpoint,
@@ -166,6 +167,7 @@ __all__ = [
     "report_interrupt",
     "resolve_schedule",
     "restart_attempt_store",
+    "resume_path",
     "retune_candidates",
     "run_block",
     "run_schedule_step",

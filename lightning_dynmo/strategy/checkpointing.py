@@ -1,7 +1,8 @@
 """What a rank of :class:`~lightning_dynmo.DynMoStrategy` contributes to a Lightning checkpoint, and repairs.
 
 :func:`module_state_dict` gathers the model (a one-file save, on global rank 0) or keeps this rank's units
-(a sharded save); :func:`repair_interrupted_save` puts back a checkpoint a killed save left set aside.
+(a sharded save); :func:`choose_resume_path` repairs what a killed save left and skips an incomplete
+``last*.ckpt``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning_dynmo.pipeline import (
     CHECKPOINT_KEY,
     layout_of,
     read_checkpoint,
-    repair_checkpoint,
+    resume_path,
     save_sharded,
     staged_file_save,
     state_to_save,
@@ -45,13 +46,24 @@ def module_state_dict(strategy: DynMoStrategy) -> dict[str, Any]:
     return model
 
 
-def repair_interrupted_save(strategy: DynMoStrategy, checkpoint_path: Any) -> None:
-    if not isinstance(checkpoint_path, str | Path) or Path(checkpoint_path).exists():
-        return
+def choose_resume_path(strategy: DynMoStrategy, checkpoint_path: Any) -> Any:
+    """The checkpoint to read for ``checkpoint_path`` (:func:`~lightning_dynmo.pipeline.resume_path`), chosen
+    on the first active rank (it may repair what a killed save left) and shared with the others; a path
+    that is not local (a URL) passes unchanged."""
+    if not isinstance(checkpoint_path, str | Path):
+        return checkpoint_path
+    box: list[Any] = [None]
     if strategy.global_rank == strategy._active_ranks[0]:
-        repair_checkpoint(checkpoint_path)
+        try:
+            box[0] = resume_path(checkpoint_path)
+        except FileNotFoundError as err:
+            box[0] = err
     if dist.is_initialized():
-        dist.barrier(group=strategy._active_group)
+        with strategy.guard("choosing the checkpoint to resume from"):
+            dist.broadcast_object_list(box, src=strategy._active_ranks[0], group=strategy._active_group)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def optimizer_state(strategy: DynMoStrategy, optimizer: Any) -> dict[str, Any]:
@@ -89,7 +101,6 @@ def save(
 def load(strategy: DynMoStrategy, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
     """A verified checkpoint (this rank's share of a directory), or ``None``: Lightning reads that one."""
     with strategy.guard("checkpoint loading"):
-        repair_interrupted_save(strategy, checkpoint_path)
         units, aliases = strategy._local_units(), strategy._ties.aliases
         loaded = read_checkpoint(
             checkpoint_path, units, bool(strategy.optimizers), aliases, strategy._active_group, weights_only

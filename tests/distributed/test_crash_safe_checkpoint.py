@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from lightning_dynmo.pipeline.checkpoint.sharded import (
     export_full_checkpoint,
     save_sharded,
 )
-from lightning_dynmo.strategy import DynMoStrategy
+from lightning_dynmo.strategy import DynMoStrategy, checkpointing
 from tests.distributed.fitting import TOL, LossRecorder, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_checkpoint import EpochRun
@@ -267,3 +268,47 @@ def test_a_failed_save_names_the_path_and_cause_on_every_rank_and_keeps_the_old_
     old = torch.load(export_full_checkpoint(path, tmp_path / "old.ckpt"), weights_only=True)
     assert old["epoch"] == 1 and torch.equal(old["state_dict"]["layers.1.w"], torch.zeros(3))
     assert sorted(p.name for p in tmp_path.iterdir() if "store" not in p.name) == ["last.ckpt", "old.ckpt"]
+
+
+# -- ckpt_path="last": an incomplete last.ckpt is skipped for the newest complete checkpoint beside it --
+
+
+def last_resume_worker(rank: int, world_size: int, dirpath: Path, trust_lightning: bool) -> dict[str, Any]:
+    if trust_lightning:  # negative control (this forked rank only): read what Lightning resolved "last" to
+        checkpointing.resume_path = Path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = resume_worker(rank, world_size, dirpath, "last")
+    return {**result, "warnings": [str(w.message) for w in caught if "DynMo" in str(w.message)]}
+
+
+def _last_incomplete_beside_an_older_complete_one(tmp_path: Path) -> Path:
+    """A killed save's complete ``last.ckpt`` copied as ``epoch=0.ckpt``; then ``last.ckpt`` loses its
+    manifest, as if an older release's delete-then-write save had been killed."""
+    dirpath = _crash(tmp_path, "after_items", (1,))
+    shutil.copytree(dirpath / "last.ckpt", dirpath / "epoch=0.ckpt")
+    (dirpath / "last.ckpt" / MANIFEST_FILENAME).unlink()
+    return dirpath
+
+
+def test_ckpt_path_last_skips_an_incomplete_last_checkpoint_with_a_warning_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    dirpath = _last_incomplete_beside_an_older_complete_one(tmp_path)
+    resumed = run_distributed(last_resume_worker, 2, tmp_path, timeout_s=120, args=(dirpath, False))
+
+    (warned,) = resumed[0]["warnings"]  # the first active rank chooses, and says so
+    assert re.search(
+        r"skipping checkpoint '.*last.ckpt': it is incomplete .* resuming from '.*epoch=0.ckpt'", warned
+    )
+    expected = reference(replace(RUN, epochs=RESUMED_EPOCHS))["losses"][RUN.steps :]
+    for rank, res in enumerate(resumed):
+        diff = max(abs(a - b) for a, b in zip(res["losses"], expected, strict=True))
+        assert len(res["losses"]) == len(expected) and diff < TOL, f"rank {rank} did not resume exactly"
+
+
+def test_without_the_choice_ckpt_path_last_fails_on_the_incomplete_checkpoint(tmp_path: Path) -> None:
+    # Negative control: reading what Lightning resolved "last" to fails on the missing manifest.
+    dirpath = _last_incomplete_beside_an_older_complete_one(tmp_path)
+    with pytest.raises(AssertionError, match=rf"last.ckpt' has no {re.escape(MANIFEST_FILENAME)}"):
+        run_distributed(last_resume_worker, 2, tmp_path, timeout_s=120, args=(dirpath, True))

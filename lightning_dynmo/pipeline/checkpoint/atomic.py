@@ -31,7 +31,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["leftovers", "repair", "staging_path", "swap_in"]
+__all__ = ["leftovers", "repair", "set_aside_from", "staging_path", "swap_in"]
 
 _STAGED = "dynmo-staged"
 _ASIDE = "dynmo-aside"
@@ -102,6 +102,16 @@ def repair(target: str | Path) -> None:
         log.warning("checkpoint %s: removing %s, left by an interrupted save", target, path.name)
         _remove(path)
     _sync_directory(target.parent)
+
+
+def set_aside_from(path: str | Path) -> Path | None:
+    """What ``path`` was set aside from, if any (``last.dynmo-aside-<token>.ckpt``: ``last.ckpt``)."""
+    path = Path(path)
+    stem, marker, rest = path.name.partition(f".{_ASIDE}-")
+    if not marker or not stem:
+        return None
+    suffix = Path(rest).suffix
+    return path.with_name(stem + suffix)
 
 
 def _rename(src: Path, dst: Path) -> None:
