@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -40,7 +40,9 @@ def connect(strategy: DynMoStrategy) -> None:
         strategy._process_group_backend = _get_default_process_group_backend_for_device(strategy.root_device)
     assert strategy.cluster_environment is not None
     made_here = not _distributed_is_initialized()  # else made by a script or test, with its timeout
-    extra = {"store": s} if made_here and (s := restart_attempt_store(strategy._timeout)) else {}
+    extra: dict[str, Any] = {}
+    if made_here and (store := restart_attempt_store(strategy._timeout)) is not None:
+        extra["store"] = store
     env, backend = strategy.cluster_environment, strategy._process_group_backend
     _init_dist_connection(env, backend, timeout=strategy._timeout, **extra)  # extra: torchrun restarts
     strategy._active_ranks = tuple(range(strategy.world_size))
