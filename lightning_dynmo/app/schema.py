@@ -46,7 +46,8 @@ class SchemaSpec:
         nested: Argument -> the schema name of a nested node (typed), or ``"any"`` for a node whose schema
             the option that fills it brings (e.g. ``model.config``, set by a ``dynamism`` option).
         kwargs_from: For a function taking ``**kwargs`` that it passes on (a preset passing options to a
-            dataclass), the dotted path of that dataclass: its fields become fields too.
+            dataclass), the dotted paths of those dataclasses: their fields become fields too, in this
+            order (a name already taken is skipped).
         kwargs_exclude: Fields of ``kwargs_from`` that are not accepted through ``**kwargs``.
     """
 
@@ -54,7 +55,7 @@ class SchemaSpec:
     target: str
     exclude: tuple[str, ...] = ()
     nested: Mapping[str, str] = field(default_factory=dict)
-    kwargs_from: str | None = None
+    kwargs_from: tuple[str, ...] = ()
     kwargs_exclude: tuple[str, ...] = ()
 
 
@@ -71,34 +72,37 @@ def _controller_callback(case: str, class_name: str) -> SchemaSpec:
     )
 
 
+_GPT_CONFIG = "lightning_dynmo.models.GPTConfig"
+
+
+def _preset(name: str, target: str, options: str | None = None) -> SchemaSpec:
+    """The schema of a dynamic-model preset (a function that returns a ``GPTConfig``).
+
+    Its fields: the preset's own arguments, the fields of its block ``options`` dataclass (when it takes
+    them as keywords), then every other GPTConfig field but ``blocks`` (the preset sets the blocks).
+    """
+    kwargs_from = (_GPT_CONFIG,) if options is None else (options, _GPT_CONFIG)
+    return SchemaSpec(name, target, kwargs_from=kwargs_from, kwargs_exclude=("blocks",))
+
+
 #: Every schema ``conf/`` uses. Dynamic-model presets are added with their cases.
 SCHEMAS: tuple[SchemaSpec, ...] = (
     SchemaSpec("gpt", "lightning_dynmo.models.GPT", nested={"config": "any", "optimizer": "optimizer"}),
     SchemaSpec("gpt_config", "lightning_dynmo.models.GPTConfig"),
     SchemaSpec("optimizer", "lightning_dynmo.models.OptimizerConfig"),
-    SchemaSpec(
+    _preset(
         "moe_gpt_config",
         "lightning_dynmo.dynamism.moe.moe_gpt_config",
-        kwargs_from="lightning_dynmo.dynamism.moe.MoEOptions",
+        "lightning_dynmo.dynamism.moe.MoEOptions",
     ),
-    SchemaSpec(
-        "early_exit_gpt_config",
-        "lightning_dynmo.dynamism.early_exit.early_exit_config",
-        kwargs_from="lightning_dynmo.models.GPTConfig",
-        kwargs_exclude=("blocks",),
-    ),
-    SchemaSpec(
-        "mod_gpt_config",
-        "lightning_dynmo.dynamism.mod.mod_config",
-        kwargs_from="lightning_dynmo.models.GPTConfig",
-        kwargs_exclude=("blocks",),
-    ),
-    SchemaSpec(
+    _preset("early_exit_gpt_config", "lightning_dynmo.dynamism.early_exit.early_exit_config"),
+    _preset("mod_gpt_config", "lightning_dynmo.dynamism.mod.mod_config"),
+    _preset(
         "sparse_attention_gpt_config",
         "lightning_dynmo.dynamism.sparse_attention.sparse_attention_gpt_config",
-        kwargs_from="lightning_dynmo.dynamism.sparse_attention.SparseAttentionOptions",
+        "lightning_dynmo.dynamism.sparse_attention.SparseAttentionOptions",
     ),
-    SchemaSpec("pruning_gpt_config", "lightning_dynmo.dynamism.pruning.pruning_gpt_config"),
+    _preset("pruning_gpt_config", "lightning_dynmo.dynamism.pruning.pruning_gpt_config"),
     _controller_callback("pruning", "PruningCallback"),
     SchemaSpec(
         "pruning_config",
@@ -231,10 +235,13 @@ def _arguments(target: Any, spec: SchemaSpec) -> list[tuple[str, inspect.Paramet
         if p.name in spec.exclude or p.kind is inspect.Parameter.VAR_POSITIONAL:
             continue
         if p.kind is inspect.Parameter.VAR_KEYWORD:
-            if spec.kwargs_from is not None:
-                extra = inspect.signature(_resolve(spec.kwargs_from)).parameters.values()
-                taken = {q.name for q in params} | set(spec.kwargs_exclude) | set(spec.exclude)
-                out += [(q.name, q) for q in extra if q.name not in taken]
+            taken = {q.name for q in params} | set(spec.kwargs_exclude) | set(spec.exclude)
+            for source in spec.kwargs_from:
+                extra = [
+                    q for q in inspect.signature(_resolve(source)).parameters.values() if q.name not in taken
+                ]
+                out += [(q.name, q) for q in extra]
+                taken |= {q.name for q in extra}
             continue
         out.append((p.name, p))
     return out

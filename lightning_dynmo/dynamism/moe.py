@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynmo.events import notify_dynamism
-from lightning_dynmo.models.config import GPTConfig, check_positive_int
+from lightning_dynmo.models.config import GPTConfig, check_positive_int, split_block_options
 from lightning_dynmo.models.dense import CausalSelfAttention
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss
@@ -408,40 +408,29 @@ def build_moe_block(config: GPTConfig, layer_index: int, options: MoEOptions) ->
 register_block("moe", build_moe_block, options_type=MoEOptions, replace=True)
 
 
-def moe_gpt_config(
-    *,
-    num_layers: int = 8,
-    d_model: int = 128,
-    num_heads: int = 4,
-    seq_len: int = 128,
-    vocab_size: int = 256,
-    moe_every: int = 1,
-    seed: int = 0,
-    **options: Any,
-) -> GPTConfig:
-    """The ready MoE GPT: byte vocabulary, ``MoEOptions(**options)`` on every ``moe_every``-th block.
+def moe_gpt_config(*, num_layers: int = 8, moe_every: int = 1, **fields: Any) -> GPTConfig:
+    """The ready MoE GPT: byte vocabulary, :class:`MoEOptions` on every ``moe_every``-th block.
 
     With ``moe_every=2`` blocks 1, 3, 5, ... are MoE and the others dense (GShard / Switch); the default
     makes every block MoE, which gives the pipeline the most routing imbalance to balance. Train it with
     ``DynMoCallback(every_step=True)``.
 
+    Args:
+        num_layers: Blocks in all.
+        moe_every: Every ``moe_every``-th block is MoE (1: all of them).
+        **fields: Any :class:`MoEOptions` field (``num_experts``, ``top_k``, ...) and any other
+            :class:`~lightning_dynmo.models.GPTConfig` field (``d_model``, ``seq_len``, ...).
+
     Raises:
         ValueError: ``moe_every`` is not an integer in ``[1, num_layers]``, or a bad option (from
             :class:`MoEOptions` and :class:`~lightning_dynmo.models.GPTConfig`).
+        TypeError: a keyword that is neither.
     """
     if isinstance(moe_every, bool) or not isinstance(moe_every, int) or not 1 <= moe_every <= num_layers:
         raise ValueError(
             f"moe_gpt_config(moe_every={moe_every!r}) must be an integer in [1, num_layers={num_layers}]: "
             "1 makes every block MoE, 2 every other one."
         )
-    moe = MoEOptions(**options)
+    moe, gpt = split_block_options("moe_gpt_config", MoEOptions, fields)
     blocks = [moe if (i + 1) % moe_every == 0 else "dense" for i in range(num_layers)]
-    return GPTConfig(
-        vocab_size=vocab_size,
-        seq_len=seq_len,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        blocks=blocks,
-        seed=seed,
-    )
+    return GPTConfig(num_layers=num_layers, blocks=blocks, **gpt)

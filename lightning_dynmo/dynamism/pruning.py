@@ -410,15 +410,7 @@ def _describe(kernel: LayerKernel) -> str:
     return f"{short} {kernel.sparsity:.3f} -> {kernel.kernel}{timing}"
 
 
-def pruning_gpt_config(
-    *,
-    num_layers: int = 8,
-    d_model: int = 256,
-    num_heads: int = 4,
-    seq_len: int = 128,
-    vocab_size: int = 256,
-    seed: int = 0,
-) -> GPTConfig:
+def pruning_gpt_config(*, num_layers: int = 8, d_model: int = 256, **gpt: Any) -> GPTConfig:
     """The ready GPT for gradual pruning: dense GPT-2 blocks over the byte vocabulary.
 
     Train it with ``PruningCallback(PruningConfig())`` (90% global sparsity from step 30 to 70, every 10
@@ -426,15 +418,12 @@ def pruning_gpt_config(
     rebalances on the ``pruned`` events. ``d_model=256`` makes the MLP matrices ``256 x 1024``, where a
     CSR kernel has a chance against dense at high sparsity; smaller widths stay dense on most CPUs.
 
+    Args:
+        num_layers: Blocks in all.
+        d_model: Hidden width.
+        **gpt: Any other :class:`~lightning_dynmo.models.GPTConfig` field (``seq_len``, ``num_heads``, ...).
+
     Raises:
         ValueError: a bad value (from :class:`~lightning_dynmo.models.GPTConfig`).
     """
-    return GPTConfig(
-        vocab_size=vocab_size,
-        seq_len=seq_len,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        blocks="dense",
-        seed=seed,
-    )
+    return GPTConfig(num_layers=num_layers, d_model=d_model, blocks="dense", **gpt)

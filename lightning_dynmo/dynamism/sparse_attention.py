@@ -53,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dynmo.models.config import GPTConfig, check_positive_int
+from lightning_dynmo.models.config import GPTConfig, check_positive_int, split_block_options
 from lightning_dynmo.models.dense import MLP, AttentionProjections
 from lightning_dynmo.models.registry import register_block
 from lightning_dynmo.pipeline.step.stage import in_shape_inference
@@ -407,30 +407,20 @@ register_block(
 )
 
 
-def sparse_attention_gpt_config(
-    *,
-    num_layers: int = 8,
-    d_model: int = 128,
-    num_heads: int = 4,
-    seq_len: int = 512,
-    vocab_size: int = 256,
-    seed: int = 0,
-    **options: Any,
-) -> GPTConfig:
-    """The ready sparse-attention GPT: byte vocabulary, every block ``SparseAttentionOptions(**options)``.
+def sparse_attention_gpt_config(*, num_layers: int = 8, seq_len: int = 512, **fields: Any) -> GPTConfig:
+    """The ready sparse-attention GPT: byte vocabulary, every block a :class:`SparseAttentionBlock`.
+
+    Args:
+        num_layers: Blocks in all.
+        seq_len: Longest input sequence; a multiple of ``block_size``.
+        **fields: Any :class:`SparseAttentionOptions` field (``num_buckets``, ``block_size``, ...) and any
+            other :class:`~lightning_dynmo.models.GPTConfig` field (``d_model``, ``num_heads``, ...).
 
     Raises:
         ValueError: a bad option (from :class:`SparseAttentionOptions` and
             :class:`~lightning_dynmo.models.GPTConfig`), or a ``block_size`` that does not divide ``seq_len``.
+        TypeError: a keyword that is neither.
     """
-    sparse = SparseAttentionOptions(**options)
+    sparse, gpt = split_block_options("sparse_attention_gpt_config", SparseAttentionOptions, fields)
     sparse.check_sequence(seq_len, "seq_len")
-    return GPTConfig(
-        vocab_size=vocab_size,
-        seq_len=seq_len,
-        num_layers=num_layers,
-        d_model=d_model,
-        num_heads=num_heads,
-        blocks=sparse,
-        seed=seed,
-    )
+    return GPTConfig(num_layers=num_layers, seq_len=seq_len, blocks=sparse, **gpt)

@@ -6,13 +6,16 @@ Both are frozen, keyword-only dataclasses validated on construction; Hydra insta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from lightning_dynmo.models.registry import BlockKind, resolve_block
 
-__all__ = ["GPTConfig", "OptimizerConfig", "check_positive_int"]
+__all__ = ["GPTConfig", "OptimizerConfig", "check_positive_int", "split_block_options"]
+
+Options = TypeVar("Options")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,3 +160,35 @@ def check_positive_int(name: str, value: Any, owner: str = "GPTConfig") -> None:
     """Raise ``ValueError("<owner>.<name>=<value> must be an integer >= 1.")`` unless it is one (no bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}.{name}={value!r} must be an integer >= 1.")
+
+
+def split_block_options(
+    preset: str, options_type: type[Options], fields: Mapping[str, Any]
+) -> tuple[Options, dict[str, Any]]:
+    """Split a preset's keywords into its block options and the :class:`GPTConfig` fields it passes on.
+
+    A ready configuration (``moe_gpt_config(num_experts=8, d_model=64)``) takes the fields of its block
+    options dataclass and the GPT's own fields side by side, as flat keywords (so Hydra keys stay flat).
+
+    Args:
+        preset: The preset's name, for the error.
+        options_type: The block options dataclass (e.g. ``MoEOptions``).
+        fields: The preset's ``**fields``.
+
+    Returns:
+        ``options_type`` built from the keywords it names, and the rest (GPTConfig fields).
+
+    Raises:
+        TypeError: a keyword is neither a field of ``options_type`` nor a GPTConfig field other than
+            ``blocks`` (the preset sets the blocks).
+    """
+    own = {f.name for f in dataclasses.fields(options_type)}  # type: ignore[arg-type]
+    gpt = {f.name for f in dataclasses.fields(GPTConfig)} - {"blocks"}
+    unknown = sorted(set(fields) - own - gpt)
+    if unknown:
+        raise TypeError(
+            f"{preset}() got unknown keyword(s) {unknown}; pass {options_type.__name__} fields "
+            f"({', '.join(sorted(own))}) or GPTConfig fields ({', '.join(sorted(gpt))})."
+        )
+    options = options_type(**{k: v for k, v in fields.items() if k in own})
+    return options, {k: v for k, v in fields.items() if k not in own}

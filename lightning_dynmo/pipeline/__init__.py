@@ -86,7 +86,6 @@ from lightning_dynmo.pipeline.placement.release import (
     build_repacked_groups,
     plan_repack,
     repack_layouts,
-    repack_moves,
 )
 from lightning_dynmo.pipeline.step import grads
 from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses, reduce_step_losses
@@ -162,7 +161,6 @@ __all__ = [
     "reduce_step_losses",
     "rename_checkpoint_keys",
     "repack_layouts",
-    "repack_moves",
     "repair_checkpoint",
     "report_interrupt",
     "resolve_schedule",

@@ -247,11 +247,6 @@ class DynMoStrategy(ParallelStrategy):
         return self._pipe.stage_indices if self._pipe is not None else ()
 
     @property
-    def num_stages(self) -> int:
-        """Number of placement stages (``pipeline_size`` times the stages each rank runs)."""
-        return self.placement.num_stages
-
-    @property
     def is_first_stage(self) -> bool:
         """Whether this rank runs stage 0 (it feeds the inputs)."""
         return self._pipe is not None and self._pipe.has_first
@@ -293,12 +288,6 @@ class DynMoStrategy(ParallelStrategy):
         Profilers wrap their methods to time a step; they are rebuilt by :meth:`apply_placement`.
         """
         return [] if self._pipe is None else self._pipe.stages
-
-    @property
-    def stage_style(self) -> str:
-        """How placement stages map to pipeline ranks: ``"loop"`` (stage ``s`` on rank ``s % p``) or
-        ``"v"`` (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2p - 1 - r``)."""
-        return self._schedule.style
 
     def pipeline_rank_of(self, global_rank: int) -> int:
         """The position in its pipeline (0 = first stage's rank) of an active ``global_rank``."""

@@ -36,7 +36,6 @@ from lightning_dynmo.pipeline import (
     keep_local_units,
     migrate_units,
     plan_repack,
-    repack_moves,
     unit_moves,
     unit_owners,
 )
@@ -95,9 +94,8 @@ def repack(strategy: DynMoStrategy, target: Placement, num_microbatches: int | N
     spec, old, old_grid = strategy._require_spec(), strategy.placement, strategy._require_grid()
     check_placement(target, spec.num_layers, target.num_stages)
     new_grid = plan_repack(old_grid, old, target, strategy._schedule.stages_per_rank)
-    planned = repack_moves(
-        old, target, old_grid, new_grid, strategy._schedule.style, spec.first_parts, spec.last_parts
-    )
+    style = strategy._schedule.style
+    planned = unit_moves(old, target, old_grid, style, spec.first_parts, spec.last_parts, new_grid=new_grid)
     report = strategy._migrate(planned, f"re-pack {old} -> {target}")
     old_active = strategy._active_ranks
     strategy._grid, strategy._placement = new_grid, target

@@ -107,7 +107,8 @@ class PipelineView:
 
     @property
     def stage_style(self) -> str:
-        """How placement stages map to pipeline ranks (``"loop"`` or ``"v"``)."""
+        """How placement stages map to pipeline ranks: ``"loop"`` (stage ``s`` on rank ``s % p``) or
+        ``"v"`` (ZBV, DualPipeV: rank ``r`` runs stages ``r`` and ``2p - 1 - r``)."""
         return self.schedule.style
 
     @property

@@ -169,10 +169,10 @@ def _constructor_defaults(spec: SchemaSpec) -> dict[str, Any]:
     out = {}
     for name, p in params.items():
         if p.kind is inspect.Parameter.VAR_KEYWORD:
-            if spec.kwargs_from is not None:
-                extra = inspect.signature(_resolve(spec.kwargs_from)).parameters
-                skip = set(params) | set(spec.kwargs_exclude)
-                out.update({n: q.default for n, q in extra.items() if n not in skip})
+            skip = set(params) | set(spec.kwargs_exclude)
+            for source in spec.kwargs_from:
+                extra = inspect.signature(_resolve(source)).parameters
+                out.update({n: q.default for n, q in extra.items() if n not in skip and n not in out})
             continue
         if name not in spec.exclude and p.kind is not inspect.Parameter.VAR_POSITIONAL:
             out[name] = p.default

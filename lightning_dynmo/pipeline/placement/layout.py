@@ -169,38 +169,35 @@ def unit_moves(
     style: StageStyle,
     first_parts: Sequence[str] = (),
     last_parts: Sequence[str] = (),
+    *,
+    new_grid: RankGrid | None = None,
 ) -> list[UnitMove]:
-    """The units that change owner between two placements, replica by replica, in model order.
+    """The units that change owner when ``old`` on ``grid`` becomes ``new`` on ``new_grid``.
 
-    Every rank computes the same list in the same order, which is what lets point-to-point transfers
-    pair up without negotiation.
+    Replica by replica, in model order: every rank computes the same list in the same order, which is what
+    lets point-to-point transfers pair up without negotiation. A migration keeps the grid (``new_grid``
+    ``None``); a re-pack passes the smaller grid :func:`~.release.plan_repack` worked out.
+
+    Raises:
+        ValueError: the placements cover different layers, or the grids have different replica counts.
     """
+    new_grid = grid if new_grid is None else new_grid
+    rule = "the layers and the replica count must stay the same"
     if old.num_layers != new.num_layers:
         raise ValueError(
             f"placement {new} covers {new.num_layers} layers but the current placement {old} covers "
-            f"{old.num_layers}; a new placement must cover the same layers."
+            f"{old.num_layers}; {rule}."
         )
-    return owner_changes(old, grid, new, grid, style, first_parts, last_parts)
-
-
-def owner_changes(
-    old: Placement,
-    old_grid: RankGrid,
-    new: Placement,
-    new_grid: RankGrid,
-    style: StageStyle,
-    first_parts: Sequence[str],
-    last_parts: Sequence[str],
-) -> list[UnitMove]:
-    """Every unit whose owner differs between ``old`` on ``old_grid`` and ``new`` on ``new_grid``.
-
-    Replica by replica, in model order; the grids must have the same replica count (callers check).
-    """
-    before = unit_owners(old, old_grid, style, first_parts, last_parts)
+    if grid.data_parallel_size != new_grid.data_parallel_size:
+        raise ValueError(
+            f"placement {new} on {new_grid.data_parallel_size} replicas cannot follow {old} on "
+            f"{grid.data_parallel_size}; {rule}."
+        )
+    before = unit_owners(old, grid, style, first_parts, last_parts)
     after = unit_owners(new, new_grid, style, first_parts, last_parts)
     return [
         UnitMove(unit, before[(replica, unit)], after[(replica, unit)])
-        for replica in range(old_grid.data_parallel_size)
+        for replica in range(grid.data_parallel_size)
         for unit in unit_names(old.num_layers, first_parts, last_parts)
         if before[(replica, unit)] != after[(replica, unit)]
     ]

@@ -3,8 +3,9 @@
 Read in this order: :func:`repack_layouts` (the smaller pipelines a schedule can run, for the planner),
 :func:`plan_repack` (check a smaller placement and work out the new rank grid),
 :class:`PackedGrid` (a grid whose pipelines use only the lowest ranks of each replica),
-:func:`repack_moves` (the units that change owner), :func:`build_repacked_groups` (the process groups
-of the smaller pipeline, created by their members only) and :class:`ReleaseEvent` (what is announced).
+:func:`build_repacked_groups` (the process groups of the smaller pipeline, created by their members
+only) and :class:`ReleaseEvent` (what is announced). What moves is
+:func:`~lightning_dynmo.pipeline.placement.layout.unit_moves` with the new grid.
 
 Which ranks stay. Each data-parallel replica keeps its lowest pipeline positions: with 2 replicas of 4
 ranks re-packed to 2 stages, ranks 0, 1 (replica 0) and 4, 5 (replica 1) stay, 2, 3, 6, 7 are released.
@@ -18,20 +19,13 @@ Pure except :func:`build_repacked_groups`: every rank computes the same plan fro
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.pipeline.placement.layout import (
-    RankGrid,
-    StageStyle,
-    owner_changes,
-    stage_to_pipeline_rank,
-)
+from lightning_dynmo.pipeline.placement.layout import RankGrid, StageStyle, stage_to_pipeline_rank
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +36,6 @@ __all__ = [
     "build_repacked_groups",
     "plan_repack",
     "repack_layouts",
-    "repack_moves",
     "schedule_runs",
 ]
 
@@ -150,30 +143,6 @@ def plan_repack(grid: RankGrid, current: Placement, target: Placement, stages_pe
         )
     new_size = target.num_stages // stages_per_rank
     return PackedGrid(grid.data_parallel_size * new_size, new_size, stride=grid.replica_stride)
-
-
-def repack_moves(
-    old: Placement,
-    new: Placement,
-    old_grid: RankGrid,
-    new_grid: RankGrid,
-    style: StageStyle,
-    first_parts: Sequence[str] = (),
-    last_parts: Sequence[str] = (),
-) -> list[UnitMove]:
-    """The units that change owner when ``old`` on ``old_grid`` becomes ``new`` on ``new_grid``.
-
-    Replica by replica, in model order, so every rank builds the identical list.
-
-    Raises:
-        ValueError: if the placements cover different layers or the grids different replica counts.
-    """
-    if old.num_layers != new.num_layers or old_grid.data_parallel_size != new_grid.data_parallel_size:
-        raise ValueError(
-            f"cannot re-pack {old} ({old_grid.data_parallel_size} replicas) into {new} "
-            f"({new_grid.data_parallel_size} replicas): the layers and the replica count must stay the same."
-        )
-    return owner_changes(old, old_grid, new, new_grid, style, first_parts, last_parts)
 
 
 def build_repacked_groups(

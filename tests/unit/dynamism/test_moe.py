@@ -352,3 +352,13 @@ def test_bad_moe_every_is_refused() -> None:
         ValueError, match=r"moe_gpt_config\(moe_every=5\) must be an integer in \[1, num_layers=4\]"
     ):
         moe_gpt_config(num_layers=4, moe_every=5)
+
+
+def test_moe_gpt_config_takes_options_and_gpt_fields_as_keywords() -> None:
+    config = moe_gpt_config(num_layers=2, num_experts=4, d_model=16, num_heads=2, dropout=0.1)
+    assert (config.d_model, config.num_heads, config.dropout) == (16, 2, 0.1)
+    assert all(options.num_experts == 4 for _, options in config.resolved_blocks())
+    with pytest.raises(
+        TypeError, match=r"moe_gpt_config\(\) got unknown keyword\(s\) \['num_expert'\]; pass MoEOptions"
+    ):
+        moe_gpt_config(num_expert=4)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.pipeline.placement.layout import PlannedMove, RankGrid
+from lightning_dynmo.pipeline.placement.layout import PlannedMove, RankGrid, unit_moves
 from lightning_dynmo.pipeline.placement.release import (
     PackedGrid,
     ReleaseEvent,
     active_ranks_of,
     plan_repack,
-    repack_moves,
 )
 
 
@@ -36,7 +35,7 @@ def test_repack_moves_send_every_unit_of_released_ranks_to_kept_ones() -> None:
     old, new = Placement.from_string("0-1|2-3|4-5|6-7"), Placement.from_string("0-2|3-7")
     grid = RankGrid(world_size=4, pipeline_size=4)
     packed = plan_repack(grid, old, new, 1)
-    moves = repack_moves(old, new, grid, packed, "loop", ("embed",), ("head",))
+    moves = unit_moves(old, new, grid, "loop", ("embed",), ("head",), new_grid=packed)
     assert moves == [
         PlannedMove("layers.2", 1, 0),
         PlannedMove("layers.4", 2, 1),
@@ -50,7 +49,7 @@ def test_repack_moves_send_every_unit_of_released_ranks_to_kept_ones() -> None:
 def test_repack_moves_are_listed_replica_by_replica() -> None:
     old, new = Placement.from_string("0-1|2-3"), Placement.from_string("0-3")
     grid = RankGrid(world_size=4, pipeline_size=2)
-    moves = repack_moves(old, new, grid, plan_repack(grid, old, new, 1), "loop")
+    moves = unit_moves(old, new, grid, "loop", new_grid=plan_repack(grid, old, new, 1))
     assert moves == [PlannedMove(f"layers.{i}", 1, 0) for i in (2, 3)] + [
         PlannedMove(f"layers.{i}", 3, 2) for i in (2, 3)
     ]
@@ -72,7 +71,7 @@ def test_a_repack_must_fit_the_stages_per_rank_of_the_schedule() -> None:
 def test_repack_moves_reject_a_different_model() -> None:
     grid = RankGrid(world_size=2, pipeline_size=2)
     with pytest.raises(ValueError, match="the layers and the replica count must stay the same"):
-        repack_moves(Placement.from_sizes([2, 2]), Placement.from_sizes([5]), grid, grid, "loop")
+        unit_moves(Placement.from_sizes([2, 2]), Placement.from_sizes([5]), grid, "loop", new_grid=grid)
 
 
 def test_packed_grid_needs_a_stride_at_least_the_pipeline_size() -> None:
