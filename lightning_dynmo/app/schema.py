@@ -119,7 +119,7 @@ SCHEMAS: tuple[SchemaSpec, ...] = (
         "dynmo_strategy",
         "lightning_dynmo.strategy.DynMoStrategy",
         # set by the Trainer; a callable; a timedelta (set it in code).
-        exclude=(*_TRAINER_SET, "on_release", "timeout"),
+        exclude=(*_TRAINER_SET, "on_release", "timeout", "control_timeout"),
     ),
     SchemaSpec(
         "dynmo_callback",

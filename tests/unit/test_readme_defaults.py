@@ -6,6 +6,7 @@ import ast
 import inspect
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ _SET_BY_TRAINER = {
 _DESCRIBED = {
     ("pipeline_size", "all devices"): None,
     ("timeout", "Lightning's"): "lightning-default-timeout",
+    ("control_timeout", "100 s"): timedelta(seconds=100),
     ("process_group_backend", "gloo on CPU, NCCL on GPU"): None,
 }
 
