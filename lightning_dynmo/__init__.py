@@ -19,7 +19,8 @@ Packages, from the Lightning glue down (imports point down only):
 - :mod:`.balancing`: placements from costs, pure Python (neither torch nor lightning).
 
 Modules at the top: :mod:`.events` (the public "the model changed" API), :mod:`.throughput` (Lightning's
-``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers).
+``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers),
+:mod:`.console_log` (DynMo's INFO lines on rank 0's console when the user configured no logging).
 """
 
 from __future__ import annotations
