@@ -1,6 +1,7 @@
 """lightning_dynmo: keep pipeline-parallel training of dynamic LLMs balanced while it trains.
 
-The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`.
+The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`; :class:`RunReport` adds the
+run's summary table and ``summary.json`` to one's own Trainer.
 
 ``import lightning_dynmo`` registers the strategy under the name ``"dynmo"`` (so
 ``Trainer(strategy="dynmo")`` works) whenever torch and lightning are installed. The pure balancing core,
@@ -35,6 +36,7 @@ _LAZY = {
     "DynMoCallback": "lightning_dynmo.callback",
     "LayerCost": "lightning_dynmo.balancing",
     "Placement": "lightning_dynmo.balancing",
+    "RunReport": "lightning_dynmo.app.report",
 }
 
 __all__ = ["__version__", *_LAZY]
