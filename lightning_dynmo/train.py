@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
 from lightning_dynmo.app import quiet
+from lightning_dynmo.app.help import user_config_groups
 from lightning_dynmo.app.launch import (
     CHILD_ENV,
     check_multi_node,
@@ -58,6 +59,8 @@ register_schemas()
 if not OmegaConf.has_resolver("dynmo_run_id"):
     OmegaConf.register_new_resolver("dynmo_run_id", run_id)
     OmegaConf.register_new_resolver("dynmo_rank", lambda: str(rank_of_this_process()))
+if not OmegaConf.has_resolver("dynmo_config_groups"):
+    OmegaConf.register_new_resolver("dynmo_config_groups", user_config_groups)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
