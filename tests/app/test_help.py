@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from hydra import initialize_config_dir
 
 from lightning_dynmo.app.help import user_config_groups
 from lightning_dynmo.train import CONF_DIR
+from tests.app.test_train_runs import ROOT, _run
 
-ROOT = Path(__file__).resolve().parents[2]
 #: The groups of ``conf/`` (folders holding options), Hydra's own aside.
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 
 
 def _help(*overrides: str) -> list[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_dynmo.train", *overrides, "--help"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return _run(["-m", "lightning_dynmo.train", *overrides, "--help"], cwd=ROOT, timeout=120).splitlines()
 
 
 def test_help_lists_every_user_group_and_no_schema_line() -> None:
