@@ -1,6 +1,7 @@
 """lightning_dynmo: keep pipeline-parallel training of dynamic LLMs balanced while it trains.
 
-The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`.
+The public entry points are :class:`DynMoStrategy` and :class:`DynMoCallback`; :class:`RunReport` adds the
+run's summary table and ``summary.json`` to one's own Trainer.
 
 ``import lightning_dynmo`` registers the strategy under the name ``"dynmo"`` (so
 ``Trainer(strategy="dynmo")`` works) whenever torch and lightning are installed. The pure balancing core,
@@ -19,7 +20,8 @@ Packages, from the Lightning glue down (imports point down only):
 - :mod:`.balancing`: placements from costs, pure Python (neither torch nor lightning).
 
 Modules at the top: :mod:`.events` (the public "the model changed" API), :mod:`.throughput` (Lightning's
-``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers).
+``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers),
+:mod:`.console_log` (DynMo's INFO lines on rank 0's console when the user configured no logging).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ _LAZY = {
     "DynMoCallback": "lightning_dynmo.callback",
     "LayerCost": "lightning_dynmo.balancing",
     "Placement": "lightning_dynmo.balancing",
+    "RunReport": "lightning_dynmo.app.report",
 }
 
 __all__ = ["__version__", *_LAZY]

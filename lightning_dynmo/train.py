@@ -1,12 +1,12 @@
-"""``python -m lightning_dynmo.train``: compose ``conf/``, start the ranks, fit, end with a summary.
+"""``python -m lightning_dynmo.train`` / ``dynmo-train``: compose ``conf/``, start the ranks, fit, summarise.
 
 Read in this order: :func:`main` (the Hydra entry point), :func:`run` (start the ranks, or train when
 this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``).
 
-The configuration is ``conf/train.yaml`` and its groups (``model``, ``dynamism``, ``balancer``,
-``strategy``, ``callbacks``, ``trainer``, ``data``, ``logger``, ``experiment``); each node names a
-public constructor by ``_target_`` and is validated against a schema generated from that constructor
-(:mod:`lightning_dynmo.app.schema`). Examples::
+The configuration is ``conf/train.yaml``, shipped inside the package, and its groups (``model``,
+``dynamism``, ``balancer``, ``strategy``, ``callbacks``, ``trainer``, ``data``, ``logger``,
+``experiment``); each node names a public constructor by ``_target_`` and is validated against a schema
+generated from that constructor (:mod:`lightning_dynmo.app.schema`). Examples::
 
     python -m lightning_dynmo.train                                      # the quick start
     python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
 from lightning_dynmo.app import quiet
+from lightning_dynmo.app.help import user_config_groups
 from lightning_dynmo.app.launch import (
     CHILD_ENV,
     check_multi_node,
@@ -51,13 +52,15 @@ __all__ = ["CONF_DIR", "fit", "main", "run"]
 
 log = logging.getLogger(__name__)
 
-#: The Hydra configuration of the application (``conf/`` at the repository root).
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+#: The Hydra configuration of the application (``lightning_dynmo/conf/``, shipped in the package).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 register_schemas()
 if not OmegaConf.has_resolver("dynmo_run_id"):
     OmegaConf.register_new_resolver("dynmo_run_id", run_id)
     OmegaConf.register_new_resolver("dynmo_rank", lambda: str(rank_of_this_process()))
+if not OmegaConf.has_resolver("dynmo_config_groups"):
+    OmegaConf.register_new_resolver("dynmo_config_groups", user_config_groups)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

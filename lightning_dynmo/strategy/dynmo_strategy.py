@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.console_log import show_info_on_rank_zero
 from lightning_dynmo.pipeline import (
     DEFAULT_CONTROL_TIMEOUT,
     BuiltPipeline,
@@ -378,6 +379,7 @@ class DynMoStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         assert self.model is not None
+        show_info_on_rank_zero(self.global_rank)  # before the first placement line
         self.accelerator.setup(trainer)
         module = self._module()
         fitting = trainer.state.fn == TrainerFn.FITTING

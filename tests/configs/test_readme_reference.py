@@ -10,6 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from lightning_dynmo.train import CONF_DIR
 from tests.configs.conftest import Compose, group_options
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -54,7 +55,7 @@ def test_every_group_and_option_is_documented_and_exists() -> None:
 
 
 def test_the_documented_defaults_are_the_composed_ones(compose_train: Compose) -> None:
-    train = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "train.yaml").read_text())
+    train = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
     defaults = {k: v for d in train["defaults"] if isinstance(d, dict) for k, v in d.items()}
     for row in _table("config-groups"):
         group, first = row[0].strip("`"), re.findall(r"`([a-z_]+)`|\(none\)", row[1])[0] or None
