@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lightning_dynmo.models.registry import BlockKind, resolve_block
 
 __all__ = ["GPTConfig", "OptimizerConfig", "check_positive_int"]
@@ -151,6 +153,11 @@ class OptimizerConfig:
     def has_schedule(self) -> bool:
         """Whether the learning rate changes over steps."""
         return self.warmup_steps > 0 or self.decay_steps is not None
+
+
+# Both travel in checkpoints as the GPT's hyper-parameters; torch.load(weights_only=True), Lightning's
+# default for resuming and load_from_checkpoint, unpickles only allow-listed classes.
+torch.serialization.add_safe_globals([GPTConfig, OptimizerConfig])
 
 
 def check_positive_int(name: str, value: Any, owner: str = "GPTConfig") -> None:
