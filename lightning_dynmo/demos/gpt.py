@@ -113,7 +113,7 @@ class DemoGPT(GPT):
         self.demo_config = demo
         # The GPT saved its own arguments, which DemoGPT does not take: the settings are the demo's.
         self.hparams.clear()
-        self.save_hyperparameters({"config": demo})
+        self.save_hyperparameters({"config": demo}, logger=False)  # frozen: see GPT
 
     @override
     def configure_optimizers(self) -> Any:

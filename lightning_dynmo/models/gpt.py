@@ -74,8 +74,9 @@ class GPT(ShardedCheckpointModule):
     Trains single-process with its own ``training_step`` (the reference) and pipelined under
     :class:`~lightning_dynmo.DynMoStrategy`. Logs ``train_loss``, ``val_loss`` / ``test_loss`` (per
     epoch) and ``val_ppl`` / ``test_ppl``, the exponential of the token-weighted mean loss, the same way
-    in both cases. Its arguments are its hyper-parameters (``hparams``), so
-    ``GPT.load_from_checkpoint(path)`` rebuilds it from a checkpoint file or a sharded checkpoint directory.
+    in both cases. Its arguments are its hyper-parameters (``hparams``, saved in checkpoints but not sent
+    to loggers), so ``GPT.load_from_checkpoint(path)`` rebuilds it from a checkpoint file or a sharded
+    checkpoint directory.
 
     Args:
         config: Shape, block kinds and seed; ``None`` is ``GPTConfig()``.
@@ -101,7 +102,8 @@ class GPT(ShardedCheckpointModule):
             raise ValueError(f"GPT(microbatches={microbatches!r}) must be an integer >= 1.")
         # Every __init__ argument up the subclass chain (Lightning collects a subclass's own too), so
         # load_from_checkpoint rebuilds the same shape; the configs are allow-listed for weights_only loads.
-        self.save_hyperparameters()
+        # Not sent to loggers: Lightning's hparams.yaml writer refuses frozen dataclasses (ValueError).
+        self.save_hyperparameters(logger=False)
         self.config = config if config is not None else GPTConfig()
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         self.microbatches = microbatches

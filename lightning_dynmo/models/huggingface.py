@@ -165,8 +165,9 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"HuggingFaceCausalLM(microbatches={microbatches!r}) must be an integer >= 1.")
         hf = _build(model, attn_implementation, seed)
-        self.save_hyperparameters(ignore=["model"])
-        self.save_hyperparameters(_config_hparams(model, hf))
+        # Loggers get them too, unless a recipe (a frozen dataclass, which Lightning's hparams.yaml refuses).
+        self.save_hyperparameters(ignore=["model"], logger=architecture is None)
+        self.save_hyperparameters(_config_hparams(model, hf), logger=architecture is None)
         pieces = find_pieces(hf, architecture)
         recipe = architecture if architecture is not None else ARCHITECTURES[hf.config.model_type]
         self.lr, self.weight_decay, self.microbatches = lr, weight_decay, microbatches
@@ -418,7 +419,7 @@ def _build(model: Any, attn_implementation: str | None, seed: int) -> Any:
 
 def _config_from_dict(values: Mapping[str, Any]) -> Any:
     model_type = values.get("model_type")
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(
             f"HuggingFaceCausalLM got a config dict with model_type={model_type!r}, which transformers does "
             "not know; pass a config's to_dict() (it names its model_type, e.g. 'llama'), or the config."

@@ -12,7 +12,6 @@ Lightning unchanged.
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,11 +32,11 @@ class ShardedCheckpointModule(pl.LightningModule):
     """
 
     @classmethod
-    def load_from_checkpoint(  # type: ignore[override]  # Lightning's is a restricted classmethod
+    def load_from_checkpoint(
         cls,
-        checkpoint_path: str | os.PathLike[str] | IO[bytes],
+        checkpoint_path: str | Path | IO[Any],
         map_location: Any = None,
-        hparams_file: str | os.PathLike[str] | None = None,
+        hparams_file: str | Path | None = None,
         strict: bool | None = None,
         weights_only: bool | None = None,
         **kwargs: Any,
@@ -48,7 +47,7 @@ class ShardedCheckpointModule(pl.LightningModule):
             ValueError: ``checkpoint_path`` is a directory that is not a sharded checkpoint.
             CheckpointCorruptError: a part of the directory is damaged or its save did not finish.
         """
-        if isinstance(checkpoint_path, str | os.PathLike) and Path(checkpoint_path).is_dir():
+        if isinstance(checkpoint_path, str | Path) and Path(checkpoint_path).is_dir():
             who = f"{cls.__name__}.load_from_checkpoint"
             checkpoint_path = _gathered(Path(checkpoint_path), who, weights_only)
         loaded: Self = super().load_from_checkpoint(
