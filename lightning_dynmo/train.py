@@ -1,7 +1,8 @@
-"""``python -m lightning_dynmo.train`` / ``dynmo-train``: compose ``conf/``, start the ranks, fit, summarise.
+"""``python -m lightning_dynmo.train`` / ``dynmo-train``: compose ``conf/``, start the ranks, fit, test, summarise.
 
 Read in this order: :func:`main` (the Hydra entry point), :func:`run` (start the ranks, or train when
-this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``).
+this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``,
+resuming from ``ckpt_path``, then ``Trainer.test`` with ``run_test=true``).
 
 The configuration is ``conf/train.yaml``, shipped inside the package, and its groups (``model``,
 ``dynamism``, ``balancer``, ``strategy``, ``callbacks``, ``trainer``, ``data``, ``logger``,
@@ -10,6 +11,7 @@ generated from that constructor (:mod:`lightning_dynmo.app.schema`). Examples::
 
     python -m lightning_dynmo.train                                      # the quick start
     python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
+    python -m lightning_dynmo.train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt run_test=true
     python -m lightning_dynmo.train -m dynamism=early_exit,pruning balancer=partition_time,diffusion_time
     torchrun --standalone --nproc-per-node 2 -m lightning_dynmo.train   # ranks started by torchrun
 
@@ -31,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the dynamic block kinds
@@ -110,9 +113,22 @@ def fit(cfg: DictConfig) -> dict[str, Any] | None:
     trainer = instantiate(
         cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False, _convert_="all"
     )
-    trainer.fit(model, datamodule=datamodule)
+    if cfg.get("run_test"):
+        _check_test_split(datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if cfg.get("run_test"):
+        trainer.test(model, datamodule=datamodule)
     report = next((c for c in callbacks if isinstance(c, RunReport)), None)
     return report.summary if report is not None else None
+
+
+def _check_test_split(datamodule: Any) -> None:
+    """Before fitting: ``run_test=true`` needs a datamodule with a test split."""
+    if not is_overridden("test_dataloader", datamodule, pl.LightningDataModule):
+        raise ValueError(
+            f"run_test=true, but the datamodule {type(datamodule).__name__} has no test split (no "
+            "test_dataloader); set run_test=false, or use a datamodule with one (e.g. data=stdlib)."
+        )
 
 
 def _nodes(group: Any) -> list[Any]:

@@ -161,10 +161,15 @@ class TrainConfig:
         callbacks: Named callbacks (``callbacks/``; ``balancer/`` and ``dynamism/`` set DynMo's knobs).
         logger: Named loggers (``logger/``).
         trainer: ``lightning.pytorch.Trainer``'s other arguments (``trainer/``).
+        ckpt_path: Resume from this checkpoint (``Trainer.fit(ckpt_path=...)``: a file, a sharded
+            checkpoint directory, or ``"last"``); ``None`` starts afresh.
+        run_test: After fitting, run ``Trainer.test`` on the datamodule's test split.
     """
 
     seed: int = 0
     run_dir: str = "${hydra:runtime.output_dir}"
+    ckpt_path: str | None = None
+    run_test: bool = False
     model: Any = None
     data: Any = None
     strategy: Any = None

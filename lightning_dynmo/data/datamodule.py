@@ -7,8 +7,8 @@ Batches are ``LongTensor[batch_size, seq_len + 1]``: row ``r`` holds ``seq_len +
 the model's inputs are ``row[:-1]`` and its next-token targets ``row[1:]`` (the format of
 :class:`~lightning_dynmo.demos.RandomTokenDataModule`, which ``GPT.pipeline_batch`` splits). Block ``i``
 starts at token ``i * seq_len``, so consecutive blocks share one token and every token after the first is a
-target exactly once. The first blocks train, the last ``val_fraction`` validate; the two sets share at most
-one input token and no target.
+target exactly once. The first blocks train, the last ``val_fraction`` validate (and test: ``Trainer.test``
+reads the same held-out blocks); the two sets share at most one input token and no target.
 
 Every batch is full (``drop_last``), so a pipeline can always cut it into its micro-batches when
 ``batch_size`` is a multiple of ``num_microbatches``. Training order: a permutation drawn from a generator
@@ -175,6 +175,11 @@ class TextDataModule(pl.LightningDataModule):
             drop_last=True,
             num_workers=self.num_workers,
         )
+
+    @override
+    def test_dataloader(self) -> DataLoader[Tensor]:
+        """The held-out blocks, as :meth:`val_dataloader` serves them (the corpus has no third split)."""
+        return self.val_dataloader()
 
     def _load_tokens(self) -> npt.NDArray[np.integer]:
         if self._tokens is not None:

@@ -88,6 +88,10 @@ class DemoConfig:
         return OptimizerConfig(lr=self.lr, betas=(0.9, 0.999), weight_decay=self.weight_decay)
 
 
+# DemoGPT's hyper-parameter: allow-listed for torch.load(weights_only=True), Lightning's default.
+torch.serialization.add_safe_globals([DemoConfig])
+
+
 class DemoGPT(GPT):
     """A tiny :class:`~lightning_dynmo.models.GPT` with the demo's defaults and emulated block costs.
 
@@ -95,7 +99,8 @@ class DemoGPT(GPT):
     ``layers["i"].cost`` is the block's :class:`~lightning_dynmo.demos.EmulatedCost`.
 
     Args:
-        config: The demo's settings; keyword ``overrides`` replace single fields.
+        config: The demo's settings; keyword ``overrides`` replace single fields. The resulting
+            :class:`DemoConfig` is the one hyper-parameter (``hparams.config``).
 
     Attributes:
         demo_config: The settings it was built from (``lr``, ``lr_gamma``, ``sleep_ms``, ...);
@@ -106,6 +111,9 @@ class DemoGPT(GPT):
         demo = DemoConfig(**{**(config.__dict__ if config else {}), **overrides})
         super().__init__(demo.gpt_config(), demo.optimizer_config())
         self.demo_config = demo
+        # The GPT saved its own arguments, which DemoGPT does not take: the settings are the demo's.
+        self.hparams.clear()
+        self.save_hyperparameters({"config": demo}, logger=False)  # frozen: see GPT
 
     @override
     def configure_optimizers(self) -> Any:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
+
 from lightning_dynmo.models.registry import BlockKind, resolve_block
 
 __all__ = ["GPTConfig", "OptimizerConfig", "check_positive_int", "split_block_options"]
@@ -154,6 +156,11 @@ class OptimizerConfig:
     def has_schedule(self) -> bool:
         """Whether the learning rate changes over steps."""
         return self.warmup_steps > 0 or self.decay_steps is not None
+
+
+# Both travel in checkpoints as the GPT's hyper-parameters; torch.load(weights_only=True), Lightning's
+# default for resuming and load_from_checkpoint, unpickles only allow-listed classes.
+torch.serialization.add_safe_globals([GPTConfig, OptimizerConfig])
 
 
 def check_positive_int(name: str, value: Any, owner: str = "GPTConfig") -> None:

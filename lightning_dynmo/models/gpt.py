@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -46,6 +45,7 @@ from typing_extensions import override
 from lightning_dynmo.models import dense as _dense  # noqa: F401  # registers the "dense" kind
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
 from lightning_dynmo.models.init import gpt2_init_, unit_rng
+from lightning_dynmo.models.loading import ShardedCheckpointModule
 from lightning_dynmo.models.optim import WarmupCosine, build_adamw
 from lightning_dynmo.models.reference import reference_training_loss
 from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
@@ -68,13 +68,15 @@ LAST_PARTS = ("ln_f", "head")
 SIDE_INPUTS = ("labels",)
 
 
-class GPT(pl.LightningModule):
+class GPT(ShardedCheckpointModule):
     """A GPT following the DynMo model contract (see :mod:`lightning_dynmo.pipeline.model.contract`).
 
     Trains single-process with its own ``training_step`` (the reference) and pipelined under
     :class:`~lightning_dynmo.DynMoStrategy`. Logs ``train_loss``, ``val_loss`` / ``test_loss`` (per
     epoch) and ``val_ppl`` / ``test_ppl``, the exponential of the token-weighted mean loss, the same way
-    in both cases.
+    in both cases. Its arguments are its hyper-parameters (``hparams``, saved in checkpoints but not sent
+    to loggers), so ``GPT.load_from_checkpoint(path)`` rebuilds it from a checkpoint file or a sharded
+    checkpoint directory.
 
     Args:
         config: Shape, block kinds and seed; ``None`` is ``GPTConfig()``.
@@ -98,6 +100,10 @@ class GPT(pl.LightningModule):
         super().__init__()
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"GPT(microbatches={microbatches!r}) must be an integer >= 1.")
+        # Every __init__ argument up the subclass chain (Lightning collects a subclass's own too), so
+        # load_from_checkpoint rebuilds the same shape; the configs are allow-listed for weights_only loads.
+        # Not sent to loggers: Lightning's hparams.yaml writer refuses frozen dataclasses (ValueError).
+        self.save_hyperparameters(logger=False)
         self.config = config if config is not None else GPTConfig()
         self.optimizer_config = optimizer if optimizer is not None else OptimizerConfig()
         self.microbatches = microbatches

@@ -63,14 +63,13 @@ import copy
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
 try:
-    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "lightning_dynmo.models.huggingface needs the `transformers` package: pip install -e '.[hf]'"
@@ -92,6 +91,7 @@ from lightning_dynmo.models.hf_blocks import (
     HuggingFaceBlock,
     attention_kind,
 )
+from lightning_dynmo.models.loading import ShardedCheckpointModule
 from lightning_dynmo.models.reference import reference_training_loss
 from lightning_dynmo.pipeline.checkpoint.renaming import rename_checkpoint_keys
 from lightning_dynmo.pipeline.model.contract import HIDDEN, block_inputs
@@ -103,8 +103,11 @@ IGNORE_INDEX = -100
 #: The batch keys the adapter reads.
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "position_ids")
 
+# A custom recipe is a hyper-parameter: allow-listed for torch.load(weights_only=True), Lightning's default.
+torch.serialization.add_safe_globals([HFArchitecture])
 
-class HuggingFaceCausalLM(pl.LightningModule):
+
+class HuggingFaceCausalLM(ShardedCheckpointModule):
     """A Hugging Face causal LM (GPT-2, Llama, Qwen2, Mistral, Mixtral) following DynMo's model contract.
 
     Units: the first-stage parts ``embedding`` (and GPT-2's ``position_embedding`` and
@@ -114,9 +117,15 @@ class HuggingFaceCausalLM(pl.LightningModule):
     :class:`~lightning_dynmo.DynMoStrategy`; logs ``train_loss`` (and ``train_aux/router_load_balance``),
     ``val_loss``, ``test_loss``.
 
+    Hyper-parameters (``hparams``): the arguments, with ``model`` as its config's ``to_dict()`` (a model
+    is not a hyper-parameter, and a plain dict loads under ``torch.load(weights_only=True)``) and, for a
+    model, its attention implementation; so ``HuggingFaceCausalLM.load_from_checkpoint(path)`` rebuilds
+    the model from its config and loads the checkpoint's weights (a file, or a sharded directory).
+
     Args:
         model: A ``transformers`` causal-LM model, or its config (then the model is built from it with
-            random weights under ``seed``; nothing is downloaded). Build the same weights on every rank.
+            random weights under ``seed``; nothing is downloaded), or a config's ``to_dict()`` (as
+            ``hparams["model"]`` holds it). Build the same weights on every rank.
         attn_implementation: With a config: the attention implementation (``"eager"``, ``"sdpa"``, ...);
             ``None`` takes the library's default. With a model, set it when building the model.
         seed: The seed of the random initialisation when ``model`` is a config.
@@ -143,7 +152,7 @@ class HuggingFaceCausalLM(pl.LightningModule):
 
     def __init__(
         self,
-        model: PreTrainedModel | PretrainedConfig,
+        model: PreTrainedModel | PretrainedConfig | Mapping[str, Any],
         *,
         attn_implementation: str | None = None,
         seed: int = 0,
@@ -156,6 +165,9 @@ class HuggingFaceCausalLM(pl.LightningModule):
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"HuggingFaceCausalLM(microbatches={microbatches!r}) must be an integer >= 1.")
         hf = _build(model, attn_implementation, seed)
+        # Loggers get them too, unless a recipe (a frozen dataclass, which Lightning's hparams.yaml refuses).
+        self.save_hyperparameters(ignore=["model"], logger=architecture is None)
+        self.save_hyperparameters(_config_hparams(model, hf), logger=architecture is None)
         pieces = find_pieces(hf, architecture)
         recipe = architecture if architecture is not None else ARCHITECTURES[hf.config.model_type]
         self.lr, self.weight_decay, self.microbatches = lr, weight_decay, microbatches
@@ -374,7 +386,17 @@ def hf_position_ids(attention_mask: Tensor) -> Tensor:
     return positions.masked_fill(attention_mask == 0, 1)
 
 
+def _config_hparams(model: Any, hf: Any) -> dict[str, Any]:
+    """``model`` as a hyper-parameter: the config as a plain dict, and a given model's attention kind."""
+    hparams: dict[str, Any] = {"model": hf.config.to_dict()}
+    if isinstance(model, PreTrainedModel):
+        hparams["attn_implementation"] = hf.config._attn_implementation
+    return hparams
+
+
 def _build(model: Any, attn_implementation: str | None, seed: int) -> Any:
+    if isinstance(model, Mapping):
+        model = _config_from_dict(model)
     if isinstance(model, PretrainedConfig):
         kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
         with torch.random.fork_rng(devices=[]):
@@ -389,10 +411,20 @@ def _build(model: Any, attn_implementation: str | None, seed: int) -> Any:
             )
         return model
     raise TypeError(
-        f"HuggingFaceCausalLM takes a transformers causal-LM model or its config, got "
-        f"{type(model).__name__}; e.g. HuggingFaceCausalLM(LlamaConfig(...)) or "
+        "HuggingFaceCausalLM takes a transformers causal-LM model, its config or the config's to_dict(), "
+        f"got {type(model).__name__}; e.g. HuggingFaceCausalLM(LlamaConfig(...)) or "
         "HuggingFaceCausalLM(AutoModelForCausalLM.from_config(config))."
     )
+
+
+def _config_from_dict(values: Mapping[str, Any]) -> Any:
+    model_type = values.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"HuggingFaceCausalLM got a config dict with model_type={model_type!r}, which transformers does "
+            "not know; pass a config's to_dict() (it names its model_type, e.g. 'llama'), or the config."
+        )
+    return CONFIG_MAPPING[model_type].from_dict(dict(values))
 
 
 def _router_loss_weight(config: Any, recipe: HFArchitecture, num_layers: int) -> float:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -73,7 +74,9 @@ def register_block(
     Args:
         name: The kind's name: a non-empty identifier, e.g. ``"moe"``.
         factory: ``factory(config, layer_index, options) -> nn.Module``.
-        options_type: The kind's options class; each options class belongs to one kind.
+        options_type: The kind's options class; each options class belongs to one kind. It is
+            allow-listed for ``torch.load(weights_only=True)``, since a GPT's checkpoint holds it in its
+            hyper-parameters.
         replace: Allow re-registering an existing name (e.g. a module reloaded in a notebook).
 
     Raises:
@@ -100,6 +103,8 @@ def register_block(
         )
     kind = BlockKind(name=name, factory=factory, options_type=options_type)
     _KINDS[name] = kind
+    if options_type is not None:  # options travel in checkpoints (GPTConfig.blocks in the hyper-parameters)
+        torch.serialization.add_safe_globals([options_type])
     return kind
 
 

@@ -35,6 +35,8 @@ from lightning_dynmo.pipeline.checkpoint.resume import resume_path
 from lightning_dynmo.pipeline.checkpoint.sharded import (
     CheckpointSaveError,
     export_full_checkpoint,
+    is_sharded_checkpoint,
+    read_full_checkpoint,
     save_sharded,
 )
 from lightning_dynmo.pipeline.checkpoint.state import load_local_state
@@ -150,6 +152,7 @@ __all__ = [
     "grads",
     "in_shape_inference",
     "initial_placement",
+    "is_sharded_checkpoint",
     "keep_local_units",
     "layout_of",
     "load_local_state",
@@ -158,6 +161,7 @@ __all__ = [
     "pipeline_units",
     "plan_repack",
     "read_checkpoint",
+    "read_full_checkpoint",
     "reduce_step_losses",
     "rename_checkpoint_keys",
     "repack_layouts",

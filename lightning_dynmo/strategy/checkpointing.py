@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from lightning.pytorch.plugins import TorchCheckpointIO
 
 from lightning_dynmo.pipeline import (
     CHECKPOINT_KEY,
@@ -28,6 +29,43 @@ if TYPE_CHECKING:
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
 log = logging.getLogger(__name__)
+
+
+# Sharded saves write through torch.distributed.checkpoint on every rank, never through Lightning's
+# CheckpointIO (as in Lightning's ModelParallelStrategy and FSDPStrategy): what it would be given is refused.
+_SHARDED_WRITES = (
+    "sharded checkpoints do not use the CheckpointIO (each rank writes its own units with "
+    "torch.distributed.checkpoint)"
+)
+
+
+def check_checkpoint_io(checkpoint_io: Any, sharded: bool) -> None:
+    """Refuse a custom CheckpointIO plugin when checkpoints are sharded: it would be silently ignored.
+
+    Raises:
+        TypeError: naming the plugin and the alternatives.
+    """
+    if not sharded or checkpoint_io is None or type(checkpoint_io) is TorchCheckpointIO:
+        return  # TorchCheckpointIO is what a sharded save's files amount to: nothing is lost
+    raise TypeError(
+        f"DynMoStrategy got the CheckpointIO plugin {type(checkpoint_io).__name__}, but {_SHARDED_WRITES}, "
+        "so it would be silently ignored. Remove it from Trainer(plugins=...) / DynMoStrategy(checkpoint_io="
+        "...), or save one gathered file through it with DynMoStrategy(save_distributed_checkpoint=False)."
+    )
+
+
+def check_storage_options(storage_options: Any, sharded: bool) -> None:
+    """Refuse ``storage_options`` for a sharded save (Lightning passes them to the CheckpointIO only).
+
+    Raises:
+        TypeError: naming the value and the alternatives.
+    """
+    if sharded and storage_options is not None:
+        raise TypeError(
+            f"DynMoStrategy.save_checkpoint(..., storage_options={storage_options!r}) is not supported: "
+            f"{_SHARDED_WRITES}. Leave storage_options out, or save one gathered file through the "
+            "CheckpointIO with DynMoStrategy(save_distributed_checkpoint=False)."
+        )
 
 
 def module_state_dict(strategy: DynMoStrategy) -> dict[str, Any]:

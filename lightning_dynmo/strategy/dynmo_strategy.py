@@ -26,6 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -122,7 +123,9 @@ class DynMoStrategy(ParallelStrategy):
         save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
             writes and later reads only its units (:mod:`lightning_dynmo.pipeline.checkpoint.sharded`, whose
             ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
-            rank 0. Both carry checksums and resume at any placement or size.
+            rank 0. Both carry checksums and resume at any placement or size. Only the file goes through
+            Lightning's ``CheckpointIO``: with sharded checkpoints a custom ``checkpoint_io`` plugin and
+            ``save_checkpoint(..., storage_options=...)`` are refused (``TypeError``) rather than ignored.
     """
 
     strategy_name = "dynmo"
@@ -149,6 +152,7 @@ class DynMoStrategy(ParallelStrategy):
         test_loss_log_name: str | None = "test_loss",
         save_distributed_checkpoint: bool = True,
     ) -> None:
+        checkpointing.check_checkpoint_io(checkpoint_io, save_distributed_checkpoint)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -511,6 +515,18 @@ class DynMoStrategy(ParallelStrategy):
         # Each rank loads only the units it owns, so the model must be cut first.
         return True
 
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: CheckpointIO) -> None:
+        # The Trainer sets its plugins here: a custom one must not be ignored by sharded saves.
+        checkpointing.check_checkpoint_io(io, self._save_distributed_checkpoint)
+        self._checkpoint_io = io
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state under single-process keys: this rank's units (sharded saves), or the whole
@@ -529,6 +545,7 @@ class DynMoStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        checkpointing.check_storage_options(storage_options, self._save_distributed_checkpoint)
         save_file = partial(super().save_checkpoint, storage_options=storage_options)
         checkpointing.save(self, checkpoint, filepath, save_file)
 

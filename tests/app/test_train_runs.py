@@ -6,6 +6,7 @@ directory, and reads what the runs wrote. No timing is asserted.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -14,6 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from lightning_dynmo.data import TextDataModule
+from lightning_dynmo.demos import RandomTokenDataModule
+from lightning_dynmo.pipeline import export_full_checkpoint
+from lightning_dynmo.train import _check_test_split
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -122,3 +129,73 @@ def test_a_rank_that_fails_fails_the_run_naming_it(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "balancer" in out and "best" in out  # the rank's own error
     assert re.search(r"LaunchFailed: .*rank \d \(exit code 1\).* of the 2 ranks failed", out), out[-3000:]
+
+
+#: A dense float64 GPT on a static split, epochs of 3 steps (a checkpoint at an epoch's end resumes exactly).
+RESUMABLE = [
+    "model=gpt_tiny",
+    "dynamism=none",
+    "balancer=static_uniform",
+    "logger=csv",
+    "data.seq_len=16",
+    "data.batch_size=4",
+    "data.corpus.max_bytes=32768",
+    "trainer.precision=64-true",
+    "trainer.limit_train_batches=3",
+    "trainer.log_every_n_steps=1",
+]
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
+    return {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+
+
+def _final_weights(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    last = run_dir / "checkpoints" / "last.ckpt"
+    exported = export_full_checkpoint(last, tmp_path / f"{run_dir.name}.ckpt")
+    state: dict[str, torch.Tensor] = torch.load(exported, weights_only=True)["state_dict"]
+    return state
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the resumed app run's first step (3) equals the uninterrupted run's, steps 4-5 differ by "
+    "~0.02 (deterministically; also without DynMoCallback); the checkpoint holds step 3, epoch 1 and Adam "
+    "state with step=3. To find: what the app's resume does not restore (data order or optimizer state).",
+)
+def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(tmp_path: Path) -> None:
+    whole, first, resumed = (tmp_path / name for name in ("whole", "first", "resumed"))
+    app = ["-m", "lightning_dynmo.train", *RESUMABLE]
+    _run([*app, "trainer.max_steps=6", f"hydra.run.dir={whole}"], tmp_path)
+    _run([*app, "trainer.max_steps=3", f"hydra.run.dir={first}"], tmp_path)
+    last = first / "checkpoints" / "last.ckpt"
+    assert last.is_dir()  # a sharded checkpoint, saved at the end of epoch 0
+    out = _run(
+        [
+            "-m",
+            "lightning_dynmo.train",
+            *RESUMABLE,
+            "trainer.max_steps=6",
+            f"ckpt_path={last}",
+            "run_test=true",
+            "trainer.limit_test_batches=2",
+            f"hydra.run.dir={resumed}",
+        ],
+        tmp_path,
+    )
+    rows = list(csv.DictReader((resumed / "csv" / "metrics.csv").open()))
+    assert any(r.get("test_loss") for r in rows), "run_test=true must log the test loss"
+    expected, got = _train_losses(whole), _train_losses(resumed)
+    assert sorted(expected) == list(range(6)) and sorted(got) == [3, 4, 5], out[-3000:]
+    # float64 on the same split and batches: the resumed steps are the uninterrupted run's, bit for bit
+    assert {step: expected[step] for step in got} == got
+    weights, reference = _final_weights(resumed, tmp_path), _final_weights(whole, tmp_path)
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def test_run_test_without_a_test_split_is_refused_before_training() -> None:
+    _check_test_split(TextDataModule())  # the app's datamodule serves its held-out blocks
+    with pytest.raises(ValueError, match=r"run_test=true, but the datamodule RandomTokenDataModule has no"):
+        _check_test_split(RandomTokenDataModule())

@@ -7,8 +7,8 @@ under the model's own names, with ``HFReference``: the plain Hugging Face model 
 its own forward on whole batches, in float64. Negative controls train the reference without the
 attention mask, with the model's default positions, or with another router loss, and must differ by far
 more than the tolerance. A last test saves a checkpoint under the strategy, validates from it at another
-placement, loads it strictly into the plain model (one file as saved, a sharded directory once exported)
-and round-trips it through ``save_pretrained``.
+placement, loads it strictly into the plain model (one file as saved, a sharded directory once exported),
+through ``HuggingFaceCausalLM.load_from_checkpoint`` (both), and round-trips it through ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -154,6 +154,14 @@ def test_a_checkpoint_loads_into_the_plain_model_and_round_trips_save_pretrained
     path = tmp_path / "hf.ckpt"
     kept, other = fit_case(replace(setup, checkpoint=path), tmp_path)
     trained = {**other["state"], **kept["state"]}
+    # Lightning's way: the adapter rebuilt from the checkpoint's hyper-parameters (the directory read in
+    # place, or the file) holds exactly the trained weights, in the trained precision.
+    with pl.Trainer(accelerator="cpu", precision="64-true", logger=False).init_module():
+        loaded = HuggingFaceCausalLM.load_from_checkpoint(path, weights_only=True)
+    loaded_state = loaded.huggingface_state_dict()
+    assert set(loaded_state) == set(trained)
+    for key, value in loaded_state.items():
+        assert value.dtype == torch.float64 and torch.equal(value, trained[key]), key
     if sharded:
         checkpoint = torch.load(export_full_checkpoint(path, tmp_path / "full.ckpt"), weights_only=False)
         assert "layers.3.layer.attn.c_attn.weight" in checkpoint["state_dict"]

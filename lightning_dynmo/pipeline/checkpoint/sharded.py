@@ -2,7 +2,8 @@
 
 Read in this order: the directory layout and keys (below), :func:`save_sharded` (collective save),
 :func:`load_sharded_part` (collective load of one rank's share, at any placement or size),
-:func:`export_full_checkpoint` (one file for single-device use), then the DCP reader/writer and helpers.
+:func:`export_full_checkpoint` (one file for single-device use; :func:`read_full_checkpoint` the same in
+memory), then the DCP reader/writer and helpers.
 
 A checkpoint is a directory (Lightning's convention for sharded checkpoints, as in its
 ``ModelParallelStrategy``)::
@@ -74,6 +75,7 @@ __all__ = [
     "export_full_checkpoint",
     "is_sharded_checkpoint",
     "load_sharded_part",
+    "read_full_checkpoint",
     "save_sharded",
 ]
 
@@ -258,17 +260,37 @@ def export_full_checkpoint(path: str | Path, out: str | Path) -> Path:
         ValueError: if ``path`` is not a sharded checkpoint directory.
         CheckpointCorruptError: if any part of it is damaged.
     """
-    src, dst = Path(path), Path(out)
-    if not is_sharded_checkpoint(src):
-        raise ValueError(
-            f"export_full_checkpoint: {str(src)!r} is not a sharded checkpoint directory (no .metadata or "
-            f"{MANIFEST_FILENAME}); pass the directory DynMoStrategy saved (e.g. epoch=0-step=4.ckpt/)."
-        )
-    checkpoint = _read(src, _every_key, group=None, alone=True)
+    checkpoint = read_full_checkpoint(path, who="export_full_checkpoint")
+    dst = Path(out)
     dst.parent.mkdir(parents=True, exist_ok=True)
     with crc32_records():
         torch.save(checkpoint, dst)
     return dst
+
+
+def read_full_checkpoint(
+    path: str | Path, *, who: str = "read_full_checkpoint", weights_only: bool | None = False
+) -> dict[str, Any]:
+    """A sharded checkpoint as one gathered Lightning checkpoint in memory (single process, no group).
+
+    What :func:`export_full_checkpoint` writes to its file (see there), verified item by item.
+
+    Args:
+        path: The sharded checkpoint directory.
+        who: The caller named in the error (the public function the user called).
+        weights_only: Passed to ``torch.load`` for ``meta.pt``.
+
+    Raises:
+        ValueError: if ``path`` is not a sharded checkpoint directory.
+        CheckpointCorruptError: if any part of it is damaged.
+    """
+    src = Path(path)
+    if not is_sharded_checkpoint(src):
+        raise ValueError(
+            f"{who}: {str(src)!r} is not a sharded checkpoint directory (no .metadata or "
+            f"{MANIFEST_FILENAME}); pass the directory DynMoStrategy saved (e.g. epoch=0-step=4.ckpt/)."
+        )
+    return _read(src, _every_key, group=None, alone=True, weights_only=weights_only)
 
 
 def _read(

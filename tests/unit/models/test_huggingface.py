@@ -18,9 +18,11 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 
 from lightning_dynmo.models.hf_architecture import HFArchitecture
 from lightning_dynmo.models.hf_blocks import switch_load_balancing_loss
@@ -199,6 +201,29 @@ def test_builds_from_a_config_with_the_same_weights_for_the_same_seed() -> None:
     )
 
 
+@pytest.mark.parametrize(("kind", "attn"), [("gpt2", "eager"), ("llama", "sdpa")])
+def test_hparams_hold_the_config_and_load_from_checkpoint_restores_the_trained_weights(
+    tmp_path: Path, kind: str, attn: str
+) -> None:
+    adapter = HuggingFaceCausalLM(tiny_model(kind, attn=attn, num_layers=2), lr=0.01)
+    assert adapter.hparams["model"] == adapter.hf_config.to_dict()  # a plain dict, not the model
+    assert adapter.hparams["attn_implementation"] == attn and adapter.hparams["lr"] == 0.01
+    trainer = pl.Trainer(
+        accelerator="cpu", precision="64-true", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(adapter, DataLoader(PaddedBatches(8, "right"), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "hf.ckpt")  # one file, under the model's own names
+    with trainer.init_module():  # float64, the trained precision
+        loaded = HuggingFaceCausalLM.load_from_checkpoint(tmp_path / "hf.ckpt", weights_only=True)
+    assert type(loaded.to_huggingface()) is type(adapter.to_huggingface())
+    assert loaded.hf_config._attn_implementation == attn
+    trained, state = adapter.state_dict(), loaded.state_dict()
+    assert list(state) == list(trained)
+    for key, value in trained.items():
+        assert value.dtype == torch.float64 and torch.equal(state[key], value), key
+
+
 # -- errors ----------------------------------------------------------------------------------------------
 
 
@@ -221,8 +246,10 @@ def test_a_missing_piece_of_a_known_architecture_is_named() -> None:
 
 
 def test_bad_arguments_are_named() -> None:
-    with pytest.raises(TypeError, match="takes a transformers causal-LM model or its config, got dict"):
-        HuggingFaceCausalLM({})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes a transformers causal-LM model, its config or the config's "):
+        HuggingFaceCausalLM([])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="config dict with model_type=None, which transformers does not"):
+        HuggingFaceCausalLM({})  # a dict is a config's to_dict() (hparams["model"])
     with pytest.raises(ValueError, match="set the attention implementation when building the model"):
         HuggingFaceCausalLM(tiny_model("gpt2", num_layers=1), attn_implementation="eager")
     with pytest.raises(ValueError, match=r"microbatches=0\) must be an integer >= 1"):
