@@ -1,4 +1,4 @@
-"""``python -m lightning_dynmo.train`` / ``dynmo-train``: compose ``conf/``, start the ranks, fit, test, summarise.
+"""``python -m lightning_dynmo.train`` (``dynmo-train``): compose ``conf/``, start ranks, fit, test, report.
 
 Read in this order: :func:`main` (the Hydra entry point), :func:`run` (start the ranks, or train when
 this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``,

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import lightning.pytorch as pl
 import torch
-from typing_extensions import Self
 
 from lightning_dynmo.pipeline.checkpoint.sharded import is_sharded_checkpoint, read_full_checkpoint
 
