@@ -14,6 +14,7 @@ Modules:
 - :mod:`.registry`: the block registry, which kinds of block a GPT can use (:func:`register_block`).
 - :mod:`.dense`: the dense GPT-2 block (kind ``"dense"``) and the pieces block variants reuse.
 - :mod:`.init`: initial weights, seeded per unit (GPT-2's initialisation).
+- :mod:`.loading`: ``load_from_checkpoint`` from a sharded checkpoint directory as well as from a file.
 - :mod:`.optim`: AdamW with two weight-decay groups, the same on every rank, and its warm-up/cosine schedule.
 - :mod:`.reference`: the single-process training step, computed as a pipeline computes it.
 - :mod:`.huggingface`: ``HuggingFaceCausalLM``, a ``transformers`` causal LM under the pipeline contract.

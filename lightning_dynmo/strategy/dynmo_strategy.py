@@ -443,15 +443,9 @@ class DynMoStrategy(ParallelStrategy):
         plain attributes and optimizer state; the stages and schedule are then rebuilt. Any change of
         the split works (several layers at once, moves between non-neighbouring stages).
 
-        Re-pack and release: with FEWER stages than now, the layers are packed onto the lowest pipeline
-        ranks of each data-parallel replica (global rank 0 always stays), a new pipeline group is built
-        among them, and the other ranks are released: they free their modules and optimizer state,
-        their Trainer leaves ``fit`` cleanly (``trainer.should_stop``; the epoch loop ends at the next
-        ``on_train_batch_start``), and from then on this strategy's collectives, checkpoint gathering
-        and training steps are no-ops there, while on the active ranks they run over the active ranks
-        only. The release is logged (global rank 0) and announced to ``on_release`` and to callbacks
-        defining ``on_dynmo_ranks_released(trainer, pl_module, event)``. More stages than now is an
-        error (released ranks do not come back).
+        With FEWER stages than now it re-packs: the layers move onto fewer ranks and the others are
+        released (they leave ``fit``; see :mod:`lightning_dynmo.strategy.replacement`). More stages than
+        now is an error (released ranks do not come back).
 
         Args:
             new: The target placement (object or string such as ``"0-1|2-5"``), identical on all ranks.

@@ -6,6 +6,15 @@ re-pack onto fewer ranks (:func:`repack`), which builds the smaller pipeline's g
 stay and releases the others (:func:`release`: they free their units and optimizer state and leave
 ``fit``), then tells ``on_release`` and the callbacks (:func:`announce_release`). The strategy's
 ``_migrate`` moves the units (tests override it to spoil a move).
+
+Re-pack and release in detail: the layers are packed onto the lowest pipeline ranks of each data-parallel
+replica (global rank 0 always stays) and a new pipeline group is built among them. The released ranks
+free their modules and optimizer state, their Trainer leaves ``fit`` cleanly (``trainer.should_stop``; the
+epoch loop ends at the next ``on_train_batch_start``), and from then on the strategy's collectives,
+checkpoint gathering and training steps are no-ops there, while on the active ranks they run over the
+active ranks only. The release is logged (global rank 0) and announced to ``on_release`` and to callbacks
+defining ``on_dynmo_ranks_released(trainer, pl_module, event)``. Released ranks never come back, so a
+placement with more stages than now is an error.
 """
 
 from __future__ import annotations
