@@ -183,7 +183,7 @@ def validate_policy(balance: BalanceConfig, triggers: TriggerConfig) -> None:
             for name, on in (
                 (f"every_n_steps={triggers.every_n_steps}", triggers.every_n_steps is not None),
                 ("every_step=True", triggers.every_step),
-                ("auto=True", triggers.auto),
+                ("auto=True", triggers.auto is not None),
                 ("on_events=True", triggers.on_events),
             )
             if on

@@ -1,13 +1,13 @@
 """When to rebalance: the triggers and the rebalance history they learn from (pure Python).
 
-Read :class:`TriggerConfig` first, then :class:`RebalanceTrigger`. Four triggers, any combination that
-makes sense: every ``n`` steps; on dynamism events (the step after an event is profiled and rebalanced,
-as in the paper's Algorithm 1); every step (fine-grained dynamism: MoE, MoD); and ``auto``: fed each
-step's per-stage busy times (cheap), it fires when the imbalance ``(max - min) / mean`` (paper section
-2.2) stays above a threshold for ``auto_patience_steps`` consecutive steps (hysteresis) *and* the
-predicted saving over the coming ``auto_horizon_steps`` exceeds the measured cost of a rebalance
+Read :class:`TriggerConfig` and :class:`AutoConfig` first, then :class:`RebalanceTrigger`. Four triggers,
+any combination that makes sense: every ``n`` steps; on dynamism events (the step after an event is
+profiled and rebalanced, as in the paper's Algorithm 1); every step (fine-grained dynamism: MoE, MoD); and
+``auto``: fed each step's per-stage busy times (cheap), it fires when the imbalance ``(max - min) / mean``
+(paper section 2.2) stays above a threshold for ``patience_steps`` consecutive steps (hysteresis) *and*
+the predicted saving over the coming ``horizon_steps`` exceeds the measured cost of a rebalance
 (profiling overhead + decision + migration, learned from the previous rebalances, or a configured prior
-before the first one); after each rebalance ``auto`` keeps quiet for ``auto_cooldown_steps`` steps.
+before the first one); after each rebalance ``auto`` keeps quiet for ``cooldown_steps`` steps.
 Time comes from an injected clock. *What* to do once a trigger fires is
 :mod:`lightning_dynmo.balancing.policy`.
 """
@@ -26,6 +26,34 @@ from lightning_dynmo.balancing.metrics import imbalance
 
 
 @dataclass(frozen=True, kw_only=True)
+class AutoConfig:
+    """The ``auto`` trigger: rebalance when the measured imbalance persists and a rebalance pays back.
+
+    Attributes:
+        threshold: Rebalance when the imbalance ``(max - min) / mean`` of per-stage busy times stays
+            above this (> 0) ...
+        patience_steps: ... for this many consecutive steps (>= 1), and the predicted saving over ...
+        horizon_steps: ... this many steps (>= 1) exceeds the measured cost of a rebalance (also how long a
+            placement is expected to last for events).
+        cooldown_steps: Then wait this many steps (>= 0).
+        rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured (>= 0).
+    """
+
+    threshold: float = 0.10
+    patience_steps: int = 5
+    horizon_steps: int = 500
+    cooldown_steps: int = 50
+    rebalance_cost_prior_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_positive(self.threshold, "threshold", allow_zero=False)
+        check_int(self.patience_steps, "patience_steps", 1, "")
+        check_int(self.horizon_steps, "horizon_steps", 1, "")
+        check_int(self.cooldown_steps, "cooldown_steps", 0, "")
+        check_positive(self.rebalance_cost_prior_s, "rebalance_cost_prior_s", allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class TriggerConfig:
     """When to rebalance.
 
@@ -33,48 +61,42 @@ class TriggerConfig:
         every_n_steps: Rebalance every ``n`` steps (at steps ``n, 2n, ...``); ``None`` disables it.
         on_events: Rebalance at the step after a dynamism event (see ``lightning_dynmo.events``).
         every_step: Rebalance at every step (MoE, MoD: the load changes with each batch's routing).
-        auto: Rebalance when measured imbalance persists and the predicted gain pays for the cost.
-        auto_threshold: Imbalance ``(max - min) / mean`` of per-stage busy times above which a step
-            counts as imbalanced, > 0.
-        auto_patience_steps: Consecutive imbalanced steps needed before ``auto`` fires, >= 1.
-        auto_horizon_steps: Steps over which a rebalance's per-step saving is counted, >= 1.
-        auto_cooldown_steps: Steps after a rebalance during which ``auto`` does not fire, >= 0.
-        rebalance_cost_prior_s: Assumed seconds one rebalance costs before one has been measured, >= 0.
+        auto: Rebalance when measured imbalance persists and the predicted gain pays for the cost, with
+            these settings; ``None`` disables it.
     """
 
     every_n_steps: int | None = None
     on_events: bool = True
     every_step: bool = False
-    auto: bool = False
-    auto_threshold: float = 0.10
-    auto_patience_steps: int = 5
-    auto_horizon_steps: int = 500
-    auto_cooldown_steps: int = 50
-    rebalance_cost_prior_s: float = 1.0
+    auto: AutoConfig | None = None
 
     def __post_init__(self) -> None:
         if self.every_n_steps is not None:
             check_int(self.every_n_steps, "every_n_steps", 1, "use None to disable the periodic trigger")
-        check_int(self.auto_patience_steps, "auto_patience_steps", 1, "")
-        check_int(self.auto_horizon_steps, "auto_horizon_steps", 1, "")
-        check_int(self.auto_cooldown_steps, "auto_cooldown_steps", 0, "")
-        check_positive(self.auto_threshold, "auto_threshold", allow_zero=False)
-        check_positive(self.rebalance_cost_prior_s, "rebalance_cost_prior_s", allow_zero=True)
+        if self.auto is not None and not isinstance(self.auto, AutoConfig):
+            raise ValueError(
+                f"auto={self.auto!r} must be an AutoConfig (its settings) or None (no auto trigger)."
+            )
         if self.every_step and self.every_n_steps is not None:
             raise ValueError(
                 f"every_step=True and every_n_steps={self.every_n_steps} contradict each other: every_step "
                 "already rebalances at every step. Set one of them."
             )
-        if self.every_step and self.auto:
+        if self.every_step and self.auto is not None:
             raise ValueError(
                 "every_step=True and auto=True contradict each other: every_step rebalances at every step "
                 "whatever it costs, auto only when it pays. Set one of them."
             )
 
     @property
+    def auto_settings(self) -> AutoConfig:
+        """The ``auto`` settings (the defaults when ``auto`` is off: they still size the history)."""
+        return self.auto or AutoConfig()
+
+    @property
     def any_trigger(self) -> bool:
         """Whether any trigger is enabled."""
-        return self.on_events or self.every_step or self.auto or self.every_n_steps is not None
+        return self.on_events or self.every_step or self.auto is not None or self.every_n_steps is not None
 
 
 @dataclass(frozen=True)
@@ -107,7 +129,7 @@ class RebalanceTrigger:
     def __init__(self, config: TriggerConfig, clock: Callable[[], float] = time.perf_counter) -> None:
         self.config = config
         self._clock = clock
-        n = config.auto_patience_steps
+        n = config.auto_settings.patience_steps
         self._window = _AutoWindow(deque(maxlen=n), deque(maxlen=n))
         self._pending_event = False
         self._history: list[RebalanceRecord] = []
@@ -172,28 +194,27 @@ class RebalanceTrigger:
             return "period"
         if c.every_step:
             return "every_step"
-        if c.auto and self._auto_fires(step):
+        if c.auto is not None and self._auto_fires(step, c.auto):
             self._window.imbalances.clear()
             self._window.savings_s.clear()
             return "auto"
         return None
 
-    def _auto_fires(self, step: int) -> bool:
-        c = self.config
+    def _auto_fires(self, step: int, c: AutoConfig) -> bool:
         last = self._history[-1].step if self._history else None
-        if last is not None and step - last < c.auto_cooldown_steps:
+        if last is not None and step - last < c.cooldown_steps:
             return False
         w = self._window
-        if len(w.imbalances) < c.auto_patience_steps or min(w.imbalances) <= c.auto_threshold:
+        if len(w.imbalances) < c.patience_steps or min(w.imbalances) <= c.threshold:
             return False
-        predicted_gain_s = sum(w.savings_s) / len(w.savings_s) * c.auto_horizon_steps
+        predicted_gain_s = sum(w.savings_s) / len(w.savings_s) * c.horizon_steps
         return predicted_gain_s > self.rebalance_cost_s
 
     @property
     def rebalance_cost_s(self) -> float:
         """The expected cost of one rebalance: the mean measured cost, or the prior before any."""
         if not self._history:
-            return self.config.rebalance_cost_prior_s
+            return self.config.auto_settings.rebalance_cost_prior_s
         return sum(r.cost_s for r in self._history) / len(self._history)
 
     @property

@@ -1,5 +1,7 @@
 """DynMoCallback's grouped knobs: profiling, the ``auto`` trigger and the re-pack, each a frozen config.
 
+:class:`AutoConfig` is the trigger's own (:mod:`lightning_dynmo.balancing.trigger`), re-exported here.
+
 Each group is a kw-only frozen dataclass whose fields keep the defaults and the checks the flat keywords
 had; :func:`refuse_moved_keywords` turns a keyword of the old flat constructor into a ``TypeError`` that
 names its new place.
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 import torch
+
+from lightning_dynmo.balancing.trigger import AutoConfig  # the auto trigger's settings, defined with it
 
 __all__ = [
     "MOVED_KEYWORDS",
@@ -86,26 +90,6 @@ class ProfilingConfig:
             measure_speed=self.measure_speed,
             speed_probe=self.speed_probe,
         )
-
-
-@dataclass(frozen=True, kw_only=True)
-class AutoConfig:
-    """The ``auto`` trigger: rebalance when the measured imbalance persists and a rebalance pays back.
-
-    Attributes:
-        threshold: Rebalance when the measured imbalance of per-stage busy times stays above this ...
-        patience_steps: ... for this many steps, and the predicted saving over ...
-        horizon_steps: ... this many steps exceeds the measured cost of a rebalance (also how long a
-            placement is expected to last for events).
-        cooldown_steps: Then wait this many steps.
-        rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured.
-    """
-
-    threshold: float = 0.10
-    patience_steps: int = 5
-    horizon_steps: int = 500
-    cooldown_steps: int = 50
-    rebalance_cost_prior_s: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

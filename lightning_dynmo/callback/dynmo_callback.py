@@ -170,17 +170,11 @@ class DynMoCallback(Callback):
             max_slowdown=(repack_config or RepackConfig()).max_slowdown,
             min_gain=min_gain,
         )
-        knobs = auto_config or AutoConfig()
         self.triggers = TriggerConfig(
             every_n_steps=every_n_steps,
             on_events=(balancer != "static") if on_events is None else on_events,
             every_step=every_step,
-            auto=auto_config is not None,
-            auto_threshold=knobs.threshold,
-            auto_patience_steps=knobs.patience_steps,
-            auto_horizon_steps=knobs.horizon_steps,
-            auto_cooldown_steps=knobs.cooldown_steps,
-            rebalance_cost_prior_s=knobs.rebalance_cost_prior_s,
+            auto=auto_config,
         )
         validate_policy(self.balance, self.triggers)
         if not isinstance(skip_balanced, bool):
@@ -486,7 +480,7 @@ class DynMoCallback(Callback):
         elif self.triggers.every_n_steps is not None:
             lasts = self.triggers.every_n_steps
         else:
-            lasts = self.triggers.auto_horizon_steps
+            lasts = self.triggers.auto_settings.horizon_steps
         return self._history.min_saving(step, lasts)
 
     # -- applying a decision --------------------------------------------------------------------------
@@ -577,7 +571,7 @@ class DynMoCallback(Callback):
             positions = self._positions.of(view.active_ranks)
             stage_busy = busy_per_position(rows[:, _BUSY], positions, view.pipeline_size)
             self._window.observe_loads(stage_busy, event)
-            if self.triggers.auto and not self._window.is_open and self._pending is None:
+            if self.triggers.auto is not None and not self._window.is_open and self._pending is None:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, view, stage_busy, step_max)
 

@@ -17,6 +17,7 @@ from lightning_dynmo.balancing.policy import (
     simulated_schedule,
     validate_policy,
 )
+from lightning_dynmo.balancing.trigger import AutoConfig
 
 
 def _costs(times: list[float], params: list[int] | None = None) -> list[LayerCost]:
@@ -190,7 +191,7 @@ def test_static_with_triggers_is_rejected():
     ):
         validate_policy(static, TriggerConfig(every_n_steps=10))
     with pytest.raises(ValueError, match=r"auto=True"):
-        validate_policy(static, TriggerConfig(auto=True, on_events=False))
+        validate_policy(static, TriggerConfig(auto=AutoConfig(), on_events=False))
     validate_policy(BalanceConfig(), TriggerConfig(every_step=True))  # dynamic balancers take any trigger
 
 

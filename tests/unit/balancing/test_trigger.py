@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
+from lightning_dynmo.balancing.trigger import AutoConfig, RebalanceTrigger, TriggerConfig
 
 
 class FakeClock:
@@ -51,15 +51,10 @@ def test_every_step_fires_every_step():
     assert _fired(trigger, range(5)) == [0, 1, 2, 3, 4]
 
 
-AUTO = TriggerConfig(
-    on_events=False,
-    auto=True,
-    auto_threshold=0.2,
-    auto_patience_steps=5,
-    auto_horizon_steps=100,
-    auto_cooldown_steps=20,
-    rebalance_cost_prior_s=1.0,
+AUTO_SETTINGS = AutoConfig(
+    threshold=0.2, patience_steps=5, horizon_steps=100, cooldown_steps=20, rebalance_cost_prior_s=1.0
 )
+AUTO = TriggerConfig(on_events=False, auto=AUTO_SETTINGS)
 
 
 def _noisy(rng: random.Random, loads: list[float], noise: float) -> list[float]:
@@ -95,9 +90,9 @@ def test_auto_fires_after_patience_on_a_real_change():
         if trigger.check(step):
             fired.append(step)
             trigger.record_rebalance(step)
-    assert fired[0] == 30 + AUTO.auto_patience_steps - 1
+    assert fired[0] == 30 + AUTO_SETTINGS.patience_steps - 1
     # the imbalance persists (nothing was really rebalanced): the next firing waits for the cooldown
-    assert all(b - a >= AUTO.auto_cooldown_steps for a, b in itertools.pairwise(fired))
+    assert all(b - a >= AUTO_SETTINGS.cooldown_steps for a, b in itertools.pairwise(fired))
     assert len(fired) >= 2
 
 
@@ -108,7 +103,9 @@ def test_auto_holds_when_the_gain_does_not_pay_for_the_rebalance():
         trigger.observe([0.062, 0.05, 0.05, 0.05])
         assert trigger.check(step) is None
     # The same imbalance over a longer horizon pays.
-    longer = RebalanceTrigger(dataclasses.replace(AUTO, auto_horizon_steps=1000))
+    longer = RebalanceTrigger(
+        dataclasses.replace(AUTO, auto=dataclasses.replace(AUTO_SETTINGS, horizon_steps=1000))
+    )
     for _ in range(5):
         longer.observe([0.062, 0.05, 0.05, 0.05])
     assert longer.check(4) == "auto"
@@ -123,11 +120,11 @@ def test_cooldown_holds_after_a_rebalance():
         if trigger.check(step):
             fired.append(step)
             break
-    assert fired == [10 + AUTO.auto_cooldown_steps]
+    assert fired == [10 + AUTO_SETTINGS.cooldown_steps]
 
 
 def test_cooldown_does_not_hold_back_explicit_triggers():
-    trigger = RebalanceTrigger(TriggerConfig(auto=True, every_n_steps=4))
+    trigger = RebalanceTrigger(TriggerConfig(auto=AutoConfig(), every_n_steps=4))
     trigger.record_rebalance(step=3)
     assert trigger.check(4) == "period"
     trigger.notify_event()
@@ -137,7 +134,7 @@ def test_cooldown_does_not_hold_back_explicit_triggers():
 def test_rebalance_cost_is_learned_with_the_clock():
     clock = FakeClock()
     trigger = RebalanceTrigger(AUTO, clock=clock)
-    assert trigger.rebalance_cost_s == AUTO.rebalance_cost_prior_s
+    assert trigger.rebalance_cost_s == AUTO_SETTINGS.rebalance_cost_prior_s
     with trigger.measure_cost():
         clock.now += 2.0  # decision
     with trigger.measure_cost():
@@ -195,20 +192,31 @@ def test_state_dict_keeps_a_pending_event():
         ({"every_n_steps": 0}, r"every_n_steps=0 must be an integer >= 1; use None to disable"),
         ({"every_n_steps": 2.5}, r"every_n_steps=2.5 must be an integer >= 1"),
         ({"every_step": True, "every_n_steps": 5}, r"every_step=True and every_n_steps=5 contradict"),
-        ({"every_step": True, "auto": True}, r"every_step=True and auto=True contradict"),
-        ({"auto_threshold": 0.0}, r"auto_threshold=0.0 must be a finite number > 0"),
-        ({"auto_patience_steps": 0}, r"auto_patience_steps=0 must be an integer >= 1"),
-        ({"auto_horizon_steps": 0}, r"auto_horizon_steps=0 must be an integer >= 1"),
-        ({"auto_cooldown_steps": -1}, r"auto_cooldown_steps=-1 must be an integer >= 0"),
+        ({"every_step": True, "auto": AutoConfig()}, r"every_step=True and auto=True contradict"),
+        ({"auto": True}, r"auto=True must be an AutoConfig \(its settings\) or None"),
+    ],
+)
+def test_bad_trigger_config_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TriggerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"threshold": 0.0}, r"threshold=0.0 must be a finite number > 0"),
+        ({"patience_steps": 0}, r"patience_steps=0 must be an integer >= 1"),
+        ({"horizon_steps": 0}, r"horizon_steps=0 must be an integer >= 1"),
+        ({"cooldown_steps": -1}, r"cooldown_steps=-1 must be an integer >= 0"),
         (
             {"rebalance_cost_prior_s": float("nan")},
             r"rebalance_cost_prior_s=nan must be a finite number >= 0",
         ),
     ],
 )
-def test_bad_trigger_config_is_rejected(kwargs, match):
+def test_bad_auto_settings_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TriggerConfig(**kwargs)
+        AutoConfig(**kwargs)
 
 
 def test_bad_observations_and_steps_are_rejected():

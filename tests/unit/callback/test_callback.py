@@ -116,8 +116,9 @@ def test_the_grouped_knobs_reach_the_policy():
         profiling=ProfilingConfig(warmup_steps=2, steps=4, cost_smoothing=0.5, measure_comm=False),
     )
     t, b = callback.triggers, callback.balance
-    assert (t.auto, t.auto_threshold, t.auto_patience_steps, t.auto_horizon_steps) == (True, 0.2, 3, 40)
-    assert (t.auto_cooldown_steps, t.rebalance_cost_prior_s) == (7, 0.5)
+    assert t.auto == AutoConfig(
+        threshold=0.2, patience_steps=3, horizon_steps=40, cooldown_steps=7, rebalance_cost_prior_s=0.5
+    )
     assert (b.repack, b.target_num_stages, b.max_slowdown, callback.retune_microbatches) == (
         True,
         1,
@@ -128,8 +129,8 @@ def test_the_grouped_knobs_reach_the_policy():
         warmup_steps=2, steps=4, cost_smoothing=0.5, measure_comm=False
     )
     off = DynMoCallback(auto=False, repack=False)
-    assert not off.triggers.auto and not off.balance.repack and not off.retune_microbatches
-    assert DynMoCallback(auto=True).triggers.auto_threshold == AutoConfig().threshold
+    assert off.triggers.auto is None and not off.balance.repack and not off.retune_microbatches
+    assert DynMoCallback(auto=True).triggers.auto == AutoConfig()
 
 
 def test_repack_target_larger_than_the_pipeline_is_rejected_when_training_starts():
