@@ -16,6 +16,9 @@ adjacent to DynMo's first rebalance (the static phase is the training before it)
 placement left out. Adjacent steps see (nearly) the same model; comparing the first placement's
 segment with the last one would also credit DynMo with what the dynamic model itself saved meanwhile
 (early exit and freezing shrink the work as they train), so that pair is reported apart, as what it is.
+The comparison is marked *within noise* when it cannot tell the two apart: fewer than
+:data:`MIN_COMPARED_STEPS` steps on a side, or per-step throughputs of the two windows that overlap (the
+slowest step after the rebalance is no faster than the fastest before it, or the other way round).
 """
 
 from __future__ import annotations
@@ -35,7 +38,10 @@ from typing_extensions import override
 
 from lightning_dynmo.callback.dynmo_callback import DynMoCallback
 
-__all__ = ["RunReport", "Segment", "build_summary", "format_summary"]
+__all__ = ["MIN_COMPARED_STEPS", "RunReport", "Segment", "build_summary", "format_summary"]
+
+#: Fewer steps than this on either side of the first rebalance: the comparison is within noise.
+MIN_COMPARED_STEPS = 3
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +221,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  static split {versus['static_tokens_per_s']:,.0f} tokens/s -> DynMo "
             f"{versus['dynmo_tokens_per_s']:,.0f} tokens/s: {versus['speedup']:.2f}x "
             f"(the {versus['static_steps']} steps before step {versus['step']} vs the "
-            f"{versus['dynmo_steps']} after)"
+            f"{versus['dynmo_steps']} after" + ("; within noise)" if versus.get("within_noise") else ")")
         )
     if summary["released_ranks"]:
         for event in summary["released_ranks"]:
@@ -277,8 +283,11 @@ def _static_vs_dynmo(
     after = [s for s in steps if s["step"] > at and (end is None or s["step"] < end)][:window]
     if not before or not after:
         return None
-    static = statistics.median(s["tokens"] / s["step_s"] for s in before if s["step_s"] > 0)
-    dynmo = statistics.median(s["tokens"] / s["step_s"] for s in after if s["step_s"] > 0)
+    static_rates = [s["tokens"] / s["step_s"] for s in before if s["step_s"] > 0]
+    dynmo_rates = [s["tokens"] / s["step_s"] for s in after if s["step_s"] > 0]
+    if not static_rates or not dynmo_rates:
+        return None
+    static, dynmo = statistics.median(static_rates), statistics.median(dynmo_rates)
     return {
         "step": at,
         "static_tokens_per_s": static,
@@ -286,7 +295,15 @@ def _static_vs_dynmo(
         "speedup": dynmo / static if static > 0 else None,
         "static_steps": len(before),
         "dynmo_steps": len(after),
+        "within_noise": _within_noise(static_rates, dynmo_rates),
     }
+
+
+def _within_noise(static: list[float], dynmo: list[float]) -> bool:
+    """Whether two windows of per-step throughputs cannot be told apart (too few steps, or overlapping)."""
+    if min(len(static), len(dynmo)) < MIN_COMPARED_STEPS:
+        return True
+    return min(dynmo) <= max(static) and min(static) <= max(dynmo)
 
 
 def _rebalances(trainer: pl.Trainer) -> list[dict[str, Any]]:

@@ -102,9 +102,38 @@ def test_the_summary_compares_the_steps_around_the_first_rebalance() -> None:
     versus = summary["static_vs_dynmo"]
     # steps 3-5 (1000 tokens/s) against 7-9 (2000 tokens/s); step 6, the first on the new placement, is out
     assert (versus["static_tokens_per_s"], versus["dynmo_tokens_per_s"], versus["speedup"]) == (1000, 2000, 2)
+    assert versus["within_noise"] is False  # every step after is faster than every step before
     table = format_summary(summary)
     assert "0-3|4-7 -> 0-1|2-7" in table and "+40.0%" in table and "+50.0%" in table
     assert "2.00x" in table and "/r/last.ckpt" in table and "dynamism=early_exit" in table
+    assert "(the 3 steps before step 6 vs the 3 after)" in table
+
+
+@pytest.mark.parametrize(
+    ("after", "window", "why"),
+    [
+        ([0.5, 1.2, 0.5, 0.5, 0.5], 3, "a step after as slow as the slowest before: the windows overlap"),
+        ([0.5] * 5, 2, "two steps a side are too few to judge"),
+    ],
+)
+def test_a_gain_the_windows_cannot_tell_from_noise_is_marked(
+    after: list[float], window: int, why: str
+) -> None:
+    steps = _steps(
+        ["0-3|4-7"] * 6 + ["0-1|2-7"] * 6, [2.0] + [1.0] * 5 + [3.0] + after + [0.5] * (5 - len(after))
+    )
+    summary = build_summary(
+        steps,
+        [{"step": 6, "applied": True, "reason": "event", "old": "0-3|4-7", "new": "0-1|2-7"}],
+        released=[],
+        window_steps=window,
+        final_placement="0-1|2-7",
+        fit_s=20.0,
+        paths={},
+        info={},
+    )
+    assert summary["static_vs_dynmo"]["within_noise"] is True, why
+    assert "after; within noise)" in format_summary(summary)
 
 
 def test_without_a_rebalance_there_is_no_comparison() -> None:
