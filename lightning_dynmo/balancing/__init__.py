@@ -20,6 +20,7 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``trigger``: *when* to rebalance (periodic, events, every step, auto).
 - ``policy``: *what* to rebalance to, and whether it is worth applying.
 - ``gain``: a rebalance's measured gain.
+- ``trust``: how far to trust the step model, from the gains moves delivered against their predictions.
 - ``headroom``: what any rebalance could still gain, bounded from measured stage loads.
 """
 

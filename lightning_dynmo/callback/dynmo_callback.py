@@ -44,6 +44,7 @@ from lightning_dynmo.balancing.policy import (
     validate_policy,
 )
 from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
+from lightning_dynmo.balancing.trust import PredictionTrust
 from lightning_dynmo.callback.config import (
     AutoConfig,
     ProfilingConfig,
@@ -108,7 +109,8 @@ class DynMoCallback(Callback):
             the micro-batch count. ``False``: off.
         memory_capacity_bytes: Per-stage memory cap for the balancer: one number or one per stage.
             ``None`` uses the device's total memory on GPU and no cap on CPU.
-        min_gain: A new placement is applied only if predicted at least this much faster (fraction).
+        min_gain: A new placement is applied only if predicted at least this much faster (fraction);
+            more once moves have missed their predictions (see ``trust`` below).
         profiling: How windows measure (:class:`~lightning_dynmo.callback.config.ProfilingConfig`:
             warm-up and measured steps, cost smoothing, link and worker-speed measurement).
         event_bus: The bus to listen on (default: the process-wide bus).
@@ -139,6 +141,12 @@ class DynMoCallback(Callback):
     ``dynmo/measured_gain`` once the new placement has run ``profiling.steps`` steps (against the steps
     right before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance
     gives the old and new placement text with predicted and then measured gain.
+
+    ``trust`` (a :class:`~lightning_dynmo.balancing.trust.PredictionTrust`, attribute) compares each move's
+    measured gain with its prediction: after 2 moves in a row that delivered less than half of it, a move
+    must be predicted faster by ``min_gain`` plus their mean shortfall; after 3, DynMo stops moving for
+    the rest of the job. Each change is said in one log line. To change the rules, assign
+    ``callback.trust = PredictionTrust(TrustConfig(...))`` before training.
     """
 
     @refuse_moved_keywords
@@ -180,6 +188,7 @@ class DynMoCallback(Callback):
         if not isinstance(skip_balanced, bool):
             raise ValueError(f"skip_balanced={skip_balanced!r} must be True or False.")
         self.skip_balanced = skip_balanced
+        self.trust = PredictionTrust()
         self.profiling = profiling.resolved(every_step)
         self.retune_microbatches = repack_config is not None and repack_config.retune_microbatches
         assert self.profiling.warmup_steps is not None and self.profiling.steps is not None
@@ -327,6 +336,8 @@ class DynMoCallback(Callback):
             if reason == "every_step" and self._window.nothing_to_gain():
                 reason = None
                 self._window.skipped += 1
+            if self.trust.stopped and reason not in (None, "resume"):
+                reason = None  # predictions kept missing: no more windows, no more moves
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
             # agree on its cost, at this step's end): its auto cooldown would not hold yet.
             if reason is not None and not (just_applied and reason == "auto"):
@@ -365,6 +376,7 @@ class DynMoCallback(Callback):
             "layout": self._layout,
             **self._history.state_dict(),
             "trigger": self._trigger.state_dict(),
+            "trust": self.trust.state_dict(),
         }
 
     @override
@@ -375,6 +387,8 @@ class DynMoCallback(Callback):
         self._restored_layout = state_dict.get("layout")
         self._history.load_state_dict(state_dict)
         self._trigger.load_state_dict(state_dict["trigger"])
+        if "trust" in state_dict:  # checkpoints from before the trust gate have none
+            self.trust.load_state_dict(state_dict["trust"])
 
     # -- a window: open, close, decide ----------------------------------------------------------------
 
@@ -454,7 +468,12 @@ class DynMoCallback(Callback):
         resumed: dict[str, Any] = (
             {"repack": False, "target_num_stages": None} if self._window.reason == "resume" else {}
         )
-        balance = dataclasses.replace(self.balance, min_saving=self._min_saving(step), **resumed)
+        balance = dataclasses.replace(
+            self.balance,
+            min_gain=self.trust.required_gain(self.balance.min_gain),
+            min_saving=self._min_saving(step),
+            **resumed,
+        )
         return decide(
             balance.problem(costs, hardware),
             view.placement,
@@ -606,6 +625,9 @@ class DynMoCallback(Callback):
                 100 * record.predicted_gain,
             )
         self._queued_metrics["dynmo/measured_gain"] = measured.gain
+        verdict = self.trust.observe(record.predicted_gain, measured.gain)  # the same on every rank
+        if verdict is not None and trainer.global_rank == view.active_ranks[0]:
+            log.info(verdict)
 
     def _log_step(
         self, trainer: pl.Trainer, view: PipelineView, stage_busy: list[float], step_s: float

@@ -15,8 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dynmo.balancing import Hardware, LayerCost
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import RebalanceDecision
+from lightning_dynmo.balancing.trust import PredictionTrust, TrustConfig
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.callback.history import WindowOverhead
 from lightning_dynmo.events import DynamismEvent
@@ -35,16 +37,18 @@ class FakeClock:
 
 
 class ScriptedDecision(DynMoCallback):
-    """The window closes with a fixed decision instead of gathering costs over a process group."""
+    """The window closes with a scripted decision instead of gathering costs over a process group: move
+    between ``0-1`` and ``0-0|1-1`` (the stand-in strategy takes any placement), predicted 10% faster."""
 
     def _close_window(self, trainer: Any, view: Any, batch: Any) -> None:
         assert self._window.is_open
         self._window.profiler = None
         current = trainer.strategy.placement
+        other = "0-0|1-1" if str(current) != "0-0|1-1" else "0-1"
         self._pending = RebalanceDecision(
             apply=True,
             current=current,
-            proposed=Placement.from_string("0-0|1-1"),
+            proposed=Placement.from_string(other),
             predicted_step_before=1.0,
             predicted_step_after=0.9,
             bubble_ratio_before=0.0,
@@ -56,7 +60,7 @@ class ScriptedDecision(DynMoCallback):
         self._pending_overhead = WindowOverhead(profiling_s=0.0, decision_s=0.0)
 
 
-def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
+def _setup(clock: FakeClock, **callback_kwargs: Any) -> tuple[ScriptedDecision, Any, nn.Linear]:
     layer = nn.Linear(4, 4)
     strategy = SimpleNamespace(
         stage_index=0,
@@ -106,7 +110,7 @@ def _setup(clock: FakeClock) -> tuple[ScriptedDecision, Any, nn.Linear]:
     strategy.active_group = None
     trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=0, optimizers=[], loggers=[])
     profiling = ProfilingConfig(warmup_steps=1, steps=3, measure_comm=False)
-    callback = ScriptedDecision(profiling=profiling, clock=clock)
+    callback = ScriptedDecision(profiling=profiling, clock=clock, **callback_kwargs)
     callback._busy = StageBusyTimer(StepClock(torch.device("cpu")))
     return callback, trainer, layer
 
@@ -142,3 +146,67 @@ def test_measured_gain_is_against_the_steps_right_before_the_rebalance(forget_th
     expected = 1 - 0.8 / 1.0 if forget_the_event else 1 - 0.8 / 0.9
     assert record.measured_gain == pytest.approx(expected)
     assert callback._queued_metrics["dynmo/measured_gain"] == pytest.approx(expected)
+
+
+def _run_periodic(
+    callback: DynMoCallback, trainer: Any, layer: nn.Linear, clock: FakeClock, steps: int
+) -> None:
+    for _ in range(steps):  # every step 1 s, whatever the placement: no move delivers its predicted 10%
+        _step(callback, trainer, layer, clock, 1.0)
+
+
+def test_moves_that_keep_missing_their_prediction_stop_dynmo_moving(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    callback, trainer, layer = _setup(clock, every_n_steps=10)
+    with caplog.at_level("INFO", logger="lightning_dynmo"):
+        _run_periodic(callback, trainer, layer, clock, 100)
+    # windows at steps 10, 20, 30 moved, each measured 0% against a predicted 10%; then no more moves
+    assert len(trainer.strategy.applied) == 3
+    assert [r.measured_gain for r in callback.rebalances] == [pytest.approx(0.0)] * 3
+    assert callback.trust.stopped and not callback._window.is_open
+    lines = [
+        r.getMessage() for r in caplog.records if "DynMo" in r.getMessage() and "trust" in r.getMessage()
+    ]
+    assert any("trusts its step model less: 2 moves in a row missed" in line for line in lines), lines
+    stop = [r.getMessage() for r in caplog.records if r.getMessage().startswith("DynMo stops moving layers")]
+    assert stop == [
+        "DynMo stops moving layers: 3 moves in a row measured less than 50% of their predicted gain (last: "
+        "predicted +10.0%, measured +0.0%); the placement stays as it is."
+    ]
+    # the state survives a checkpoint
+    restored, _, _ = _setup(FakeClock(), every_n_steps=10)
+    restored.load_state_dict(callback.state_dict())
+    assert restored.trust.stopped
+
+
+def test_without_the_trust_gate_dynmo_keeps_moving_back_and_forth() -> None:
+    # Negative control: the same run with the gate switched off moves at every window.
+    clock = FakeClock()
+    callback, trainer, layer = _setup(clock, every_n_steps=10)
+    callback.trust = PredictionTrust(TrustConfig(misses_to_widen=None, misses_to_stop=None))
+    _run_periodic(callback, trainer, layer, clock, 100)
+    assert len(trainer.strategy.applied) >= 8 and not callback.trust.stopped
+    assert trainer.strategy.applied[:3] == ["0-0|1-1", "0-1", "0-0|1-1"]
+
+
+def test_after_misses_a_move_needs_the_shortfall_on_top_of_min_gain(monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = DynMoCallback(min_gain=0.02)
+    seen: list[float] = []
+    monkeypatch.setattr(
+        "lightning_dynmo.callback.dynmo_callback.decide",
+        lambda problem, current, config, *a, **k: seen.append(config.min_gain),
+    )
+    callback._window.reason = "every_n_steps"
+    view = SimpleNamespace(
+        placement=Placement.from_string("0-0|1-1"),
+        num_microbatches=1,
+        schedule_name="1F1B",
+        stage_workers=lambda p: None,
+        repack_layouts=lambda: None,
+    )
+    costs = [LayerCost(fwd_time_s=1.0), LayerCost(fwd_time_s=1.0)]
+    callback._decide(view, costs, Hardware(), 10, None)  # type: ignore[arg-type]
+    callback.trust.observe(0.10, 0.01)
+    callback.trust.observe(0.10, 0.03)  # two misses: shortfalls 0.09 and 0.07
+    callback._decide(view, costs, Hardware(), 20, None)  # type: ignore[arg-type]
+    assert seen == [pytest.approx(0.02), pytest.approx(0.02 + 0.08)]
