@@ -21,7 +21,9 @@ Packages, from the Lightning glue down (imports point down only):
 
 Modules at the top: :mod:`.events` (the public "the model changed" API), :mod:`.throughput` (Lightning's
 ``ThroughputMonitor`` aware of pipelines), :mod:`.runtime_hooks` (a mark on the hooks DynMo registers),
-:mod:`.console_log` (DynMo's INFO lines on rank 0's console when the user configured no logging).
+:mod:`.console_log` (DynMo's INFO lines on rank 0's console when the user configured no logging),
+:mod:`.plots` (figures of the logged ``dynmo/*`` metrics from CSV logs, as PNG files), and the GPU check
+:mod:`.gpu_check` (``python -m lightning_dynmo.gpu_check``: the CUDA/NCCL paths, one JSON report).
 """
 
 from __future__ import annotations
