@@ -1,13 +1,14 @@
 """Lightning's loop counters of a checkpoint saved between epochs, set to resume at the next epoch's start.
 
 Lightning 2.6 resumes such a checkpoint with a truncated epoch. ``ModelCheckpoint(save_last=True)`` writes
-``last.ckpt`` in ``on_train_end`` when nothing was saved at the last epoch's end (e.g. ``save_top_k=0``, the
-application's default), and ``trainer.save_checkpoint`` after ``fit`` saves the same state: the fit loop counts the epoch as completed, yet the epoch loop still holds that
-epoch's batch counters (``current.ready`` = its batches, ``is_last_batch``). The resumed fit loop starts
-the next epoch with them, so its data fetcher ends that epoch after one batch and the following epoch
-begins early: every later batch differs from an uninterrupted run's. :func:`start_next_epoch_afresh`
-resets those per-epoch counters as Lightning does when an epoch starts; the totals (which count steps and
-batches across epochs) are kept.
+``last.ckpt`` in ``on_train_end`` when nothing was saved at the last epoch's end (e.g. ``save_top_k=0``,
+the application's default), and ``trainer.save_checkpoint`` after ``fit`` saves the same state: the fit
+loop counts the epoch as completed, yet the epoch loop still holds that epoch's batch counters
+(``current.ready`` = its batches, ``is_last_batch``). The resumed fit loop starts the next epoch with
+them, so its data fetcher ends that epoch after one batch and the following epoch begins early: every
+later batch differs from an uninterrupted run's. :func:`start_next_epoch_afresh` resets those per-epoch
+counters as Lightning does when an epoch starts; the totals (which count steps and batches across
+epochs) are kept.
 """
 
 from __future__ import annotations
