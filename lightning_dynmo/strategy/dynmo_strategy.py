@@ -75,7 +75,6 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
-from lightning_dynmo.strategy.loop_state import start_next_epoch_afresh
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
 from lightning_dynmo.strategy.view import PipelineView
 
@@ -546,15 +545,9 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units.
-
-        One saved between epochs resumes at the next epoch's first batch (:mod:`.loop_state`).
-        """
+        """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
         checkpoint_path = checkpointing.choose_resume_path(self, checkpoint_path)
-        loaded = checkpointing.load(self, checkpoint_path, weights_only)
-        checkpoint = loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
-        start_next_epoch_afresh(checkpoint)  # e.g. a last.ckpt of on_train_end: Lightning resumes it wrongly
-        return checkpoint
+        return checkpointing.load(self, checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
