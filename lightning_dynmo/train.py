@@ -12,6 +12,7 @@ generated from that constructor (:mod:`lightning_dynmo.app.schema`). Examples::
     python -m lightning_dynmo.train                                      # the quick start
     python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
     python -m lightning_dynmo.train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt run_test=true
+    python -m lightning_dynmo.train hydra.run.dir=outputs/myrun ckpt_path=last  # start, or resume that run
     python -m lightning_dynmo.train -m dynamism=early_exit,pruning balancer=partition_time,diffusion_time
     torchrun --standalone --nproc-per-node 2 -m lightning_dynmo.train   # ranks started by torchrun
 

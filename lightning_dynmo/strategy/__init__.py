@@ -9,6 +9,7 @@
 - :mod:`.replacement`: the initial placement, and live re-placement (migrate, re-pack, release).
 - :mod:`.steps`: the training, evaluation and predict steps as Lightning calls them.
 - :mod:`.checkpointing`: what a rank saves and loads of a Lightning checkpoint; repairs of killed saves.
+- :mod:`.loop_state`: a checkpoint saved between epochs set to resume at the next epoch's first batch.
 - :mod:`.collectives`: Lightning's collectives over the active ranks, guarded.
 - :mod:`.sigterm`: SIGTERM noted in the handler and agreed by every rank at a batch start.
 - :mod:`.view`: :class:`PipelineView`, the typed snapshot of the pipeline that callbacks read.

@@ -2,7 +2,8 @@
 
 :func:`module_state_dict` gathers the model (a one-file save, on global rank 0) or keeps this rank's units
 (a sharded save); :func:`choose_resume_path` repairs what a killed save left and skips an incomplete
-``last*.ckpt``.
+``last*.ckpt``; :func:`load` reads a checkpoint and sets one saved between epochs to resume at the next
+epoch's start.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from lightning_dynmo.pipeline import (
     staged_file_save,
     state_to_save,
 )
+from lightning_dynmo.strategy.loop_state import start_next_epoch_afresh
 
 if TYPE_CHECKING:
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -136,11 +138,21 @@ def save(
     strategy._saved_optimizer_states = None
 
 
-def load(strategy: DynMoStrategy, checkpoint_path: Any, weights_only: bool | None) -> dict[str, Any] | None:
-    """A verified checkpoint (this rank's share of a directory), or ``None``: Lightning reads that one."""
+def load(
+    strategy: DynMoStrategy,
+    checkpoint_path: Any,
+    weights_only: bool | None,
+    read_file: Callable[[Any, bool | None], dict[str, Any]],
+) -> dict[str, Any]:
+    """A verified checkpoint (this rank's share of a directory), or what ``read_file`` reads of another.
+
+    One saved between epochs is set to resume at the next epoch's start (:mod:`.loop_state`).
+    """
     with strategy.guard("checkpoint loading"):
         units, aliases = strategy._local_units(), strategy._ties.aliases
         loaded = read_checkpoint(
             checkpoint_path, units, bool(strategy.optimizers), aliases, strategy._active_group, weights_only
         )
-    return loaded
+    checkpoint = loaded if loaded is not None else read_file(checkpoint_path, weights_only)
+    start_next_epoch_afresh(checkpoint)  # e.g. ModelCheckpoint's last.ckpt of on_train_end
+    return checkpoint

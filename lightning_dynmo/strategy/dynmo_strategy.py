@@ -547,8 +547,7 @@ class DynMoStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
         checkpoint_path = checkpointing.choose_resume_path(self, checkpoint_path)
-        loaded = checkpointing.load(self, checkpoint_path, weights_only)
-        return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
+        return checkpointing.load(self, checkpoint_path, weights_only, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -158,19 +158,38 @@ def _final_weights(run_dir: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the resumed app run's first step (3) equals the uninterrupted run's, steps 4-5 differ by "
-    "~0.02 (deterministically; also without DynMoCallback); the checkpoint holds step 3, epoch 1 and Adam "
-    "state with step=3. To find: what the app's resume does not restore (data order or optimizer state).",
-)
-def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(tmp_path: Path) -> None:
-    whole, first, resumed = (tmp_path / name for name in ("whole", "first", "resumed"))
-    app = ["-m", "lightning_dynmo.train", *RESUMABLE]
-    _run([*app, "trainer.max_steps=6", f"hydra.run.dir={whole}"], tmp_path)
-    _run([*app, "trainer.max_steps=3", f"hydra.run.dir={first}"], tmp_path)
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of 6 uninterrupted steps (2 epochs) of :data:`RESUMABLE`."""
+    whole = tmp_path_factory.mktemp("uninterrupted") / "whole"
+    _run(
+        ["-m", "lightning_dynmo.train", *RESUMABLE, "trainer.max_steps=6", f"hydra.run.dir={whole}"],
+        whole.parent,
+    )
+    return whole
+
+
+def _assert_resumed_as_uninterrupted(resumed: Path, whole: Path, tmp_path: Path, out: str) -> None:
+    expected, got = _train_losses(whole), _train_losses(resumed)
+    assert sorted(expected) == list(range(6)) and sorted(got) == [3, 4, 5], out[-3000:]
+    # float64 on the same split and batches: the resumed steps are the uninterrupted run's, bit for bit
+    assert {step: expected[step] for step in got} == got
+    weights, reference = _final_weights(resumed, tmp_path), _final_weights(whole, tmp_path)
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+
+
+def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    _run(
+        ["-m", "lightning_dynmo.train", *RESUMABLE, "trainer.max_steps=3", f"hydra.run.dir={first}"], tmp_path
+    )
     last = first / "checkpoints" / "last.ckpt"
-    assert last.is_dir()  # a sharded checkpoint, saved at the end of epoch 0
+    # a sharded checkpoint, saved in on_train_end (save_top_k=0: nothing at the epoch's end), which
+    # DynMoStrategy resumes at epoch 1's first batch (lightning_dynmo/strategy/loop_state.py)
+    assert last.is_dir()
     out = _run(
         [
             "-m",
@@ -186,13 +205,22 @@ def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(tmp_pa
     )
     rows = list(csv.DictReader((resumed / "csv" / "metrics.csv").open()))
     assert any(r.get("test_loss") for r in rows), "run_test=true must log the test loss"
-    expected, got = _train_losses(whole), _train_losses(resumed)
-    assert sorted(expected) == list(range(6)) and sorted(got) == [3, 4, 5], out[-3000:]
-    # float64 on the same split and batches: the resumed steps are the uninterrupted run's, bit for bit
-    assert {step: expected[step] for step in got} == got
-    weights, reference = _final_weights(resumed, tmp_path), _final_weights(whole, tmp_path)
-    assert weights.keys() == reference.keys()
-    assert all(torch.equal(weights[k], reference[k]) for k in reference)
+    _assert_resumed_as_uninterrupted(resumed, uninterrupted, tmp_path, out)
+
+
+def test_ckpt_path_last_starts_a_run_then_the_same_command_resumes_it(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    # what a requeue loop runs: one command, a fixed run directory, ckpt_path=last
+    run_dir = tmp_path / "run"
+    command = ["-m", "lightning_dynmo.train", *RESUMABLE, "ckpt_path=last", f"hydra.run.dir={run_dir}"]
+    out = _run([*command, "trainer.max_steps=3"], tmp_path)
+    assert 'ckpt_path="last") is set, but there is no last checkpoint available' in out  # starts fresh
+    first, expected = _train_losses(run_dir), _train_losses(uninterrupted)
+    assert sorted(first) == [0, 1, 2] and first == {step: expected[step] for step in first}
+    out = _run([*command, "trainer.max_steps=6"], tmp_path)
+    assert f"Restored all states from the checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}" in out
+    _assert_resumed_as_uninterrupted(run_dir, uninterrupted, tmp_path, out)
 
 
 def test_run_test_without_a_test_split_is_refused_before_training() -> None:
