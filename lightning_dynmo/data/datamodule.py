@@ -155,23 +155,20 @@ class TextDataModule(pl.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader[Tensor]:
         """Full batches of training blocks, in a seeded order when ``shuffle``."""
-        generator = torch.Generator().manual_seed(self.seed) if self.shuffle else None
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            shuffle=self.shuffle,
-            generator=generator,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return self._loader(self.train_dataset, shuffle=self.shuffle)
 
     @override
     def val_dataloader(self) -> DataLoader[Tensor]:
         """Full batches of validation blocks, in corpus order."""
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def _loader(self, dataset: TokenBlocks, shuffle: bool) -> DataLoader[Tensor]:
+        # Full batches only (drop_last): a pipeline cuts every batch into its micro-batches.
         return DataLoader(
-            self.val_dataset,
+            dataset,
             batch_size=self.batch_size,
-            shuffle=False,
+            shuffle=shuffle,
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
             drop_last=True,
             num_workers=self.num_workers,
         )

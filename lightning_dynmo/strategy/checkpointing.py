@@ -109,7 +109,6 @@ def choose_resume_path(strategy: DynMoStrategy, checkpoint_path: Any) -> Any:
 def optimizer_state(strategy: DynMoStrategy, optimizer: Any) -> dict[str, Any]:
     """This optimizer's state keyed by parameter name, gathered by :func:`module_state_dict`."""
     raw = getattr(optimizer, "_optimizer", optimizer)
-    raw = getattr(optimizer, "_optimizer", optimizer)
     if strategy._saved_optimizer_states is None:
         return {}
     index = next(k for k, opt in enumerate(strategy.optimizers) if opt is raw)
