@@ -32,6 +32,7 @@ import datetime as dt
 import functools
 import math
 import multiprocessing as mp
+import queue
 import shlex
 import statistics
 import subprocess
@@ -166,6 +167,7 @@ class _Harness:
             root_device=torch.device("cpu"),
             pipeline_group=groups.pipeline,
             active_group=groups.active,
+            control_group=groups.control,
             data_parallel_group=None,
             data_parallel_size=world // pp,
             has_tied_parameters=False,
@@ -180,7 +182,7 @@ class _Harness:
             stage_indices=view.stage_indices,
             pipeline_view=lambda: view,
         )
-        strategy.guard = lambda what: communication_guard(what, self.comm_context())
+        strategy.guard = lambda what, control=False: communication_guard(what, self.comm_context())
         strategy.broadcast = self.broadcast
         self.strategy = strategy
         self.trainer = SimpleNamespace(strategy=strategy, global_step=0, global_rank=rank, loggers=[])
@@ -324,6 +326,20 @@ def _rank_job(rank: int, world_size: int, store_file: str, spec: Spec, out: Any)
         dist.destroy_process_group()
 
 
+def _first_result(out: Any, procs: list[Any], timeout_s: float) -> dict[str, Any]:
+    """Rank 0's result; a rank that dies first fails the job at once instead of after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result: dict[str, Any] = out.get(timeout=1.0)
+            return result
+        except queue.Empty:
+            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"ranks {dead} died before reporting; see their output above.") from None
+    raise TimeoutError(f"no result within {timeout_s:g} s")
+
+
 def run_ranks(spec: Spec, world_size: int, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run :func:`_rank_job` on ``world_size`` forked ranks (modules already imported: a fast start)."""
     ctx = mp.get_context("fork")
@@ -337,7 +353,7 @@ def run_ranks(spec: Spec, world_size: int, timeout_s: float = 600.0) -> dict[str
         for proc in procs:
             proc.start()
         try:
-            result: dict[str, Any] = out.get(timeout=timeout_s)
+            result = _first_result(out, procs, timeout_s)
         finally:
             for proc in procs:
                 proc.join(timeout=30)
