@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,13 @@ from lightning_dynmo.models.hf_blocks import (
     SIDE_INPUTS,
     HuggingFaceBlock,
     attention_kind,
+)
+from lightning_dynmo.models.hf_pretrained import (
+    PretrainedWeights,
+    SafetensorsFiles,
+    meta_model,
+    real_rotary,
+    tied_names,
 )
 from lightning_dynmo.models.loading import ShardedCheckpointModule
 from lightning_dynmo.models.reference import reference_training_loss
@@ -175,6 +183,7 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         self._hf_class: type[Any] = type(hf)
         self._generation_config = copy.deepcopy(getattr(hf, "generation_config", None))
         self._names = NameMap(recipe, BLOCK_CHILD)
+        self._pretrained: PretrainedWeights | None = None  # set by from_pretrained
         for role, module in pieces.parts.items():
             setattr(self, role, module)
         self.pipeline_first_parts = tuple(r for r in FIRST_ROLES if r in pieces.parts)
@@ -199,6 +208,65 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         self.pipeline_side_inputs = SIDE_INPUTS + (ROTARY_INPUTS if pieces.rotary is not None else ())
         self.pipeline_first_inputs = ("position_ids",) if "position_embedding" in pieces.parts else ()
         self.pipeline_aux_losses = (ROUTER_LOSS,) if router_weight else ()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        architecture: HFArchitecture | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """The adapter of a pretrained model, built on the meta device: each rank reads only its units.
+
+        Nothing is allocated or read here. Under :class:`~lightning_dynmo.DynMoStrategy` each rank
+        materialises the units it owns once the strategy has cut the model, and
+        :meth:`pipeline_init_unit` fills them from the directory's safetensors files (see
+        :mod:`lightning_dynmo.models.hf_pretrained`); the weights equal
+        ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)``'s. Without the strategy (one
+        process), load every unit with :func:`lightning_dynmo.pipeline.materialize_model` first.
+
+        Args:
+            directory: A local ``save_pretrained`` directory (``config.json`` and ``model.safetensors``,
+                or ``model.safetensors.index.json`` and its shards; for a Hub model, download those
+                files with ``huggingface_hub.snapshot_download``).
+            dtype: The parameters' dtype; ``None`` takes the one the config records (else float32).
+            attn_implementation: The attention implementation (``"eager"``, ``"sdpa"``, ...).
+            architecture: As in the constructor.
+            **kwargs: The constructor's other arguments (``lr``, ``microbatches``, ...).
+
+        Raises:
+            FileNotFoundError: the directory has no safetensors weights (the message says how to get them).
+        """
+        path = Path(directory)
+        files = SafetensorsFiles(path)  # fails early, before the model is built
+        hf = meta_model(path, dtype=dtype, attn_implementation=attn_implementation)
+        recipe = architecture if architecture is not None else ARCHITECTURES.get(hf.config.model_type)
+        if recipe is not None and recipe.rotary is not None:
+            real_rotary(hf, recipe.rotary)
+        adapter = cls(hf, architecture=architecture, **kwargs)
+        adapter._pretrained = PretrainedWeights(
+            files, adapter.huggingface_name, tied_names(hf), str(getattr(hf, "base_model_prefix", ""))
+        )
+        return adapter
+
+    def pipeline_init_unit(self, name: str, unit: nn.Module) -> None:
+        """Fill a unit materialised from the meta device with its pretrained weights (see
+        :meth:`from_pretrained`); called by :mod:`lightning_dynmo.pipeline.model.construction`.
+
+        Raises:
+            TypeError: the adapter was built around a meta-device model that no directory backs.
+            KeyError: the checkpoint lacks one of the unit's tensors (the message names it and the file).
+        """
+        if self._pretrained is None:
+            raise TypeError(
+                f"HuggingFaceCausalLM holds unit {name!r} on the meta device but has no weights to load into "
+                "it; build it with HuggingFaceCausalLM.from_pretrained(directory), or pass a model with real "
+                "weights (or its config)."
+            )
+        self._pretrained.load_unit(name, unit)
 
     # -- the pipeline contract ------------------------------------------------------------------
 
