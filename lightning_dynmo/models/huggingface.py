@@ -92,6 +92,12 @@ from lightning_dynmo.models.hf_blocks import (
     HuggingFaceBlock,
     attention_kind,
 )
+from lightning_dynmo.models.hf_optim import (
+    OptimizerFactory,
+    SchedulerFactory,
+    build_optimization,
+    trainer_decay_groups,
+)
 from lightning_dynmo.models.hf_pretrained import (
     PretrainedWeights,
     SafetensorsFiles,
@@ -139,8 +145,15 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         seed: The seed of the random initialisation when ``model`` is a config.
         architecture: Where the model keeps its pieces; ``None`` uses the recipe of its model type
             (:data:`~lightning_dynmo.models.hf_architecture.ARCHITECTURES`).
-        lr: AdamW's learning rate.
-        weight_decay: AdamW's weight decay (on every parameter).
+        lr: AdamW's learning rate (the default optimizer's).
+        weight_decay: The weight decay of the decaying group: every parameter but biases and norm
+            weights, HF Trainer's rule (:mod:`lightning_dynmo.models.hf_optim`).
+        optimizer: Builds the optimizer from the parameter groups ``[decay, no decay]`` (each with its
+            ``weight_decay``), e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``; it must keep the
+            groups as given. ``None``: ``torch.optim.AdamW(groups, lr=lr)``.
+        lr_scheduler: Builds the LR scheduler from the optimizer, stepped every optimizer step (or
+            returns Lightning's ``lr_scheduler`` dict), e.g. ``lambda opt:
+            transformers.get_cosine_schedule_with_warmup(opt, 100, 10_000)``. ``None``: none.
         microbatches: The single-process ``training_step`` cuts each batch into this many equal pieces
             (each normalised as in a pipeline), so that per-micro-batch router statistics match a pipeline
             with that many micro-batches times its data-parallel size; 1 for plain training.
@@ -168,17 +181,21 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         microbatches: int = 1,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"HuggingFaceCausalLM(microbatches={microbatches!r}) must be an integer >= 1.")
         hf = _build(model, attn_implementation, seed)
         # Loggers get them too, unless a recipe (a frozen dataclass, which Lightning's hparams.yaml refuses).
-        self.save_hyperparameters(ignore=["model"], logger=architecture is None)
+        # Factories are code, not hyper-parameters: load_from_checkpoint takes them again as arguments.
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"], logger=architecture is None)
         self.save_hyperparameters(_config_hparams(model, hf), logger=architecture is None)
         pieces = find_pieces(hf, architecture)
         recipe = architecture if architecture is not None else ARCHITECTURES[hf.config.model_type]
         self.lr, self.weight_decay, self.microbatches = lr, weight_decay, microbatches
+        self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.hf_config: Any = hf.config
         self._hf_class: type[Any] = type(hf)
         self._generation_config = copy.deepcopy(getattr(hf, "generation_config", None))
@@ -355,8 +372,11 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        """AdamW over the (local) parameters."""
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        """The optimizer over the local parameters in HF Trainer's weight-decay groups, and its scheduler."""
+        groups = trainer_decay_groups(self, self.huggingface_name, self.weight_decay)
+        return build_optimization(
+            groups, lr=self.lr, optimizer=self._optimizer, lr_scheduler=self._lr_scheduler
+        )
 
     def _eval_loss(self, log_name: str, batch: Mapping[str, Tensor]) -> Tensor:
         inputs, target, side = self.pipeline_batch(batch)
