@@ -224,6 +224,7 @@ def rebuild_pipeline(strategy: DynMoStrategy) -> None:
         num_microbatches=strategy._microbatches.current,
         device=strategy.root_device,
         group=strategy._pipeline_group,
+        recompute=strategy._activation_checkpointing,
     )
     strategy._microbatches.batch_shape = None
 

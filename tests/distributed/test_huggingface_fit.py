@@ -6,11 +6,12 @@ one rank (the other is released), and compares the logged losses (and router los
 under the model's own names, with ``HFReference``: the plain Hugging Face model trained in one process by
 its own forward on whole batches, in float64. Negative controls train the reference without the
 attention mask, with the model's default positions, or with another router loss, and must differ by far
-more than the tolerance. One test trains with HF Trainer's weight-decay groups and an LR schedule
-(the reference builds its groups with ``Trainer.get_decay_parameter_names``). A last test saves a
-checkpoint under the strategy, validates from it at another placement, loads it strictly into the plain
-model (one file as saved, a sharded directory once exported), through
-``HuggingFaceCausalLM.load_from_checkpoint`` (both), and round-trips it through ``save_pretrained``.
+more than the tolerance; Mixtral also trains with activation checkpointing. One test trains with HF
+Trainer's weight-decay groups and an LR schedule (the reference builds its groups with
+``Trainer.get_decay_parameter_names``). A last test saves a checkpoint under the strategy, validates
+from it at another placement, loads it strictly into the plain model (one file as saved, a sharded
+directory once exported), through ``HuggingFaceCausalLM.load_from_checkpoint`` (both), and round-trips
+it through ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Setup:
     sharded_checkpoint: bool = False
     weight_decay: float = 0.0
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    activation_checkpointing: bool = False
     # A migration, then a re-pack onto rank 0 (rank 1 is released).
     migrations: tuple[tuple[int, str], ...] = ((1, "0-0|1-3"), (3, "0-3"))
     # Where the ranks save a checkpoint after the fit, then validate from it at another placement.
@@ -71,6 +73,7 @@ class Setup:
             num_microbatches=self.num_microbatches,
             placement="0-1|2-3",
             save_distributed_checkpoint=self.sharded_checkpoint,
+            activation_checkpointing=self.activation_checkpointing,
         )
         model = HuggingFaceCausalLM(
             self.hf_model(), lr=self.lr, weight_decay=self.weight_decay, lr_scheduler=self.lr_scheduler
@@ -143,8 +146,10 @@ def test_llama_with_rotary_embeddings_and_causal_masks(tmp_path: Path, attn: str
     _fit_and_compare(setup, tmp_path, controls)
 
 
-def test_mixtral_with_its_router_loss_on_every_stage(tmp_path: Path) -> None:
-    setup = Setup(kind="mixtral")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+def test_mixtral_with_its_router_loss_on_every_stage(tmp_path: Path, checkpointing: bool) -> None:
+    # Checkpointed blocks run again in backward: the router loss is still added and logged once.
+    setup = Setup(kind="mixtral", activation_checkpointing=checkpointing)
     controls = {
         "dropping the router loss": {"router": "none"},
         "the library's cross-layer router loss": {"router": "huggingface"},
