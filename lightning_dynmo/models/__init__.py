@@ -20,6 +20,8 @@ Modules:
 - :mod:`.huggingface`: ``HuggingFaceCausalLM``, a ``transformers`` causal LM under the pipeline contract.
 - :mod:`.hf_architecture`: where a Hugging Face causal LM keeps the pieces DynMo pipelines, and their names.
 - :mod:`.hf_blocks`: a Hugging Face decoder layer as a pipeline block (causal mask, rotary, router loss).
+- :mod:`.hf_optim`: the adapter's optimizer: HF Trainer's weight-decay groups, optimizer/scheduler factories.
+- :mod:`.hf_pretrained`: per-stage pretrained loading: each rank reads only its units' safetensors tensors.
 """
 
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig

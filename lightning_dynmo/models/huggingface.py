@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,19 @@ from lightning_dynmo.models.hf_blocks import (
     SIDE_INPUTS,
     HuggingFaceBlock,
     attention_kind,
+)
+from lightning_dynmo.models.hf_optim import (
+    OptimizerFactory,
+    SchedulerFactory,
+    build_optimization,
+    trainer_decay_groups,
+)
+from lightning_dynmo.models.hf_pretrained import (
+    PretrainedWeights,
+    SafetensorsFiles,
+    meta_model,
+    real_rotary,
+    tied_names,
 )
 from lightning_dynmo.models.loading import ShardedCheckpointModule
 from lightning_dynmo.models.reference import reference_training_loss
@@ -131,8 +145,15 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         seed: The seed of the random initialisation when ``model`` is a config.
         architecture: Where the model keeps its pieces; ``None`` uses the recipe of its model type
             (:data:`~lightning_dynmo.models.hf_architecture.ARCHITECTURES`).
-        lr: AdamW's learning rate.
-        weight_decay: AdamW's weight decay (on every parameter).
+        lr: AdamW's learning rate (the default optimizer's).
+        weight_decay: The weight decay of the decaying group: every parameter but biases and norm
+            weights, HF Trainer's rule (:mod:`lightning_dynmo.models.hf_optim`).
+        optimizer: Builds the optimizer from the parameter groups ``[decay, no decay]`` (each with its
+            ``weight_decay``), e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``; it must keep the
+            groups as given. ``None``: ``torch.optim.AdamW(groups, lr=lr)``.
+        lr_scheduler: Builds the LR scheduler from the optimizer, stepped every optimizer step (or
+            returns Lightning's ``lr_scheduler`` dict), e.g. ``lambda opt:
+            transformers.get_cosine_schedule_with_warmup(opt, 100, 10_000)``. ``None``: none.
         microbatches: The single-process ``training_step`` cuts each batch into this many equal pieces
             (each normalised as in a pipeline), so that per-micro-batch router statistics match a pipeline
             with that many micro-batches times its data-parallel size; 1 for plain training.
@@ -160,21 +181,26 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         microbatches: int = 1,
+        optimizer: OptimizerFactory | None = None,
+        lr_scheduler: SchedulerFactory | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"HuggingFaceCausalLM(microbatches={microbatches!r}) must be an integer >= 1.")
         hf = _build(model, attn_implementation, seed)
         # Loggers get them too, unless a recipe (a frozen dataclass, which Lightning's hparams.yaml refuses).
-        self.save_hyperparameters(ignore=["model"], logger=architecture is None)
+        # Factories are code, not hyper-parameters: load_from_checkpoint takes them again as arguments.
+        self.save_hyperparameters(ignore=["model", "optimizer", "lr_scheduler"], logger=architecture is None)
         self.save_hyperparameters(_config_hparams(model, hf), logger=architecture is None)
         pieces = find_pieces(hf, architecture)
         recipe = architecture if architecture is not None else ARCHITECTURES[hf.config.model_type]
         self.lr, self.weight_decay, self.microbatches = lr, weight_decay, microbatches
+        self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
         self.hf_config: Any = hf.config
         self._hf_class: type[Any] = type(hf)
         self._generation_config = copy.deepcopy(getattr(hf, "generation_config", None))
         self._names = NameMap(recipe, BLOCK_CHILD)
+        self._pretrained: PretrainedWeights | None = None  # set by from_pretrained
         for role, module in pieces.parts.items():
             setattr(self, role, module)
         self.pipeline_first_parts = tuple(r for r in FIRST_ROLES if r in pieces.parts)
@@ -199,6 +225,65 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
         self.pipeline_side_inputs = SIDE_INPUTS + (ROTARY_INPUTS if pieces.rotary is not None else ())
         self.pipeline_first_inputs = ("position_ids",) if "position_embedding" in pieces.parts else ()
         self.pipeline_aux_losses = (ROUTER_LOSS,) if router_weight else ()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        attn_implementation: str | None = None,
+        architecture: HFArchitecture | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """The adapter of a pretrained model, built on the meta device: each rank reads only its units.
+
+        Nothing is allocated or read here. Under :class:`~lightning_dynmo.DynMoStrategy` each rank
+        materialises the units it owns once the strategy has cut the model, and
+        :meth:`pipeline_init_unit` fills them from the directory's safetensors files (see
+        :mod:`lightning_dynmo.models.hf_pretrained`); the weights equal
+        ``AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)``'s. Without the strategy (one
+        process), load every unit with :func:`lightning_dynmo.pipeline.materialize_model` first.
+
+        Args:
+            directory: A local ``save_pretrained`` directory (``config.json`` and ``model.safetensors``,
+                or ``model.safetensors.index.json`` and its shards; for a Hub model, download those
+                files with ``huggingface_hub.snapshot_download``).
+            dtype: The parameters' dtype; ``None`` takes the one the config records (else float32).
+            attn_implementation: The attention implementation (``"eager"``, ``"sdpa"``, ...).
+            architecture: As in the constructor.
+            **kwargs: The constructor's other arguments (``lr``, ``microbatches``, ...).
+
+        Raises:
+            FileNotFoundError: the directory has no safetensors weights (the message says how to get them).
+        """
+        path = Path(directory)
+        files = SafetensorsFiles(path)  # fails early, before the model is built
+        hf = meta_model(path, dtype=dtype, attn_implementation=attn_implementation)
+        recipe = architecture if architecture is not None else ARCHITECTURES.get(hf.config.model_type)
+        if recipe is not None and recipe.rotary is not None:
+            real_rotary(hf, recipe.rotary)
+        adapter = cls(hf, architecture=architecture, **kwargs)
+        adapter._pretrained = PretrainedWeights(
+            files, adapter.huggingface_name, tied_names(hf), str(getattr(hf, "base_model_prefix", ""))
+        )
+        return adapter
+
+    def pipeline_init_unit(self, name: str, unit: nn.Module) -> None:
+        """Fill a unit materialised from the meta device with its pretrained weights (see
+        :meth:`from_pretrained`); called by :mod:`lightning_dynmo.pipeline.model.construction`.
+
+        Raises:
+            TypeError: the adapter was built around a meta-device model that no directory backs.
+            KeyError: the checkpoint lacks one of the unit's tensors (the message names it and the file).
+        """
+        if self._pretrained is None:
+            raise TypeError(
+                f"HuggingFaceCausalLM holds unit {name!r} on the meta device but has no weights to load into "
+                "it; build it with HuggingFaceCausalLM.from_pretrained(directory), or pass a model with real "
+                "weights (or its config)."
+            )
+        self._pretrained.load_unit(name, unit)
 
     # -- the pipeline contract ------------------------------------------------------------------
 
@@ -287,8 +372,11 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        """AdamW over the (local) parameters."""
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        """The optimizer over the local parameters in HF Trainer's weight-decay groups, and its scheduler."""
+        groups = trainer_decay_groups(self, self.huggingface_name, self.weight_decay)
+        return build_optimization(
+            groups, lr=self.lr, optimizer=self._optimizer, lr_scheduler=self._lr_scheduler
+        )
 
     def _eval_loss(self, log_name: str, batch: Mapping[str, Tensor]) -> Tensor:
         inputs, target, side = self.pipeline_batch(batch)

@@ -63,7 +63,7 @@ from lightning_dynmo.pipeline.model.contract import (
     split_batch,
 )
 from lightning_dynmo.pipeline.model.ties import TiedCopies
-from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
+from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks, check_not_compiled
 from lightning_dynmo.pipeline.model.units import attach_unit, detach_unit, pipeline_units
 from lightning_dynmo.pipeline.placement.groups import (
     CONTROL_TIMEOUT_NAME,
@@ -137,6 +137,7 @@ __all__ = [
     "call_step_end_hook",
     "check_model_contract",
     "check_no_user_hooks",
+    "check_not_compiled",
     "check_placement",
     "check_same_on_all_ranks",
     "checked_loss_fn",

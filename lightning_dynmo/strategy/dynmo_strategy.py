@@ -126,6 +126,8 @@ class DynMoStrategy(ParallelStrategy):
             rank 0. Both carry checksums and resume at any placement or size. Only the file goes through
             Lightning's ``CheckpointIO``: with sharded checkpoints a custom ``checkpoint_io`` plugin and
             ``save_checkpoint(..., storage_options=...)`` are refused (``TypeError``) rather than ignored.
+        activation_checkpointing: Run each block's forward again in backward instead of keeping its
+            activations (``torch.utils.checkpoint``; :mod:`lightning_dynmo.pipeline.step.recompute`).
     """
 
     strategy_name = "dynmo"
@@ -151,6 +153,7 @@ class DynMoStrategy(ParallelStrategy):
         val_loss_log_name: str | None = "val_loss",
         test_loss_log_name: str | None = "test_loss",
         save_distributed_checkpoint: bool = True,
+        activation_checkpointing: bool = False,
     ) -> None:
         checkpointing.check_checkpoint_io(checkpoint_io, save_distributed_checkpoint)
         super().__init__(
@@ -170,16 +173,13 @@ class DynMoStrategy(ParallelStrategy):
             test_loss_log_name=test_loss_log_name,
         )
         self._schedule = resolve_schedule(schedule)
-        self._pipeline_size_arg = pipeline_size
-        self._microbatches = MicrobatchCount(num_microbatches)
+        self._pipeline_size_arg, self._microbatches = pipeline_size, MicrobatchCount(num_microbatches)
         self._timeout, self._control_timeout = timeout, control_timeout_of(timeout, control_timeout)
-        self._start_method = start_method
-        self._process_group_backend = process_group_backend
-        self._loss_log_name = loss_log_name
-        self._on_release = on_release
-        self._released = False
+        self._start_method, self._process_group_backend = start_method, process_group_backend
+        self._loss_log_name, self._on_release, self._released = loss_log_name, on_release, False
         self._saved_optimizer_states: list[Any] | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._activation_checkpointing = activation_checkpointing
         self._evaluator: PipelineEvaluator | None = None
         self._cut_module: nn.Module | None = None
         self.num_nodes = 1

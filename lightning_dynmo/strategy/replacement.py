@@ -37,6 +37,7 @@ from lightning_dynmo.pipeline import (
     build_repacked_groups,
     check_model_contract,
     check_no_user_hooks,
+    check_not_compiled,
     check_placement,
     check_same_on_all_ranks,
     communication_guard,
@@ -44,6 +45,7 @@ from lightning_dynmo.pipeline import (
     find_tied_parameters,
     keep_local_units,
     migrate_units,
+    pipeline_units,
     plan_repack,
     unit_moves,
     unit_owners,
@@ -178,6 +180,7 @@ def announce_release(strategy: DynMoStrategy, event: ReleaseEvent) -> None:
 def place_initially(strategy: DynMoStrategy, module: Any) -> None:
     """Check the model, resolve the initial placement, and cut ``module`` down to this rank's units."""
     strategy._spec = check_model_contract(module)
+    check_not_compiled(pipeline_units(module, strategy._spec))  # the profiler's hooks must reach blocks
     if strategy._num_stages_of_run() > 1:
         strategy._ties = TiedCopies(find_tied_parameters(module, strategy._spec))
         check_no_user_hooks(strategy._local_units())  # units may migrate; hooks would not
@@ -224,6 +227,7 @@ def rebuild_pipeline(strategy: DynMoStrategy) -> None:
         num_microbatches=strategy._microbatches.current,
         device=strategy.root_device,
         group=strategy._pipeline_group,
+        recompute=strategy._activation_checkpointing,
     )
     strategy._microbatches.batch_shape = None
 

@@ -7,13 +7,17 @@ would cap a float64 comparison at float32 rounding (``test_huggingface.py`` chec
 float32 precision). For MoE models it adds the per-layer Switch load-balancing loss, written here
 independently from the adapter's, over each of ``microbatches`` row chunks (as a pipeline sees them).
 
+Its optimizer is AdamW with the weight-decay groups of HF's ``Trainer.get_decay_parameter_names`` (the
+library's own rule) and an optional LR scheduler stepped every optimizer step.
+
 Its switches are the negative controls of the equivalence tests: drop the attention mask, drop the
-causal mask too, count positions 0..seq-1 (the model's default), drop the router loss, or use the
-library's cross-layer router loss.
+causal mask too, count positions 0..seq-1 (the model's default), drop the router loss, use the
+library's cross-layer router loss, or decay every parameter.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -136,10 +140,14 @@ class HFReference(pl.LightningModule):
         causal: bool = True,
         positions: str = "from_mask",
         router: str = "per_layer",
+        weight_decay: float = 0.0,
+        decay: str = "trainer",
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     ) -> None:
         super().__init__()
         self.hf = model
         self.lr, self.microbatches = lr, microbatches
+        self.weight_decay, self.decay, self.lr_scheduler = weight_decay, decay, lr_scheduler
         self.use_mask, self.causal, self.positions, self.router = use_mask, causal, positions, router
         self.moe = getattr(model.config, "output_router_logits", False)
 
@@ -175,4 +183,19 @@ class HFReference(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+        # HF Trainer's own rule (its names list a tied tensor under each name; it decays as one).
+        decays = set(transformers.Trainer.get_decay_parameter_names(None, self.hf))
+        if self.decay == "all":  # negative control
+            decays = {n for n, _ in self.hf.named_parameters()}
+        params = list(self.hf.named_parameters())
+        groups = [
+            {"params": [p for n, p in params if n in decays], "weight_decay": self.weight_decay},
+            {"params": [p for n, p in params if n not in decays], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr)
+        if self.lr_scheduler is None:
+            return optimizer
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.lr_scheduler(optimizer), "interval": "step"},
+        }

@@ -6,13 +6,17 @@ one rank (the other is released), and compares the logged losses (and router los
 under the model's own names, with ``HFReference``: the plain Hugging Face model trained in one process by
 its own forward on whole batches, in float64. Negative controls train the reference without the
 attention mask, with the model's default positions, or with another router loss, and must differ by far
-more than the tolerance. A last test saves a checkpoint under the strategy, validates from it at another
-placement, loads it strictly into the plain model (one file as saved, a sharded directory once exported),
-through ``HuggingFaceCausalLM.load_from_checkpoint`` (both), and round-trips it through ``save_pretrained``.
+more than the tolerance; Mixtral also trains with activation checkpointing. One test trains with HF
+Trainer's weight-decay groups and an LR schedule (the reference builds its groups with
+``Trainer.get_decay_parameter_names``). A last test saves a checkpoint under the strategy, validates
+from it at another placement, loads it strictly into the plain model (one file as saved, a sharded
+directory once exported), through ``HuggingFaceCausalLM.load_from_checkpoint`` (both), and round-trips
+it through ``save_pretrained``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,9 @@ class Setup:
     steps: int = 5
     lr: float = 0.01
     sharded_checkpoint: bool = False
+    weight_decay: float = 0.0
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    activation_checkpointing: bool = False
     # A migration, then a re-pack onto rank 0 (rank 1 is released).
     migrations: tuple[tuple[int, str], ...] = ((1, "0-0|1-3"), (3, "0-3"))
     # Where the ranks save a checkpoint after the fit, then validate from it at another placement.
@@ -66,8 +73,11 @@ class Setup:
             num_microbatches=self.num_microbatches,
             placement="0-1|2-3",
             save_distributed_checkpoint=self.sharded_checkpoint,
+            activation_checkpointing=self.activation_checkpointing,
         )
-        model = HuggingFaceCausalLM(self.hf_model(), lr=self.lr)
+        model = HuggingFaceCausalLM(
+            self.hf_model(), lr=self.lr, weight_decay=self.weight_decay, lr_scheduler=self.lr_scheduler
+        )
 
         def report(trainer: pl.Trainer) -> dict[str, Any]:
             state = {model.huggingface_name(k): v.detach().clone() for k, v in model.state_dict().items()}
@@ -95,7 +105,10 @@ class Setup:
 
     def reference(self, **switches: Any) -> dict[str, Any]:
         """The plain model trained by its own forward in one process (``switches``: negative controls)."""
-        model = HFReference(self.hf_model(), lr=self.lr, microbatches=self.num_microbatches, **switches)
+        optim = {"weight_decay": self.weight_decay, "lr_scheduler": self.lr_scheduler}
+        model = HFReference(
+            self.hf_model(), lr=self.lr, microbatches=self.num_microbatches, **{**optim, **switches}
+        )
         ref = fit_reference(Fit(model, (self.loader(),), self.recorder(), trainer_kwargs()))
         return {**ref, "state": {k.removeprefix("hf."): v for k, v in ref["state"].items()}}
 
@@ -133,11 +146,27 @@ def test_llama_with_rotary_embeddings_and_causal_masks(tmp_path: Path, attn: str
     _fit_and_compare(setup, tmp_path, controls)
 
 
-def test_mixtral_with_its_router_loss_on_every_stage(tmp_path: Path) -> None:
-    setup = Setup(kind="mixtral")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "activation-checkpointing"])
+def test_mixtral_with_its_router_loss_on_every_stage(tmp_path: Path, checkpointing: bool) -> None:
+    # Checkpointed blocks run again in backward: the router loss is still added and logged once.
+    setup = Setup(kind="mixtral", activation_checkpointing=checkpointing)
     controls = {
         "dropping the router loss": {"router": "none"},
         "the library's cross-layer router loss": {"router": "huggingface"},
+    }
+    _fit_and_compare(setup, tmp_path, controls)
+
+
+def shrinking_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.7**step)
+
+
+def test_hf_trainer_weight_decay_groups_and_a_scheduler_survive_a_migration(tmp_path: Path) -> None:
+    # The decay group (HF Trainer's rule: not biases, LayerNorms) and the schedule follow migrated layers.
+    setup = Setup(kind="gpt2", attn="eager", weight_decay=0.5, lr_scheduler=shrinking_lr)
+    controls: dict[str, dict[str, Any]] = {
+        "weight decay on every parameter": {"decay": "all"},
+        "no LR schedule": {"lr_scheduler": None},
     }
     _fit_and_compare(setup, tmp_path, controls)
 

@@ -18,7 +18,6 @@ rank did before: its construction alone exceeds the budget.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import itertools
 import os
@@ -37,11 +36,10 @@ from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed import fitting
 from tests.distributed.fitting import TOL, Run, local_state, make_strategy, max_param_diff, reference
 from tests.distributed.harness import run_distributed
+from tests.distributed.memory import MIB, Watch
 from tests.distributed.meta_model import ConfiguredGPT, MetaGPT, model_bytes
 
 pytestmark = pytest.mark.distributed
-
-MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -79,58 +77,6 @@ class MetaRun(Run):
 
     def datamodule(self) -> RandomTokenDataModule:
         return RandomTokenDataModule(self.batch_size, self.num_samples, seq_len=self.seq_len)
-
-
-def resident_kib(field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (peak since the last reset) of this process, in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def fresh_pages_for_big_allocations() -> None:
-    """Make resident memory growth count what is allocated from now on (glibc, Linux).
-
-    A forked rank inherits the parent's free heap pages, already resident: allocations reusing them do
-    not grow the resident size. Free pages are handed back (``malloc_trim``), and allocations of 1 MiB
-    and more get fresh pages of their own (a fixed ``mmap`` threshold instead of glibc's sliding one).
-    """
-    libc = ctypes.CDLL("libc.so.6")
-    m_mmap_threshold = -3
-    assert libc.mallopt(m_mmap_threshold, MIB) == 1
-    libc.malloc_trim(0)
-
-
-class Watch(pl.Callback):
-    """Records the peak memory growth while the model is built and set up, the initial weights, and the
-    bytes of model tensors held after every batch.
-
-    The window opens in the ``setup`` hook (after Lightning's own start-up, before ``configure_model`` and
-    the strategy's setup) and closes when training starts.
-    """
-
-    def __init__(self) -> None:
-        self.baseline_kib = 0
-        self.setup_growth = 0
-        self.initial: dict[str, torch.Tensor] = {}
-        self.held: list[int] = []
-
-    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
-        # Garbage inherited from the parent (an earlier test's Trainer and its optimizer state) would be
-        # freed inside the window and hide what is allocated there: collect it first.
-        gc.collect()
-        fresh_pages_for_big_allocations()
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak resident size (VmHWM) to now
-        self.baseline_kib = resident_kib("VmRSS")
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.setup_growth = (resident_kib("VmHWM") - self.baseline_kib) * 1024
-        self.initial = local_state(pl_module)
-        self.held.append(model_bytes(pl_module))
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        self.held.append(model_bytes(pl_module))
 
 
 def construction_worker(rank: int, world_size: int, run: MetaRun) -> dict[str, Any]:

@@ -46,6 +46,8 @@ def _fit_and_catch(rank: int, world_size: int, case: dict[str, Any]) -> tuple[st
     model = _NoContract() if case.get("no_contract") else DemoGPT(num_layers=case.get("num_layers", 4))
     if case.get("tie_blocks"):
         model.layers["1"].ln_1.weight = model.layers["0"].ln_1.weight
+    if case.get("compile_block"):
+        model.layers["2"].compile(backend="eager")
     trainer = quiet_trainer(
         devices=world_size,
         strategy=DynMoStrategy(**case.get("strategy", {})),
@@ -117,3 +119,8 @@ def test_blocks_sharing_a_parameter_fail_before_training(tmp_path: Any) -> None:
         TypeError, match=r"shares one parameter between pipeline units: layers.0.ln_1.weight is"
     ):
         _raise_as_on_every_rank({"tie_blocks": True}, tmp_path)
+
+
+def test_a_compiled_block_is_refused_before_training(tmp_path: Any) -> None:
+    with pytest.raises(TypeError, match=r"cannot train compiled modules: \['layers\.2'\].*uncompiled"):
+        _raise_as_on_every_rank({"compile_block": True}, tmp_path)

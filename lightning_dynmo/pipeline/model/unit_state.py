@@ -1,8 +1,9 @@
 """What of a unit can migrate: hooks a user registered are refused, parametrized modules are rebuilt.
 
 Read :func:`check_no_user_hooks` (called by the strategy at setup and by :func:`~lightning_dynmo.pipeline.
-migration.pack_unit` before every transfer), then :func:`reduce_parametrized` (how a module with
-``torch.nn.utils.parametrize`` parametrizations travels).
+migration.pack_unit` before every transfer), :func:`check_not_compiled` (called by the strategy at
+setup), then :func:`reduce_parametrized` (how a module with ``torch.nn.utils.parametrize``
+parametrizations travels).
 
 Hooks. Migration carries a unit's parameters, buffers, parametrizations, plain attributes and optimizer
 state; forward/backward hooks on its modules and hooks on its tensors do not travel (they are closures
@@ -12,6 +13,12 @@ hooks (marked by :func:`lightning_dynmo.runtime_hooks.runtime_hook`) are instrum
 the sending rank and are left behind. ``torch.nn.utils.prune`` and the hook-based ``weight_norm`` /
 ``spectral_norm`` keep their state in forward pre-hooks: the message names their parametrization
 replacements.
+
+Compiled modules. A unit holding a module compiled with ``torch.compile`` (its ``OptimizedModule``
+wrapper, or ``Module.compile()``) is refused: DynMo measures each block with forward hooks that its
+profiler adds and removes during training, and torch does not guard compiled code on hooks by default
+(``torch._dynamo.config.skip_nnmodule_hook_guards``: hooks added or removed after compilation may go
+unnoticed), so the per-layer costs the balancers decide on could silently be missing or stale.
 
 Parametrizations. ``register_parametrization`` swaps the module's class for a generated subclass that
 refuses pickling; :func:`reduce_parametrized` sends the module as its original class plus its state
@@ -32,7 +39,7 @@ from torch.nn.utils import parametrize, prune
 
 from lightning_dynmo.runtime_hooks import is_runtime_hook
 
-__all__ = ["check_no_user_hooks", "reduce_parametrized", "user_hooks"]
+__all__ = ["check_no_user_hooks", "check_not_compiled", "reduce_parametrized", "user_hooks"]
 
 _MODULE_HOOK_TABLES = {
     "_forward_pre_hooks": "forward pre-hook",
@@ -85,6 +92,30 @@ def check_no_user_hooks(units: Mapping[str, nn.Module]) -> None:
         raise TypeError(
             f"unit {unit_name!r}: {where!r} carries a {kind} {_describe(hook)}{more}, which cannot migrate "
             f"between pipeline ranks. {_fix_for(hook)}"
+        )
+
+
+def check_not_compiled(units: Mapping[str, nn.Module]) -> None:
+    """Refuse units holding a module compiled with ``torch.compile`` (see the module docstring).
+
+    Raises:
+        TypeError: naming the compiled modules, why, and what to do instead.
+    """
+    compiled = [
+        f"{unit_name}.{path}".rstrip(".")
+        for unit_name, unit in units.items()
+        for path, module in unit.named_modules()
+        if hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+    ]
+    if compiled:
+        raise TypeError(
+            f"DynMoStrategy cannot train compiled modules: {compiled[:5]} were compiled with torch.compile "
+            "(an OptimizedModule, or Module.compile()). DynMo times each block with forward hooks it adds "
+            "and removes during training, and compiled code may not notice hooks changed after compilation "
+            "(torch._dynamo.config.skip_nnmodule_hook_guards), so the per-layer costs its balancers use "
+            "could silently be missing or stale. Train the blocks uncompiled "
+            "(DynMoStrategy(activation_checkpointing=True) saves their activation memory), or compile "
+            "only functions a block's forward calls."
         )
 
 

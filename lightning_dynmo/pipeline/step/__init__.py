@@ -4,6 +4,7 @@
 - :mod:`.schedule`: build this rank's stages and one torch schedule, and run a step.
 - :mod:`.microbatches`: the micro-batch count a pipeline runs (configured, or re-tuned by a re-pack).
 - :mod:`.aux_loss`: auxiliary losses from any block or part, their gradient applied where they arise.
+- :mod:`.recompute`: activation checkpointing of blocks (forward run again in backward, counted once).
 - :mod:`.gradless`: stages behind a frozen prefix keep their weight gradients in split backward.
 - :mod:`.grads`: a step's gradients handed to Lightning's automatic optimization and reduced across ranks.
 - :mod:`.loss_scaling`: fp16 loss scaling across the pipeline (ranks skip overflowing steps together).

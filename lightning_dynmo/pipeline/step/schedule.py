@@ -123,17 +123,21 @@ def build_pipeline(
     num_microbatches: int,
     device: torch.device,
     group: dist.ProcessGroup | None,
+    recompute: bool = False,
 ) -> BuiltPipeline:
     """Build this rank's stages and schedule for ``placement``.
 
-    The model must already hold exactly the units this rank owns under ``placement``.
+    The model must already hold exactly the units this rank owns under ``placement``. ``recompute``:
+    activation checkpointing of every block (:mod:`lightning_dynmo.pipeline.step.recompute`).
 
     Raises:
         ValueError: if the schedule rejects ``num_microbatches`` (the message says which counts work).
     """
     indices = stages_of_pipeline_rank(pipeline_rank, placement.num_stages, pipeline_size, schedule.style)
     last_stage = placement.num_stages - 1
-    modules = [StageModule(model, spec, placement.layers_of(s), s == 0, s == last_stage) for s in indices]
+    modules = [
+        StageModule(model, spec, placement.layers_of(s), s == 0, s == last_stage, recompute) for s in indices
+    ]
     stages = [
         PipelineStage(m, s, placement.num_stages, device, group=group)
         for m, s in zip(modules, indices, strict=True)

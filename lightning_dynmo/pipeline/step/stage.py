@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_dynmo.pipeline.model.contract import HIDDEN, ModelSpec, block_inputs, check_loss
 from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
+from lightning_dynmo.pipeline.step.recompute import recomputing, run_checkpointed
 
 __all__ = [
     "PipelineLoss",
@@ -44,13 +45,15 @@ _inference = threading.local()
 
 
 def in_shape_inference() -> bool:
-    """Whether torch's forward metadata pass is running a stage in this thread now.
+    """Whether the forward running in this thread now must not count: torch's forward metadata pass of a
+    stage, or the second run of a checkpointed block in backward (:mod:`.recompute`).
 
-    That pass runs a stage's blocks once more on zeroed inputs (with gradients enabled in training): a
-    block that counts what its forwards do (MoE expert loads, exited tokens) skips it, so its counts are
-    those of the real micro-batches, as in a single process.
+    The metadata pass runs a stage's blocks once more on zeroed inputs (with gradients enabled in
+    training): a block that counts what its forwards do (MoE expert loads, exited tokens) skips it, and
+    the second run of a checkpointed block, so its counts are those of the real micro-batches, as in a
+    single process.
     """
-    return getattr(_inference, "depth", 0) > 0
+    return getattr(_inference, "depth", 0) > 0 or recomputing()
 
 
 class StageModule(nn.Module):
@@ -66,12 +69,23 @@ class StageModule(nn.Module):
         layer_ids: The global indices of this stage's blocks.
         first: Whether this is stage 0 (it receives the model inputs).
         last: Whether this is the last stage (it returns what ``pipeline_loss`` takes).
+        recompute: Activation checkpointing: each block's forward runs again in backward
+            (:mod:`.recompute`).
     """
 
     _model: Any  # the contract-abiding model, unregistered (its methods are the contract's, not nn.Module's)
 
-    def __init__(self, model: nn.Module, spec: ModelSpec, layer_ids: Sequence[int], first: bool, last: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        layer_ids: Sequence[int],
+        first: bool,
+        last: bool,
+        recompute: bool = False,
+    ):
         super().__init__()
+        self._recompute = recompute
         object.__setattr__(self, "_model", model)
         self._spec = spec
         self._is_first, self._is_last = first, last
@@ -195,15 +209,21 @@ class StageModule(nn.Module):
     def _run_block(
         self, key: str, block: nn.Module, state: State, side_inputs: Mapping[str, Tensor]
     ) -> State:
-        return run_block(
-            block,
-            state,
-            side_inputs,
-            reads=self._reads[key],
-            side_state=self._spec.side_state,
-            who=f"layers.{key}",
-            model_name=self.model_name,
-        )
+        def call(state: State, side_inputs: Mapping[str, Tensor]) -> State:
+            # run_block updates the dict it gets: a checkpoint's second run must see the inputs unchanged.
+            return run_block(
+                block,
+                dict(state) if self._recompute else state,
+                side_inputs,
+                reads=self._reads[key],
+                side_state=self._spec.side_state,
+                who=f"layers.{key}",
+                model_name=self.model_name,
+            )
+
+        if self._recompute and torch.is_grad_enabled() and not self._inferring:
+            return run_checkpointed(call, state, side_inputs)
+        return call(state, side_inputs)
 
 
 def run_block(

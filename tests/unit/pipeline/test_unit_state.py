@@ -1,5 +1,6 @@
 """What of a unit can migrate: a user's hooks are refused with where the state must live; the profiler's
-hooks are left behind; parametrized modules travel and behave exactly as on the sender."""
+hooks are left behind; parametrized modules travel and behave exactly as on the sender; compiled modules
+are refused, and the torch behaviour that is why."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 from lightning_dynmo.pipeline.migration.pack import pack_unit, unpack_unit
-from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks
+from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks, check_not_compiled
 from lightning_dynmo.profiling import LayerTimer, module_has_hooks
 from lightning_dynmo.profiling.clock import StepClock
 
@@ -137,3 +138,34 @@ def test_a_parametrized_layer_travels_with_its_state_and_behaves_the_same() -> N
     before = original.grad.clone()
     copy(x).sum().backward()
     assert torch.equal((original.grad - before)[~mask], torch.zeros(int((~mask).sum())))
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_a_compiled_module_is_refused_naming_it_and_why(how: str) -> None:
+    unit = nn.Sequential(Block(), Block())
+    if how == "torch.compile":
+        unit[1] = torch.compile(unit[1], backend="eager")  # type: ignore[assignment]
+    else:
+        unit[1].compile(backend="eager")
+    check_not_compiled({"layers.2": nn.Sequential(Block())})  # an uncompiled unit passes
+    with pytest.raises(
+        TypeError, match=r"cannot train compiled modules: \['layers\.2\.1'\].*may not notice hooks"
+    ):
+        check_not_compiled({"layers.2": unit})
+
+
+def test_why_compiled_blocks_are_refused_hooks_added_after_the_first_call_may_be_skipped() -> None:
+    # The reason the refusal gives, shown on torch itself: the profiler attaches its hooks during
+    # training, after a block's first call, and torch does not guard on hooks by default
+    # (torch._dynamo.config.skip_nnmodule_hook_guards: "if your model ... doesn't [have hooks] and you
+    # add them, dynamo will not notice"). If a torch release changes this, this test fails and the
+    # refusal can be reconsidered.
+    block, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), torch.randn(2, 4)
+    compiled = torch.compile(block, backend="eager")
+    compiled(x)
+    calls: list[str] = []
+    block.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    compiled(x)
+    assert calls == []
+    block(x)  # the same hook on the uncompiled block
+    assert calls == ["pre"]
