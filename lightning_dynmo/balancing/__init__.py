@@ -16,6 +16,8 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``repack``: consolidate onto fewer stages and release the rest.
 - ``moves``: the layer moves migration executes.
 - ``metrics``: imbalance and the event-driven pipeline simulator.
+- ``schedule_model``: a step model that follows each rank's real action list (F, B, I, W), with a critical
+  path; the policy does not use it yet (it still predicts the heaviest stage plus communication).
 - ``microbatches``: the micro-batch count a re-packed pipeline should run.
 - ``trigger``: *when* to rebalance (periodic, events, every step, auto).
 - ``policy``: *what* to rebalance to, and whether it is worth applying.
@@ -34,6 +36,7 @@ from lightning_dynmo.balancing.partition import PartitionResult, partition, solv
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.repack import RepackResult, repack
+from lightning_dynmo.balancing.schedule_model import LinkTime, StageTimes, StepSimulation, simulate_step
 from lightning_dynmo.balancing.workers import WorkerPartitionResult, partition_workers, worker_loads
 
 __all__ = [
@@ -44,11 +47,14 @@ __all__ = [
     "Hardware",
     "LayerCost",
     "LayerMove",
+    "LinkTime",
     "Move",
     "PartitionResult",
     "PipelineSimulation",
     "Placement",
     "RepackResult",
+    "StageTimes",
+    "StepSimulation",
     "UnitMove",
     "WorkerPartitionResult",
     "by_parameters",
@@ -60,6 +66,7 @@ __all__ = [
     "plan_moves",
     "repack",
     "simulate_pipeline",
+    "simulate_step",
     "solve_partition",
     "uniform",
     "worker_loads",
