@@ -2,6 +2,10 @@
 
 The child starts its own session, so a timeout kills it together with the ranks it started (Lightning's
 launcher, the migration's second rank): nothing is left waiting on a collective that never completes.
+In the CPU dry run a one-process part is forked from this process, whose torch and lightning are already
+imported (a fresh interpreter spends most of a tiny part importing them); a part that starts processes
+of its own (they re-run their command line) always gets a fresh interpreter, and so does every part on a
+GPU (a forked CUDA context is unusable).
 """
 
 from __future__ import annotations
@@ -46,15 +50,18 @@ def run_part(part: Part, sizes: Sizes, device: str, workdir: Path, timeout_s: fl
         "device": device,
     }
     spec.write_text(json.dumps(payload, indent=1))
-    command = [sys.executable, "-m", "lightning_dynmo.gpu_check.worker", str(spec), str(result)]
     start = time.perf_counter()
-    with log.open("w") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = child.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_session(child)
-            code = None
+    if device == "cpu" and _single_process(part):
+        code = _run_forked(spec, result, log, timeout_s)
+    else:
+        command = [sys.executable, "-m", "lightning_dynmo.gpu_check.worker", str(spec), str(result)]
+        with log.open("w") as out:
+            child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = child.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_session(child)
+                code = None
     wall_s = time.perf_counter() - start
     found = _read(result)
     if found is not None and code == 0:
@@ -63,6 +70,42 @@ def run_part(part: Part, sizes: Sizes, device: str, workdir: Path, timeout_s: fl
     if found is not None and "error" in found:
         error = f"{error}: {found['error']}"
     return {**(found or {}), "ok": False, "error": error, "wall_s": wall_s, "log_tail": _tail(log)}
+
+
+def _single_process(part: Part) -> bool:
+    """Whether ``part`` runs in one process (no launcher, no peer it starts itself)."""
+    return part.kind == "costs" or (part.kind == "train" and part.options.get("devices") == 1)
+
+
+def _run_forked(spec: Path, result: Path, log: Path, timeout_s: float) -> int | None:
+    """Run the worker in a forked child of its own session; its exit code, ``None`` if it timed out."""
+    from lightning_dynmo.gpu_check import worker  # torch and lightning: only when forking
+
+    sys.stdout.flush()  # else the child would write this process's pending output into its log
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: its own session and log, the worker, then exit without the parent's cleanup
+        code = 1
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = worker.main([str(spec), str(result)])
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
 
 
 def _kill_session(child: subprocess.Popen[bytes]) -> None:

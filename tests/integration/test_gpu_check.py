@@ -36,8 +36,9 @@ def test_the_gpu_sizes_are_realistic() -> None:
     assert GPU_SIZES.d_model >= 1024 and GPU_SIZES.seq_len >= 1024 and GPU_SIZES.batch_size == 8
 
 
-def test_a_part_past_its_timeout_is_killed_and_recorded(tmp_path: Path) -> None:
-    part = _by_name("cpu", 0)["migration"]
+@pytest.mark.parametrize("name", ["migration", "costs_moe"])  # a fresh interpreter; a forked child
+def test_a_part_past_its_timeout_is_killed_and_recorded(tmp_path: Path, name: str) -> None:
+    part = _by_name("cpu", 0)[name]
     result = run_part(part, DRY_RUN_SIZES, "cpu", tmp_path, timeout_s=0.5)
     assert result["ok"] is False
     assert result["error"] == "timed out after 0 s (killed)"
