@@ -179,17 +179,23 @@ def _assert_resumed_as_uninterrupted(resumed: Path, whole: Path, tmp_path: Path,
     assert all(torch.equal(weights[k], reference[k]) for k in reference)
 
 
-def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(
+def test_ckpt_path_last_starts_a_run_and_resumes_it_exactly_there_or_from_its_path_elsewhere(
     tmp_path: Path, uninterrupted: Path
 ) -> None:
-    first, resumed = tmp_path / "first", tmp_path / "resumed"
-    _run(
-        ["-m", "lightning_dynmo.train", *RESUMABLE, "trainer.max_steps=3", f"hydra.run.dir={first}"], tmp_path
-    )
-    last = first / "checkpoints" / "last.ckpt"
+    # what a requeue loop runs: one command, a fixed run directory, ckpt_path=last
+    run_dir = tmp_path / "run"
+    command = ["-m", "lightning_dynmo.train", *RESUMABLE, "ckpt_path=last", f"hydra.run.dir={run_dir}"]
+    out = _run([*command, "trainer.max_steps=3"], tmp_path)
+    assert 'ckpt_path="last") is set, but there is no last checkpoint available' in out  # starts fresh
+    first, expected = _train_losses(run_dir), _train_losses(uninterrupted)
+    assert sorted(first) == [0, 1, 2] and first == {step: expected[step] for step in first}
+    last = run_dir / "checkpoints" / "last.ckpt"
     # a sharded checkpoint, saved in on_train_end (save_top_k=0: nothing at the epoch's end), which
     # DynMoStrategy resumes at epoch 1's first batch (lightning_dynmo/strategy/loop_state.py)
     assert last.is_dir()
+
+    # Its path, into another run directory, with a test run after fitting.
+    resumed = tmp_path / "resumed"
     out = _run(
         [
             "-m",
@@ -207,19 +213,9 @@ def test_ckpt_path_resumes_the_same_losses_and_weights_and_run_test_tests(
     assert any(r.get("test_loss") for r in rows), "run_test=true must log the test loss"
     _assert_resumed_as_uninterrupted(resumed, uninterrupted, tmp_path, out)
 
-
-def test_ckpt_path_last_starts_a_run_then_the_same_command_resumes_it(
-    tmp_path: Path, uninterrupted: Path
-) -> None:
-    # what a requeue loop runs: one command, a fixed run directory, ckpt_path=last
-    run_dir = tmp_path / "run"
-    command = ["-m", "lightning_dynmo.train", *RESUMABLE, "ckpt_path=last", f"hydra.run.dir={run_dir}"]
-    out = _run([*command, "trainer.max_steps=3"], tmp_path)
-    assert 'ckpt_path="last") is set, but there is no last checkpoint available' in out  # starts fresh
-    first, expected = _train_losses(run_dir), _train_losses(uninterrupted)
-    assert sorted(first) == [0, 1, 2] and first == {step: expected[step] for step in first}
+    # The same command again, with more steps: it resumes its own run directory.
     out = _run([*command, "trainer.max_steps=6"], tmp_path)
-    assert f"Restored all states from the checkpoint at {run_dir / 'checkpoints' / 'last.ckpt'}" in out
+    assert f"Restored all states from the checkpoint at {last}" in out
     _assert_resumed_as_uninterrupted(run_dir, uninterrupted, tmp_path, out)
 
 
