@@ -4,6 +4,7 @@ Nothing in this package imports torch or lightning (a test enforces it), so it c
 exhaustively and reused on its own. Reading order, one line each:
 
 - ``costs``: per-layer cost records and their two views (time, parameters).
+- ``fields``: config fields that declare their rule (integer >= k, number >= 0, fraction), checked once.
 - ``placement``: an ordered, contiguous assignment of layers to stages.
 - ``hardware``: pinned first/last-stage parts, worker slowdowns, links and memory caps.
 - ``problem``: :class:`BalanceProblem`, costs + view + hardware validated once, what every balancer takes.

@@ -24,12 +24,12 @@ from typing import Any
 from lightning_dynmo.balancing._checks import (
     MemoryCapacity,
     check_int,
-    check_positive,
     comm_rows,
     memory_caps,
 )
 from lightning_dynmo.balancing.costs import COST_VIEWS, LayerCost
 from lightning_dynmo.balancing.diffusion import diffuse
+from lightning_dynmo.balancing.fields import check_fields, int_field, number_field
 from lightning_dynmo.balancing.hardware import Hardware, stage_times
 from lightning_dynmo.balancing.metrics import imbalance, simulate_pipeline, simulated_schedule
 from lightning_dynmo.balancing.microbatches import RetuneOptions, choose_microbatches
@@ -71,11 +71,11 @@ class BalanceConfig:
     memory_capacity_bytes: MemoryCapacity = None
     repack: bool = False
     target_num_stages: int | None = None
-    max_slowdown: float = 0.05
-    min_gain: float = 0.02
-    diffusion_max_rounds: int = 5
-    diffusion_tolerance: float = 0.0
-    min_saving: float = 0.0
+    max_slowdown: float = number_field(0.05)
+    min_gain: float = number_field(0.02)
+    diffusion_max_rounds: int = int_field(5, minimum=1)
+    diffusion_tolerance: float = number_field(0.0)
+    min_saving: float = number_field(0.0)
 
     def __post_init__(self) -> None:
         if self.balancer not in BALANCERS:
@@ -94,13 +94,9 @@ class BalanceConfig:
                 "repack=True with balancer='static' contradict each other: a static run never moves layers. "
                 "Use balancer='partition' or 'diffusion', or repack=False."
             )
-        check_positive(self.max_slowdown, "max_slowdown", allow_zero=True)
-        check_positive(self.min_gain, "min_gain", allow_zero=True)
+        check_fields(self)
         if self.min_gain >= 1:
             raise ValueError(f"min_gain={self.min_gain} must be below 1 (it is a fraction of the step time).")
-        check_int(self.diffusion_max_rounds, "diffusion_max_rounds", 1, "")
-        check_positive(self.diffusion_tolerance, "diffusion_tolerance", allow_zero=True)
-        check_positive(self.min_saving, "min_saving", allow_zero=True)
 
     def problem(self, costs: Sequence[LayerCost], hardware: Hardware | None = None) -> BalanceProblem:
         """The problem :func:`decide` balances under this config: ``costs`` in its view, on ``hardware``."""

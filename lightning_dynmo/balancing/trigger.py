@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_dynmo.balancing._checks import check_int, check_positive
+from lightning_dynmo.balancing.fields import check_fields, int_field, number_field
 from lightning_dynmo.balancing.metrics import imbalance
 
 
@@ -39,18 +40,14 @@ class AutoConfig:
         rebalance_cost_prior_s: The cost assumed for a rebalance before one has been measured (>= 0).
     """
 
-    threshold: float = 0.10
-    patience_steps: int = 5
-    horizon_steps: int = 500
-    cooldown_steps: int = 50
-    rebalance_cost_prior_s: float = 1.0
+    threshold: float = number_field(0.10, allow_zero=False)
+    patience_steps: int = int_field(5, minimum=1)
+    horizon_steps: int = int_field(500, minimum=1)
+    cooldown_steps: int = int_field(50, minimum=0)
+    rebalance_cost_prior_s: float = number_field(1.0)
 
     def __post_init__(self) -> None:
-        check_positive(self.threshold, "threshold", allow_zero=False)
-        check_int(self.patience_steps, "patience_steps", 1, "")
-        check_int(self.horizon_steps, "horizon_steps", 1, "")
-        check_int(self.cooldown_steps, "cooldown_steps", 0, "")
-        check_positive(self.rebalance_cost_prior_s, "rebalance_cost_prior_s", allow_zero=True)
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,9 +22,13 @@ Torch-free: plain numbers in and out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from lightning_dynmo.balancing.fields import check_fields, check_int, fraction_field, int_field
 
 __all__ = ["PruningSchedule"]
+
+_SPARSITY = "the share of prunable weights set to zero (1 would remove every weight), e.g. 0.9"
+_FREQUENCY = "the optimizer steps between two pruning steps, e.g. 10"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,35 +48,27 @@ class PruningSchedule:
             ``t0`` to ``t0 + n * dt``.
     """
 
-    final_sparsity: float = 0.9
-    initial_sparsity: float = 0.0
-    start_step: int = 30
-    frequency: int = 10
-    num_steps: int = 4
+    final_sparsity: float = fraction_field(0.9, _SPARSITY)
+    initial_sparsity: float = fraction_field(0.0, _SPARSITY)
+    start_step: int = int_field(30, minimum=0, hint="the first pruning step, e.g. 0 or 30")
+    frequency: int = int_field(10, minimum=1, hint=_FREQUENCY)
+    num_steps: int = 4  # checked below: a count under 1 gets its own message
 
     def __post_init__(self) -> None:
-        for name in ("final_sparsity", "initial_sparsity"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(
-                    f"PruningSchedule.{name}={value!r} must be a fraction in [0, 1): the share of prunable "
-                    "weights set to zero (1 would remove every weight); e.g. final_sparsity=0.9."
-                )
+        check_fields(self)
         if self.initial_sparsity > self.final_sparsity:
             raise ValueError(
                 f"PruningSchedule.initial_sparsity={self.initial_sparsity} is above final_sparsity="
                 f"{self.final_sparsity}; pruned weights never come back, so the sparsity can only grow: "
                 "give an initial_sparsity <= final_sparsity."
             )
-        _check_int("start_step", self.start_step, 0, "the first pruning step, e.g. 0 or 30")
-        _check_int("frequency", self.frequency, 1, "the optimizer steps between two pruning steps, e.g. 10")
         if isinstance(self.num_steps, int) and not isinstance(self.num_steps, bool) and self.num_steps < 1:
             raise ValueError(
                 f"PruningSchedule.num_steps={self.num_steps} makes the schedule end at step {self.end_step} "
                 f"(start_step + num_steps * frequency), not after its start at step {self.start_step}: it "
                 "would end before it starts. Give num_steps >= 1 (the number of pruning intervals)."
             )
-        _check_int("num_steps", self.num_steps, 1, "the number of pruning intervals, e.g. 4")
+        check_int(self.num_steps, "PruningSchedule.num_steps", 1, "the number of pruning intervals, e.g. 4")
 
     @classmethod
     def from_range(
@@ -91,7 +87,7 @@ class PruningSchedule:
                 ``end_step - start_step`` not a multiple of ``frequency`` (the last step would not be a
                 pruning step, so the final sparsity would never be reached), or a bad value of a field.
         """
-        _check_int("frequency", frequency, 1, "the optimizer steps between two pruning steps, e.g. 10")
+        check_int(frequency, "PruningSchedule.frequency", 1, _FREQUENCY)
         if end_step <= start_step:
             raise ValueError(
                 f"PruningSchedule.from_range(start_step={start_step}, end_step={end_step}): the schedule "
@@ -142,8 +138,3 @@ class PruningSchedule:
             return 0.0
         j = min((step - self.start_step) // self.frequency, self.num_steps)
         return self.level(j)
-
-
-def _check_int(name: str, value: Any, low: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"PruningSchedule.{name}={value!r} must be an integer >= {low}: {what}.")
