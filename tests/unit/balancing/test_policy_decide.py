@@ -11,6 +11,7 @@ from lightning_dynmo.balancing.diffusion import diffuse
 from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.policy import (
     BalanceConfig,
+    RebalanceDecision,
     TriggerConfig,
     decide,
     predict,
@@ -258,30 +259,20 @@ def test_virtual_stages_are_judged_by_their_workers():
 
 
 def test_a_migration_must_pay_for_itself():
-    free = decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 4, "1F1B")
+    def decide_with(min_saving: float) -> RebalanceDecision:
+        config = dataclasses.replace(BalanceConfig(), min_saving=min_saving)
+        return decide(BalanceProblem(CHANGED), UNIFORM, config, 4, "1F1B")
+
+    free = decide_with(0.0)
     saving = free.predicted_step_before - free.predicted_step_after
     assert free.apply
-    paid = decide(
-        BalanceProblem(CHANGED),
-        UNIFORM,
-        dataclasses.replace(BalanceConfig(), min_saving=saving * 0.9),
-        4,
-        "1F1B",
-    )
+    paid = decide_with(saving * 0.9)
     assert paid.apply
-    unpaid = decide(
-        BalanceProblem(CHANGED),
-        UNIFORM,
-        dataclasses.replace(BalanceConfig(), min_saving=saving * 1.1),
-        4,
-        "1F1B",
-    )
+    unpaid = decide_with(saving * 1.1)
     assert not unpaid.apply
     assert "below min_saving" in unpaid.reason
     with pytest.raises(ValueError, match=r"min_saving=-1.0 must be a finite number >= 0"):
-        decide(
-            BalanceProblem(CHANGED), UNIFORM, dataclasses.replace(BalanceConfig(), min_saving=-1.0), 4, "1F1B"
-        )
+        decide_with(-1.0)
 
 
 def test_virtual_stages_are_balanced_by_their_workers():

@@ -22,6 +22,15 @@ def _content(path: Path) -> str:
     return (path / "items").read_text() if path.is_dir() else path.read_text()
 
 
+def _assert_repaired(target: Path, caplog: pytest.LogCaptureFixture, content: str, warning: str) -> None:
+    """``repair`` leaves ``target`` alone in its folder, holding ``content``, and logs ``warning``."""
+    with caplog.at_level(logging.WARNING, logger=atomic.__name__):
+        repair(target)
+    assert _content(target) == content
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert warning in caplog.text
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
 def test_swap_in_replaces_a_directory_and_leaves_nothing_behind(tmp_path: Path, exchange: bool) -> None:
     target = _checkpoint_dir(tmp_path / "last.ckpt", "old")
@@ -78,11 +87,7 @@ def test_repair_after_a_crash_between_the_two_renames_promotes_the_complete_new_
     monkeypatch.undo()
     assert not target.exists()
     assert leftovers(target)[1], "the old checkpoint is set aside, complete"
-    with caplog.at_level(logging.WARNING, logger=atomic.__name__):
-        repair(target)
-    assert _content(target) == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    assert "interrupted while it replaced" in caplog.text
+    _assert_repaired(target, caplog, "new", warning="interrupted while it replaced")
 
 
 def test_repair_restores_the_old_checkpoint_when_only_it_survived(tmp_path: Path) -> None:
@@ -97,11 +102,7 @@ def test_repair_removes_an_unfinished_save_and_keeps_the_checkpoint(
 ) -> None:
     target = _checkpoint_dir(tmp_path / "last.ckpt", "old")
     _checkpoint_dir(staging_path(target, "t1"), "half written")
-    with caplog.at_level(logging.WARNING, logger=atomic.__name__):
-        repair(target)
-    assert _content(target) == "old"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
-    assert "left by an interrupted save" in caplog.text
+    _assert_repaired(target, caplog, "old", warning="left by an interrupted save")
 
 
 def test_repair_removes_an_unfinished_first_save(tmp_path: Path) -> None:
