@@ -30,8 +30,13 @@ def _declared(default: object, rule: Rule) -> Any:
     return dataclasses.field(default=default, metadata={_RULE: rule})
 
 
-def int_field(default: int, minimum: int, hint: str = "") -> Any:
-    """A field holding an integer >= ``minimum`` (``hint``: what it means, shown when it is wrong)."""
+def int_field(default: int | None, minimum: int, hint: str = "", *, optional: bool = False) -> Any:
+    """A field holding an integer >= ``minimum``, or ``None`` too if ``optional``.
+
+    ``hint`` says what the field means; it is shown when the value is wrong.
+    """
+    if optional:
+        return _declared(default, functools.partial(_check_int_or_none, minimum=minimum, hint=hint))
     return _declared(default, functools.partial(check_int, minimum=minimum, hint=hint))
 
 
@@ -61,3 +66,9 @@ def check_fields(config: Any) -> None:
 def _check_fraction(value: object, name: str, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name}={value!r} must be a fraction in [0, 1); {hint}.")
+
+
+def _check_int_or_none(value: object, name: str, minimum: int, hint: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        fix = f"; {hint}" if hint else ""
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum} or None{fix}.")

@@ -45,11 +45,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dynmo.balancing.fields import check_fields, int_field
 from lightning_dynmo.dynamism.magnitude_select import PrunableWeight, select_global_pruning
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 from lightning_dynmo.dynamism.sparse_linear import KERNELS, MaskedLinear, time_kernels
 from lightning_dynmo.events import EventBus, notify_dynamism
-from lightning_dynmo.models.config import GPTConfig, check_positive_int
+from lightning_dynmo.models.config import GPTConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,8 @@ class PruningConfig:
     kernel: str = "auto"
     csr_min_sparsity: float = 0.5
     csr_min_speedup: float = 1.1
-    timing_repeats: int = 5
-    timing_rows: int | None = None
+    timing_repeats: int = int_field(5, minimum=1)
+    timing_rows: int | None = int_field(None, minimum=1, optional=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, PruningSchedule):
@@ -109,10 +110,7 @@ class PruningConfig:
                 f"PruningConfig.csr_min_speedup={self.csr_min_speedup} must be > 0 (1.1: CSR must be 10% "
                 "faster than dense to be chosen)."
             )
-        for name, value in (("timing_repeats", self.timing_repeats), ("timing_rows", self.timing_rows)):
-            if value is None and name == "timing_rows":
-                continue
-            check_positive_int(name, value, owner="PruningConfig")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
