@@ -259,51 +259,56 @@ def test_with_default_timeouts_apply_placement_on_one_rank_fails_on_both_within_
         _reraise(rank1)
 
 
-def test_a_block_raising_on_one_rank_is_reported_there_as_itself_and_named_by_its_peer(
-    tmp_path: Path,
+# An error on the culprit rank: (action, culprit, its error there, the error its peer reports).
+ONE_RANK_ERRORS = {
+    "a block raising in a schedule step": (
+        "raise",
+        1,
+        (
+            ValueError,
+            r"^boom: layer 3 saw a NaN\n"
+            r"DynMo: raised on rank 1 in layers.3 \(stage 1\) during a schedule step",
+        ),
+        (
+            CommunicationError,
+            r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: boom: layer 3 saw a NaN "
+            r"\(raised in layers.3 during a schedule step\); so rank 0 \(stage 0\) lost contact with a peer "
+            r"during a schedule step",
+        ),
+    ),
+    "an error outside the pipeline": (
+        "raise_in_callback",
+        1,
+        (ValueError, r"^my callback broke\nDynMo: raised on rank 1 in stage 1 during Trainer.fit"),
+        (
+            CommunicationError,
+            r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: my callback broke \(raised during "
+            r"Trainer.fit\); so rank 0 \(stage 0\) lost contact with a peer during a schedule step",
+        ),
+    ),
+    "a bug in the rebalance decision": (
+        "decide",
+        0,
+        (KeyError, r"stage 7'\nDynMo: raised on rank 0 during the rebalance decision at step"),
+        (
+            RuntimeError,
+            r"^DynMo: rank 0 failed while computing the rebalance decision at step \d+: "
+            r"KeyError: 'stage 7'",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_RANK_ERRORS), ids=list(ONE_RANK_ERRORS))
+def test_an_error_on_one_rank_is_reported_there_as_itself_and_named_by_its_peer(
+    case: str, tmp_path: Path
 ) -> None:
-    rank0, rank1 = _run_timed("raise", culprit=1, tmp_path=tmp_path)
-    with pytest.raises(
-        ValueError,
-        match=r"^boom: layer 3 saw a NaN\n"
-        r"DynMo: raised on rank 1 in layers.3 \(stage 1\) during a schedule step",
-    ):
-        _reraise(rank1)
-    with pytest.raises(
-        CommunicationError,
-        match=r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: boom: layer 3 saw a NaN "
-        r"\(raised in layers.3 during a schedule step\); so rank 0 \(stage 0\) lost contact with a peer "
-        r"during a schedule step",
-    ):
-        _reraise(rank0)
-
-
-def test_an_error_outside_the_pipeline_on_one_rank_is_named_by_its_peer(tmp_path: Path) -> None:
-    rank0, rank1 = _run_timed("raise_in_callback", culprit=1, tmp_path=tmp_path)
-    with pytest.raises(
-        ValueError, match=r"^my callback broke\nDynMo: raised on rank 1 in stage 1 during Trainer.fit"
-    ):
-        _reraise(rank1)
-    with pytest.raises(
-        CommunicationError,
-        match=r"^DynMo: rank 1 \(stage 1\) failed first: ValueError: my callback broke \(raised during "
-        r"Trainer.fit\); so rank 0 \(stage 0\) lost contact with a peer during a schedule step",
-    ):
-        _reraise(rank0)
-
-
-def test_a_bug_in_the_rebalance_decision_stops_every_rank_naming_it(tmp_path: Path) -> None:
-    rank0, rank1 = _run_timed("decide", culprit=0, tmp_path=tmp_path)
-    with pytest.raises(
-        KeyError, match=r"stage 7'\nDynMo: raised on rank 0 during the rebalance decision at step"
-    ):
-        _reraise(rank0)
-    with pytest.raises(
-        RuntimeError,
-        match=r"^DynMo: rank 0 failed while computing the rebalance decision at step \d+: "
-        r"KeyError: 'stage 7'",
-    ):
-        _reraise(rank1)
+    action, culprit, (own_type, own_match), (peer_type, peer_match) = ONE_RANK_ERRORS[case]
+    results = _run_timed(action, culprit=culprit, tmp_path=tmp_path)
+    with pytest.raises(own_type, match=own_match):
+        _reraise(results[culprit])
+    with pytest.raises(peer_type, match=peer_match):
+        _reraise(results[1 - culprit])
 
 
 @pytest.mark.parametrize("signalled", [0, 1])
