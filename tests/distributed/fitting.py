@@ -50,6 +50,9 @@ class Run:
     migrations: tuple[tuple[int, str], ...] = field(default_factory=tuple)
     # The output head reuses the token embedding's weight (first and last stage share a parameter).
     tie_embeddings: bool = False
+    # The model: a DemoGPT (sub)class, called with these leading arguments and the sizes above.
+    model_cls: type[DemoGPT] = DemoGPT
+    model_args: tuple[Any, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -61,7 +64,20 @@ class Run:
         return RandomTokenDataModule(self.batch_size, self.num_samples, drop_last=not self.extra_samples)
 
     def model(self) -> DemoGPT:
-        return DemoGPT(num_layers=self.num_layers, lr_gamma=self.lr_gamma, tie_embeddings=self.tie_embeddings)
+        return self.model_cls(
+            *self.model_args,
+            num_layers=self.num_layers,
+            lr_gamma=self.lr_gamma,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+    @classmethod
+    def two_migrations(cls, model_cls: type[DemoGPT], *model_args: Any) -> Run:
+        """Six blocks on two ranks; block 3 moves to rank 0 at batch 2, then blocks 1-3 to rank 1 at batch 4,
+        so each rank takes in a block it never held (for tests of what a migrating block carries)."""
+        migrations = ((2, "0-3|4-5"), (4, "0-0|1-5"))
+        return cls(model_cls=model_cls, model_args=model_args, num_layers=6, placement="0-2|3-5", steps=6,
+                   migrations=migrations)  # fmt: skip
 
     def reference_model(self) -> DemoGPT:
         """The model the single-process reference trains (the same as :meth:`model` unless overridden)."""

@@ -7,7 +7,7 @@ schedulers included), so training equals the single-process run, which has every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -59,14 +59,6 @@ class LayerwiseLR(DemoGPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-@dataclass(frozen=True)
-class LayerwiseRun(Run):
-    lr_schedule: str = "exponential"
-
-    def model(self) -> DemoGPT:
-        return LayerwiseLR(self.lr_schedule, num_layers=self.num_layers, lr_gamma=self.lr_gamma)
-
-
 class FirstGroup(DynMoStrategy):
     """Negative control: migrated parameters join group 0 (the embeddings' learning rate)."""
 
@@ -81,7 +73,7 @@ class FirstGroup(DynMoStrategy):
 
 # Block 3 goes to rank 0 (a group rank 0 does not have), then blocks 1-3 go to rank 1 (which has block 3's
 # group but not those of blocks 1 and 2).
-RUN = LayerwiseRun(num_layers=6, placement="0-2|3-5", migrations=((2, "0-3|4-5"), (4, "0-0|1-5")), steps=6)
+RUN = Run.two_migrations(LayerwiseLR, "exponential")
 
 
 def test_layerwise_learning_rates_survive_migrations(tmp_path: Any) -> None:
@@ -93,7 +85,7 @@ def test_layerwise_learning_rates_survive_migrations(tmp_path: Any) -> None:
 
 
 def test_a_group_the_scheduler_cannot_follow_fails_on_every_rank(tmp_path: Any) -> None:
-    run = LayerwiseRun(**{**RUN.__dict__, "lr_schedule": "per-group", "steps": 3})
+    run = replace(RUN, model_args=("per-group",), steps=3)
     with pytest.raises(AssertionError, match=r"(?s)LambdaLR holds one lr_lambda per group") as failure:
         fit_pipelined(run, tmp_path)
     assert "could not take in the units they received" in str(failure.value), "the sender must fail too"

@@ -53,7 +53,7 @@ def _train_with_migrations(
     """Pipeline training for ``steps`` steps; at step ``s`` of ``plan`` migrate to its stages."""
     torch.set_default_dtype(torch.float64)
     owners = tm.owners_from_stages(stages)
-    units = {n: m for n, m in tm.build_model(num_layers).units().items() if owners[n] == rank}
+    units = tm.local_units(stages, rank, num_layers)
     optimizer = tm.make_optimizer(units)
     schedule = tm.make_schedule(units, stage_index=rank, num_stages=world_size)
     pending = dict(plan)
@@ -159,8 +159,7 @@ def test_four_ranks_both_directions_several_at_once(tmp_path):
 def _swap_and_repack(rank: int, world_size: int) -> dict[str, Any]:
     """Non-neighbour swap (0 <-> 3), then re-pack everything onto ranks 0 and 1 and train there."""
     torch.set_default_dtype(torch.float64)
-    owners = tm.owners_from_stages(STAGES_4)
-    units = {n: m for n, m in tm.build_model(8).units().items() if owners[n] == rank}
+    units = tm.local_units(STAGES_4, rank, 8)
     optimizer = tm.make_optimizer(units)
     schedule = tm.make_schedule(units, stage_index=rank, num_stages=world_size)
     data = tm.batches(4)
@@ -325,8 +324,7 @@ def _replicas_in_one_plan(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_default_dtype(torch.float64)
     position = rank % 2
     stages = [["embed", *_layers(0, 1)], [*_layers(2, 3), "head"]]
-    owners = tm.owners_from_stages(stages)
-    units = {n: m for n, m in tm.build_model(4).units().items() if owners[n] == position}
+    units = tm.local_units(stages, position, 4)
     optimizer = tm.make_optimizer(units)
     for p in optimizer.param_groups[0]["params"]:  # distinct state per replica: a mix-up would show
         p.grad = torch.full_like(p, 1.0 + rank // 2)

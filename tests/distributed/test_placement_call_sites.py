@@ -9,7 +9,7 @@ single-process reference in float64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -47,14 +47,6 @@ class MoveFromHook(DemoGPT):
         self._maybe_move("on_before_optimizer_step")
 
 
-@dataclass(frozen=True)
-class HookRun(Run):
-    hook: str = "on_before_optimizer_step"
-
-    def model(self) -> DemoGPT:
-        return MoveFromHook(self.hook, num_layers=self.num_layers, lr_gamma=self.lr_gamma)
-
-
 class NoInStepCheck(DynMoStrategy):
     """Negative control: lets a migration happen inside the step, as before the check existed."""
 
@@ -63,7 +55,15 @@ class NoInStepCheck(DynMoStrategy):
         return super().apply_placement(new)
 
 
-RUN = HookRun(num_layers=6, placement="0-2|3-5", accumulate=2, clip=0.05, steps=5)
+RUN = Run(
+    model_cls=MoveFromHook,
+    model_args=("on_before_optimizer_step",),
+    num_layers=6,
+    placement="0-2|3-5",
+    accumulate=2,
+    clip=0.05,
+    steps=5,
+)
 
 
 def test_migrating_from_on_before_optimizer_step_is_exact(tmp_path: Any) -> None:
@@ -73,7 +73,7 @@ def test_migrating_from_on_before_optimizer_step_is_exact(tmp_path: Any) -> None
     assert_matches_reference(results, ref, RUN)
     # Negative control: the same migrations inside the step lose their step's gradients.
     lost = fit_pipelined(
-        HookRun(**{**RUN.__dict__, "hook": "on_pipeline_step_end"}), tmp_path, strategy_cls=NoInStepCheck
+        replace(RUN, model_args=("on_pipeline_step_end",)), tmp_path, strategy_cls=NoInStepCheck
     )
     assert all(res["placement"] == MOVES[3] for res in lost)
     assert max_param_diff(lost, ref) > 1e-4
@@ -81,7 +81,7 @@ def test_migrating_from_on_before_optimizer_step_is_exact(tmp_path: Any) -> None
 
 @pytest.mark.parametrize("hook", ["on_pipeline_step_end", "on_before_zero_grad"])
 def test_migrating_inside_the_step_is_refused_on_every_rank(hook: str, tmp_path: Any) -> None:
-    run = HookRun(**{**RUN.__dict__, "hook": hook, "steps": 2})
+    run = replace(RUN, model_args=(hook,), steps=2)
     match = (
         r"(?s)rank 0 -----.*apply_placement was called inside a training step.*rank 1 -----.*inside a train"
     )

@@ -49,14 +49,9 @@ def bytes_read_by_this_process() -> int:
     raise RuntimeError("/proc/self/io has no rchar line")
 
 
-def _units(stages: Sequence[Sequence[str]], rank: int, seed: int) -> dict[str, torch.nn.Module]:
-    owners = tm.owners_from_stages(stages)
-    return {n: m for n, m in tm.build_model(NUM_LAYERS, seed=seed).units().items() if owners[n] == rank}
-
-
 def _save(rank: int, world_size: int, path: Path) -> dict[str, Any]:
     torch.set_default_dtype(torch.float64)
-    units = _units(STAGES_A, rank, seed=0)
+    units = tm.local_units(STAGES_A, rank, NUM_LAYERS, seed=0)
     optimizer = tm.make_optimizer(units)
     schedule = tm.make_schedule(units, stage_index=rank, num_stages=world_size)
     for batch in tm.batches(STEPS):
@@ -74,7 +69,8 @@ def _saved_part(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 def _load(rank: int, world_size: int, path: Path, stages: Sequence[Sequence[str]]) -> dict[str, Any]:
     torch.set_default_dtype(torch.float64)
-    units = _units(stages, rank, seed=123)  # other values: the load must overwrite everything
+    # Other values than the saved ones: the load must overwrite everything.
+    units = tm.local_units(stages, rank, NUM_LAYERS, seed=123)
     optimizer = tm.make_optimizer(units)
     before = bytes_read_by_this_process()
     part = load_sharded_part(path, units, with_optimizers=True, group=None)

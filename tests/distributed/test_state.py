@@ -29,15 +29,10 @@ STAGES_A = [["embed", "layers.0", "layers.1"], ["layers.2", "layers.3", "head"]]
 STAGES_B = [["embed", "layers.0", "layers.1", "layers.2", "layers.3"], ["head"]]
 
 
-def _local_units(stages: Sequence[Sequence[str]], rank: int, seed: int) -> dict[str, torch.nn.Module]:
-    owners = tm.owners_from_stages(stages)
-    return {n: m for n, m in tm.build_model(NUM_LAYERS, seed=seed).units().items() if owners[n] == rank}
-
-
 def _save_and_continue(rank: int, world_size: int, dst: int) -> dict[str, Any]:
     """Uninterrupted run at placement A, gathering the full state on ``dst`` after SAVE_AT steps."""
     torch.set_default_dtype(torch.float64)
-    units = _local_units(STAGES_A, rank, seed=0)
+    units = tm.local_units(STAGES_A, rank, NUM_LAYERS, seed=0)
     optimizer = tm.make_optimizer(units)
     schedule = tm.make_schedule(units, stage_index=rank, num_stages=world_size)
     losses, full = [], None
@@ -54,7 +49,7 @@ def _resume(
 ) -> dict[str, Any]:
     """Fresh model with a different seed (the load must overwrite everything), placement ``stages``."""
     torch.set_default_dtype(torch.float64)
-    units = _local_units(stages, rank, seed=123)
+    units = tm.local_units(stages, rank, NUM_LAYERS, seed=123)
     optimizer = tm.make_optimizer(units)
     load_local_state(full, units, [optimizer])
     loaded = tm.snapshot(units, [optimizer])

@@ -7,7 +7,7 @@ a user put on a block are refused on every rank: at setup, or at the migration i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -57,14 +57,6 @@ class MaskedGPT(DemoGPT):
             self._add_hook()
 
 
-@dataclass(frozen=True)
-class MaskedRun(Run):
-    hooks: str = ""
-
-    def model(self) -> DemoGPT:
-        return MaskedGPT(self.hooks, num_layers=self.num_layers, lr_gamma=self.lr_gamma)
-
-
 class DropParametrizations(DynMoStrategy):
     """Negative control: a received block loses its mask's state (all ones: the weight is unmasked)."""
 
@@ -80,7 +72,7 @@ class DropParametrizations(DynMoStrategy):
         return report
 
 
-RUN = MaskedRun(num_layers=6, placement="0-2|3-5", migrations=((2, "0-3|4-5"), (4, "0-0|1-5")), steps=6)
+RUN = Run.two_migrations(MaskedGPT)
 
 
 def test_a_parametrized_layer_migrates_and_trains_exactly(tmp_path: Any) -> None:
@@ -110,6 +102,6 @@ def test_a_parametrized_layer_migrates_and_trains_exactly(tmp_path: Any) -> None
 )
 def test_a_block_with_a_users_hook_is_refused_on_every_rank(hooks: str, match: str, tmp_path: Any) -> None:
     # Block 1 starts on rank 0 ("0-2|3-5") and the second migration moves it to rank 1.
-    run = MaskedRun(**{**RUN.__dict__, "hooks": hooks})
+    run = replace(RUN, model_args=(hooks,))
     with pytest.raises(AssertionError, match=match):
         fit_pipelined(run, tmp_path)

@@ -154,6 +154,14 @@ def owners_from_stages(stages: Sequence[Sequence[str]]) -> dict[str, int]:
     return {name: rank for rank, names in enumerate(stages) for name in names}
 
 
+def local_units(
+    stages: Sequence[Sequence[str]], rank: int, num_layers: int, seed: int = 0
+) -> dict[str, nn.Module]:
+    """What ``rank`` owns under ``stages`` of a toy model of ``num_layers`` blocks built from ``seed``."""
+    owners = owners_from_stages(stages)
+    return {n: m for n, m in build_model(num_layers, seed=seed).units().items() if owners[n] == rank}
+
+
 def moves_between(old: Mapping[str, int], new: Mapping[str, int]) -> list[UnitMove]:
     return [UnitMove(n, old[n], new[n]) for n in sorted(old, key=unit_order) if old[n] != new[n]]
 

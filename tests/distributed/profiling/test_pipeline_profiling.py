@@ -7,6 +7,8 @@ gradients), leave no hook behind, and give identical records on both ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,12 +87,17 @@ def test_pipeline_profile_charges_the_slow_layer(schedule_name, tmp_path):
     assert (deferred > 0.0) == (schedule_name == "InterleavedZeroBubble")
 
 
-def duplicate_owner_worker(rank: int, world_size: int) -> str:
+def _value_error(call: Callable[[], object]) -> str:
+    """The message of the ``ValueError`` that ``call()`` raises, or ``"no error"``."""
     try:
-        gather_layer_costs({0: _unit_cost(), rank + 1: _unit_cost()}, 3)
+        call()
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def duplicate_owner_worker(rank: int, world_size: int) -> str:
+    return _value_error(lambda: gather_layer_costs({0: _unit_cost(), rank + 1: _unit_cost()}, 3))
 
 
 def test_gather_rejects_a_layer_owned_by_two_ranks(tmp_path):
@@ -100,11 +107,7 @@ def test_gather_rejects_a_layer_owned_by_two_ranks(tmp_path):
 
 def wrong_boundaries_worker(rank: int, world_size: int) -> str:
     dist.barrier()
-    try:
-        measure_boundary_comm_s([1, 2])
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _value_error(lambda: measure_boundary_comm_s([1, 2]))
 
 
 def test_boundary_comm_needs_one_size_per_boundary(tmp_path):
