@@ -18,7 +18,8 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``moves``: the layer moves migration executes.
 - ``metrics``: imbalance and the event-driven pipeline simulator.
 - ``schedule_model``: a step model that follows each rank's real action list (F, B, I, W), with a critical
-  path; the policy does not use it yet (it still predicts the heaviest stage plus communication).
+  path.
+- ``step_prediction``: a placement's step under a schedule's action lists, and the search it refines.
 - ``microbatches``: the micro-batch count a re-packed pipeline should run.
 - ``trigger``: *when* to rebalance (periodic, events, every step, auto).
 - ``policy``: *what* to rebalance to, and whether it is worth applying.

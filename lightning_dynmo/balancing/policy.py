@@ -37,6 +37,7 @@ from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.repack import repack
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
 from lightning_dynmo.balancing.trigger import TriggerConfig
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
@@ -197,9 +198,10 @@ class RebalanceDecision:
 
     Predicted times are simulated pipeline step times under the configured cost view: seconds with
     ``cost="time"``; with ``cost="params"`` the unit is "parameters", which is what that variant
-    assumes time is proportional to. When :func:`decide` is given ``stage_workers`` (several stages
-    per worker) and keeps the stage count, they are the heaviest worker's load instead: the schedules
-    with virtual stages are not simulated, and a worker runs all its stages' work in every step.
+    assumes time is proportional to. Given a :class:`~lightning_dynmo.balancing.step_prediction.
+    ScheduleOrder`, they follow the schedule's own action lists (any number of stages per worker).
+    Given only a schedule name and ``stage_workers`` (several stages per worker), a same-size proposal's
+    are the heaviest worker's load instead: the name's simulator runs one stage per rank.
 
     Attributes:
         apply: Whether to apply ``proposed``.
@@ -252,7 +254,7 @@ class _Prediction:
 
 @takes_problem
 def predict(
-    problem: BalanceProblem, placement: Placement, num_microbatches: int, schedule: str
+    problem: BalanceProblem, placement: Placement, num_microbatches: int, schedule: str | ScheduleOrder
 ) -> tuple[float, float, float]:
     """Simulated (step time, bubble ratio, stage-load imbalance) of ``placement``.
 
@@ -263,7 +265,10 @@ def predict(
             keeps its sender busy (it is added to the sender's forward op), as the balancers assume.
         placement: The placement to evaluate.
         num_microbatches: Micro-batches per step.
-        schedule: A pipelining schedule name, e.g. ``"1F1B"``.
+        schedule: A pipelining schedule name, e.g. ``"1F1B"`` (the event simulator's model of it:
+            :func:`~lightning_dynmo.balancing.metrics.simulate_pipeline`), or a
+            :class:`~lightning_dynmo.balancing.step_prediction.ScheduleOrder` (the schedule's own action
+            lists, :func:`~lightning_dynmo.balancing.step_prediction.predict_step`).
     """
     p = _predict(problem, placement, num_microbatches, schedule, None)
     return p.step, p.bubble_ratio, p.imbalance
@@ -273,9 +278,12 @@ def _predict(
     problem: BalanceProblem,
     placement: Placement,
     num_microbatches: int,
-    schedule: str,
+    schedule: str | ScheduleOrder,
     stage_workers: Sequence[int] | None,
 ) -> _Prediction:
+    if isinstance(schedule, ScheduleOrder):
+        step = predict_step(problem, placement, schedule, num_microbatches, stage_workers)
+        return _Prediction(step.step_s, step.bubble_ratio, imbalance(step.stage_loads))
     times = stage_times(problem, placement, stage_workers)
     fwd, bwd = times.per_microbatch(num_microbatches)
     sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
@@ -289,7 +297,7 @@ def decide(
     current: Placement,
     config: BalanceConfig,
     num_microbatches: int,
-    schedule: str,
+    schedule: str | ScheduleOrder,
     stage_workers: Sequence[int] | None = None,
     repack_layouts: Mapping[int, Sequence[int]] | None = None,
     retune: RetuneOptions | None = None,
@@ -306,12 +314,17 @@ def decide(
         current: The placement in use.
         config: Balancer, cost view, memory caps, re-pack options, minimum gain and saving.
         num_microbatches: Micro-batches per step.
-        schedule: The pipelining schedule name.
+        schedule: The pipelining schedule's name (steps predicted by the event simulator's model of it),
+            or a :class:`~lightning_dynmo.balancing.step_prediction.ScheduleOrder`: its own action lists
+            then predict every step, and ``partition``'s proposal is refined by them
+            (:func:`~lightning_dynmo.balancing.step_prediction.refine`: exact over contiguous placements
+            of the same stage count when they are few, else a local search never predicted slower).
         stage_workers: For schedules that run several (virtual) stages per worker: the worker of each
             stage. ``partition`` then minimises the heaviest *worker* (:func:`partition_workers`;
-            per-stage memory caps become per-worker caps: the smallest of the worker's stages), and a
-            same-size proposal is judged by the heaviest worker's load, which it must cut by
-            ``min_gain`` (``diffusion`` still moves layers stage by stage).
+            per-stage memory caps become per-worker caps: the smallest of the worker's stages). Given a
+            schedule name, a same-size proposal is judged by the heaviest worker's load, which it must
+            cut by ``min_gain`` (``diffusion`` still moves layers stage by stage); given a
+            ``ScheduleOrder``, by its simulated step.
         repack_layouts: With ``repack`` under a schedule with several stages per worker: every stage count
             it can run -> the worker of each stage (:func:`~lightning_dynmo.balancing.repack`'s
             ``layouts``); re-packs are then proposed only onto those and judged by the heaviest worker.
@@ -355,6 +368,10 @@ def decide(
         return _predict(problem, placement, num_microbatches, schedule, workers)
 
     proposed, reason = _propose(problem, current, config, stage_workers, repack_layouts, num_microbatches)
+    same_size = proposed.num_stages == current.num_stages
+    if isinstance(schedule, ScheduleOrder) and config.balancer == "partition" and same_size:
+        refined = refine(problem, proposed, lambda p: evaluate(p, stage_workers).step)
+        proposed, reason = refined.placement, f"{reason}, refined by {refined.describe()}"
     proposed_workers = (
         stage_workers
         if proposed.num_stages == current.num_stages
@@ -363,7 +380,8 @@ def decide(
     before = evaluate(current, stage_workers)
     after = evaluate(proposed, proposed_workers)
     step_before, step_after = before.step, after.step
-    if stage_workers is not None and proposed_workers is not None:
+    by_workers = not isinstance(schedule, ScheduleOrder)  # a name's simulator runs one stage per rank
+    if by_workers and stage_workers is not None and proposed_workers is not None:
         step_before = _heaviest_worker(problem, current, stage_workers)
         step_after = _heaviest_worker(problem, proposed, proposed_workers)
     apply, why = _worth_it(current, proposed, step_before, step_after, config)
@@ -387,7 +405,8 @@ def decide(
     )
     if retune is None or not apply or proposed.num_stages == current.num_stages or config.cost != "time":
         return decision
-    return _retuned(decision, problem, config, num_microbatches, schedule, proposed_workers, retune)
+    name = schedule.name if isinstance(schedule, ScheduleOrder) else schedule
+    return _retuned(decision, problem, config, num_microbatches, name, proposed_workers, retune)
 
 
 def _retuned(

@@ -63,7 +63,7 @@ from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, W
 from lightning_dynmo.callback.measure import CostMeter
 from lightning_dynmo.callback.window import ProfilingWindow
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
-from lightning_dynmo.pipeline import RemoteFailure
+from lightning_dynmo.pipeline import RemoteFailure, schedule_order
 from lightning_dynmo.profiling import ProfileResult, StageBusyTimer
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -479,7 +479,7 @@ class DynMoCallback(Callback):
             view.placement,
             balance,
             view.num_microbatches,
-            view.schedule_name,
+            schedule_order(view.schedule_name),  # predict steps from the schedule's own action lists
             stage_workers=view.stage_workers(view.placement),
             repack_layouts=view.repack_layouts() if self.balance.repack else None,
             retune=retune,

@@ -90,6 +90,7 @@ from lightning_dynmo.pipeline.placement.release import (
     repack_layouts,
 )
 from lightning_dynmo.pipeline.step import grads
+from lightning_dynmo.pipeline.step.actions import schedule_order
 from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses, reduce_step_losses
 from lightning_dynmo.pipeline.step.evaluation import PipelineEvaluator, broadcast_from, global_mean_loss
 from lightning_dynmo.pipeline.step.loss_scaling import PipelineLossScaling
@@ -175,6 +176,7 @@ __all__ = [
     "run_block",
     "run_schedule_step",
     "save_sharded",
+    "schedule_order",
     "split_batch",
     "stage_to_pipeline_rank",
     "staged_file_save",

@@ -1,6 +1,8 @@
 """Each pipeline rank's ordered compute actions under one of our schedules, taken from torch's schedules.
 
-:func:`schedule_actions` feeds :func:`lightning_dynmo.balancing.schedule_model.simulate_step`: per rank,
+:func:`schedule_actions` feeds :func:`lightning_dynmo.balancing.schedule_model.simulate_step` (and
+:func:`schedule_order` the policy's step model, :class:`~lightning_dynmo.balancing.step_prediction.
+ScheduleOrder`): per rank,
 ``(stage, kind, micro_batch)`` in the order the rank runs them, kind ``"F"``, ``"B"`` (full backward),
 ``"I"`` (input gradient) or ``"W"`` (weight gradient).
 
@@ -18,11 +20,13 @@ on stand-in stages that log their compute calls, and compares the recording with
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
 #: One action: ``(stage, kind, micro_batch)``, as :mod:`lightning_dynmo.balancing.schedule_model` takes it.
@@ -120,3 +124,10 @@ def _single_stage_order(name: str, stage: int, num_stages: int, num_microbatches
         if warmup + m < num_microbatches:
             order.append(forwards[warmup + m])
     return order
+
+
+@functools.cache  # one order per schedule, so its action lists are built once per pipeline shape
+def schedule_order(schedule_name: str, weight_grad_share: float = 0.5) -> ScheduleOrder:
+    """``schedule_name`` with its action lists, for the policy's step model (lists built once per shape)."""
+    name = resolve_schedule(schedule_name).name
+    return ScheduleOrder(name, functools.cache(functools.partial(schedule_actions, name)), weight_grad_share)

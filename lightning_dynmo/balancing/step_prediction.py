@@ -1,0 +1,217 @@
+"""The policy's step time of a placement under a schedule's own action lists, and the search it refines.
+
+Read in this order: :class:`ScheduleOrder` (a schedule and the per-rank action lists it runs), then
+:func:`predict_step` (costs + hardware + placement -> :class:`StepPrediction`, through
+:func:`~lightning_dynmo.balancing.schedule_model.simulate_step`), then :func:`refine` (the best
+contiguous placement under that model, from the balancer's proposal).
+
+Why: the balancers minimise the heaviest stage (plus its sends). The step a schedule runs also has
+a warm-up and a cool-down, first and last parts on particular ranks, several stages per rank under the
+interleaved and V schedules, and a backward split into input and weight gradients under the zero-bubble
+ones; two placements with the same heaviest stage can run at different speeds, and the placement with
+the lightest heaviest stage need not be the fastest. :func:`refine` searches with the step itself as the
+cost:
+
+- **exact** when the stage count leaves at most ``budget`` contiguous placements (every placement is
+  simulated: 8 layers on 2 stages are 7, 16 on 4 are 455);
+- otherwise a **local search** from the balancer's proposal: move one boundary by one layer while that
+  shortens the predicted step, at most ``budget`` simulations. Its guarantee is one-sided: the result
+  is never predicted slower than the proposal (the balancer's own optimum), and it is a local optimum
+  of single-boundary moves when the budget is not exhausted.
+
+Placements that break a memory cap are never chosen. Nothing here imports torch: the action lists come
+from the caller (:func:`lightning_dynmo.pipeline.step.actions.schedule_actions` reads torch's schedules).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing.hardware import stage_times
+from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.problem import BalanceProblem
+from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
+from lightning_dynmo.balancing.stage_model import StageModel
+
+#: ``(num_stages, num_microbatches)`` -> per pipeline rank, the actions it runs in one step.
+ActionLists = Callable[[int, int], Sequence[Sequence[Action]]]
+
+#: Simulations :func:`refine` may run: exact up to this many contiguous placements, a bounded local
+#: search beyond (a 2-stage, 8-micro-batch step simulates in well under a millisecond).
+SEARCH_BUDGET = 2048
+
+
+@dataclass(frozen=True)
+class ScheduleOrder:
+    """A pipelining schedule by name, with the action lists its ranks run.
+
+    Attributes:
+        name: The schedule's name, as the strategy's ``schedule`` (the micro-batch re-tune and the
+            fallback simulator still take the name).
+        actions: ``(num_stages, num_microbatches)`` -> per pipeline rank, its ``(stage, kind,
+            micro_batch)`` actions in the order it runs them.
+        weight_grad_share: Under schedules that split backward into input (``I``) and weight (``W``)
+            gradients, the weight gradient's share of a stage's measured backward time (the profiler
+            times the whole backward). 0.5: a linear layer's two gradient products cost the same.
+    """
+
+    name: str
+    actions: ActionLists
+    weight_grad_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        share = self.weight_grad_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(
+                f"weight_grad_share={share!r} must be a number in [0, 1]: the weight gradient's share of "
+                "a stage's backward time."
+            )
+        if not callable(self.actions):
+            raise ValueError(
+                f"actions={self.actions!r} must be a callable (num_stages, num_microbatches) -> per-rank "
+                "action lists, e.g. lightning_dynmo.pipeline.step.actions.schedule_actions bound to a name."
+            )
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A placement's simulated step.
+
+    Attributes:
+        step_s: The step time (the view's unit: seconds with ``by="time"``).
+        bubble_ratio: Idle share of all ranks over the step.
+        stage_loads: Per stage, forward + backward of one step (all micro-batches) on its worker.
+    """
+
+    step_s: float
+    bubble_ratio: float
+    stage_loads: tuple[float, ...]
+
+
+def predict_step(
+    problem: BalanceProblem,
+    placement: Placement,
+    order: ScheduleOrder,
+    num_microbatches: int,
+    stage_workers: Sequence[int] | None = None,
+) -> StepPrediction:
+    """Simulate one step of ``placement`` under ``order``'s action lists.
+
+    Per stage and micro-batch: its layers' and pinned parts' forward and backward over
+    ``num_microbatches``, times its worker's slowdown; under a split backward, ``I`` and ``W`` share the
+    backward by ``order.weight_grad_share``. A boundary's link time delays the activation going forward
+    and the gradient coming back (sends are asynchronous in torch's runtime); stages on one rank
+    exchange in memory.
+
+    Args:
+        problem: Per-layer costs (whole steps), the view and the hardware.
+        placement: The placement to predict.
+        order: The schedule and its action lists.
+        num_microbatches: Micro-batches per step.
+        stage_workers: The worker of each stage, for the slowdowns (``None``: stage ``s`` on worker ``s``).
+    """
+    times = stage_times(problem, placement, stage_workers)
+    share = order.weight_grad_share
+    per_stage = []
+    for f, b in zip(times.fwd_s, times.bwd_s, strict=True):
+        fwd, bwd = f / num_microbatches, b / num_microbatches
+        per_stage.append(StageTimes(fwd, bwd, input_grad_s=(1 - share) * bwd, weight_grad_s=share * bwd))
+    links = [LinkTime(activation_s=s) for s in times.send_s[:-1]]
+    sim = simulate_step(order.actions(placement.num_stages, num_microbatches), per_stage, links)
+    ranks, step = len(sim.rank_busy_s), sim.step_time_s
+    bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0
+    loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
+    return StepPrediction(step, bubble, loads)
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """What :func:`refine` found.
+
+    Attributes:
+        placement: The placement predicted fastest (the proposal on a tie).
+        step_s: Its predicted step.
+        proposal_step_s: The proposal's predicted step.
+        exact: Whether every contiguous placement was simulated.
+        simulations: How many steps were simulated.
+    """
+
+    placement: Placement
+    step_s: float
+    proposal_step_s: float
+    exact: bool
+    simulations: int
+
+    def describe(self) -> str:
+        """One phrase for the decision's reason."""
+        how = "exact search" if self.exact else "local search"
+        return f"{how} by the schedule's step ({self.simulations} simulated)"
+
+
+def refine(
+    problem: BalanceProblem,
+    proposal: Placement,
+    step_of: Callable[[Placement], float],
+    budget: int = SEARCH_BUDGET,
+) -> Refinement:
+    """The contiguous placement of ``proposal``'s stage count predicted fastest by ``step_of``.
+
+    Args:
+        problem: The costs and hardware (its memory caps bound the candidates).
+        proposal: The balancer's placement; the search never returns one predicted slower.
+        step_of: A placement's predicted step (e.g. :func:`predict_step`'s ``step_s``).
+        budget: The most simulations: exact search when there are at most this many placements.
+
+    Raises:
+        ValueError: for a budget below 1.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"budget={budget!r} must be an integer >= 1 (simulations the search may run).")
+    stages, layers = proposal.num_stages, proposal.num_layers
+    model = StageModel.build(problem, stages)
+
+    def fits(placement: Placement) -> bool:
+        return model.overflow(placement)[0] <= 0
+
+    start = step_of(proposal)
+    count = math.comb(layers - 1, stages - 1)
+    if count <= budget:
+        best, best_s, runs = proposal, start, 1
+        for cuts in itertools.combinations(range(1, layers), stages - 1):
+            candidate = Placement((0, *cuts, layers))
+            if candidate == proposal or not fits(candidate):
+                continue
+            runs += 1
+            step = step_of(candidate)
+            if step < best_s:
+                best, best_s = candidate, step
+        return Refinement(best, best_s, start, exact=True, simulations=runs)
+    best, best_s, runs = proposal, start, 1
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for candidate in _neighbours(best):
+            if runs >= budget:
+                break
+            if not fits(candidate):
+                continue
+            runs += 1
+            step = step_of(candidate)
+            if step < best_s:
+                best, best_s, improved = candidate, step, True
+    return Refinement(best, best_s, start, exact=False, simulations=runs)
+
+
+def _neighbours(placement: Placement) -> list[Placement]:
+    """Every placement one boundary of ``placement`` away by one layer, no stage left empty."""
+    bounds = placement.boundaries
+    out = []
+    for i in range(1, len(bounds) - 1):
+        for delta in (-1, 1):
+            moved = bounds[i] + delta
+            if bounds[i - 1] < moved < bounds[i + 1]:
+                out.append(Placement((*bounds[:i], moved, *bounds[i + 1 :])))
+    return out

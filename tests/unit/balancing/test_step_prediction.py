@@ -1,0 +1,132 @@
+"""The policy's step model (a schedule's own action lists) and the search it refines, on worked examples."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
+from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+    """What torch's Schedule1F1B runs, one stage per rank (the pipeline tests compare it with torch's)."""
+    out = []
+    for s in range(num_stages):
+        warmup = min(num_microbatches, num_stages - s)
+        order = [(s, "F", m) for m in range(warmup)]
+        for m in range(num_microbatches):
+            order.append((s, "B", m))
+            if warmup + m < num_microbatches:
+                order.append((s, "F", warmup + m))
+        out.append(order)
+    return out
+
+
+ORDER = ScheduleOrder("1F1B", one_f_one_b)
+
+# Per micro-batch forward and backward of four layers; the costs are whole steps of 2 micro-batches.
+FWD, BWD = (3, 2, 2, 4), (3, 1, 4, 1)
+COSTS = [LayerCost(fwd_time_s=2.0 * f, bwd_time_s=2.0 * b) for f, b in zip(FWD, BWD, strict=True)]
+
+
+def test_step_of_1f1b_follows_the_hand_worked_timeline():
+    # 0-1|2-3: stage 0 F=5 B=4, stage 1 F=6 B=5, per micro-batch.
+    #   rank 0: F0 0-5, F1 5-10;                     B0 16-20 (waits for rank 1's B0), B1 27-31
+    #   rank 1: F0 5-11, B0 11-16, F1 16-22, B1 22-27
+    # step 31; busy 18 + 22 of 2 x 31.
+    step = predict_step(BalanceProblem(COSTS), Placement.from_string("0-1|2-3"), ORDER, 2)
+    assert step.step_s == pytest.approx(31.0)
+    assert step.bubble_ratio == pytest.approx(1 - 40 / 62)
+    assert step.stage_loads == pytest.approx((18.0, 22.0))
+    # 0-2|3: stage 0 F=7 B=8, stage 1 F=4 B=1.
+    #   rank 0: F0 0-7, F1 7-14, B0 14-22, B1 22-30;  rank 1: F0 7-11, B0 11-12, F1 14-18, B1 18-19
+    # step 30, although its heaviest stage (30) is far above the other split's (22).
+    step = predict_step(BalanceProblem(COSTS), Placement.from_string("0-2|3"), ORDER, 2)
+    assert step.step_s == pytest.approx(30.0)
+
+
+def test_a_link_delays_the_activation_and_the_gradient_and_a_split_backward_shares_it():
+    hw = Hardware(comm_time_s=0.5)
+    step = predict_step(BalanceProblem(COSTS, hardware=hw), Placement.from_string("0-2|3"), ORDER, 2)
+    # rank 1's F0 starts at 7.5; its B0 ends at 12.5 and reaches rank 0 at 13, which is busy until 14
+    # with F1; F1 reaches rank 1 at 14.5: F1 14.5-18.5, B1 18.5-19.5 (rank 0 is busy until 22 anyway).
+    assert step.step_s == pytest.approx(30.0)
+
+    def split(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        return [
+            [(s, k, m) for s, kind, m in acts for k in (("I", "W") if kind == "B" else (kind,))]
+            for acts in one_f_one_b(num_stages, num_microbatches)
+        ]
+
+    order = ScheduleOrder("split", split, weight_grad_share=0.25)
+    step = predict_step(BalanceProblem(COSTS), Placement.from_string("0-2|3"), order, 2)
+    # Stage 1's B0 is I 0.75 + W 0.25: rank 0's B0 still starts at 14 (it waits for F1, not the gradient).
+    assert step.step_s == pytest.approx(30.0)
+    with pytest.raises(ValueError, match=r"weight_grad_share=1.5 must be a number in \[0, 1\]"):
+        ScheduleOrder("split", split, weight_grad_share=1.5)
+
+
+def test_without_links_one_stage_per_rank_the_schedule_model_matches_the_event_simulator():
+    problem = BalanceProblem([LayerCost(fwd_time_s=f, bwd_time_s=2 * f) for f in (1.0, 2.0, 3.0, 1.5, 2.5)])
+    for text in ("0|1-4", "0-1|2-4", "0-2|3-4", "0-3|4"):
+        placement = Placement.from_string(text)
+        by_name = predict(problem, placement, 4, "1F1B")
+        by_order = predict(problem, placement, 4, ORDER)
+        assert by_order == pytest.approx(by_name), text
+
+
+def test_exact_search_finds_the_fastest_split_where_min_max_picks_another():
+    problem = BalanceProblem(COSTS)
+    proposal = partition(problem, 2)
+    assert str(proposal) == "0-1|2-3"  # the lightest heaviest stage
+
+    def step_of(p: Placement) -> float:
+        return predict_step(problem, p, ORDER, 2).step_s
+
+    found = refine(problem, proposal, step_of)
+    assert (str(found.placement), found.step_s, found.proposal_step_s) == ("0-2|3-3", 30.0, 31.0)
+    assert found.exact and found.simulations == 3
+    best = min(step_of(Placement((0, cut, 4))) for cut in range(1, 4))
+    assert found.step_s == best
+
+
+def test_the_search_never_picks_a_placement_over_a_memory_cap():
+    costs = [dataclasses.replace(c, memory_bytes=10) for c in COSTS]
+    problem = BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=25))  # at most 2 layers a stage
+    found = refine(
+        problem, Placement.from_string("0-1|2-3"), lambda p: predict_step(problem, p, ORDER, 2).step_s
+    )
+    assert str(found.placement) == "0-1|2-3"  # "0-2|3" is faster but holds 30 bytes on stage 0
+
+
+def test_local_search_is_never_slower_than_the_proposal_and_ends_in_a_local_optimum():
+    costs = [LayerCost(fwd_time_s=1.0 + (i * 7 % 5), bwd_time_s=2.0 + (i * 3 % 4)) for i in range(24)]
+    problem = BalanceProblem(costs)
+
+    def step_of(p: Placement) -> float:
+        return predict_step(problem, p, ORDER, 8).step_s
+
+    proposal = partition(problem, 4)
+    found = refine(problem, proposal, step_of, budget=500)  # C(23, 3) = 1771 placements: local search
+    assert not found.exact and found.simulations <= 500
+    assert found.step_s <= found.proposal_step_s == step_of(proposal)
+    bounds = found.placement.boundaries
+    for i, delta in itertools.product(range(1, 4), (-1, 1)):
+        moved = (*bounds[:i], bounds[i] + delta, *bounds[i + 1 :])
+        if moved[i - 1] < moved[i] < moved[i + 1]:
+            assert step_of(Placement(moved)) >= found.step_s
+    with pytest.raises(ValueError, match="budget=0 must be an integer >= 1"):
+        refine(problem, proposal, step_of, budget=0)
+
+
+def test_decide_with_the_schedule_order_moves_to_the_fastest_step_and_says_how_it_searched():
+    problem = BalanceProblem(COSTS)
+    config = BalanceConfig(min_gain=0.0)
+    by_order = decide(problem, Placement.from_string("0|1-3"), config, 2, ORDER)
+    assert str(by_order.proposed) == "0-2|3-3" and by_order.apply
+    assert by_order.predicted_step_after == pytest.approx(30.0)
+    assert "refined by exact search by the schedule's step (3 simulated)" in by_order.reason
+    by_name = decide(problem, Placement.from_string("0|1-3"), config, 2, "1F1B")
+    assert str(by_name.proposed) == "0-1|2-3"  # the event simulator's policy keeps partition's choice
