@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from lightning_dynmo.balancing.hardware import stage_times
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem
-from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
+from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulate_step
 from lightning_dynmo.balancing.stage_model import StageModel
 
 #: ``(num_stages, num_microbatches)`` -> per pipeline rank, the actions it runs in one step.
@@ -102,9 +102,9 @@ def predict_step(
 
     Per stage and micro-batch: its layers' and pinned parts' forward and backward over
     ``num_microbatches``, times its worker's slowdown; under a split backward, ``I`` and ``W`` share the
-    backward by ``order.weight_grad_share``. A boundary's link time delays the activation going forward
-    and the gradient coming back (sends are asynchronous in torch's runtime); stages on one rank
-    exchange in memory.
+    backward by ``order.weight_grad_share``. A stage's activation send keeps it busy (it lengthens its
+    forward, a synchronous transfer, as the balancers assume and as the profiler measures a link: a
+    blocking send); stages on one rank exchange in memory and send nothing.
 
     Args:
         problem: Per-layer costs (whole steps), the view and the hardware.
@@ -114,13 +114,15 @@ def predict_step(
         stage_workers: The worker of each stage, for the slowdowns (``None``: stage ``s`` on worker ``s``).
     """
     times = stage_times(problem, placement, stage_workers)
+    actions = order.actions(placement.num_stages, num_microbatches)
+    rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
     share = order.weight_grad_share
     per_stage = []
-    for f, b in zip(times.fwd_s, times.bwd_s, strict=True):
-        fwd, bwd = f / num_microbatches, b / num_microbatches
+    for s, (f, b, send) in enumerate(zip(times.fwd_s, times.bwd_s, times.send_s, strict=True)):
+        sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
+        fwd, bwd = f / num_microbatches + (send if sends else 0.0), b / num_microbatches
         per_stage.append(StageTimes(fwd, bwd, input_grad_s=(1 - share) * bwd, weight_grad_s=share * bwd))
-    links = [LinkTime(activation_s=s) for s in times.send_s[:-1]]
-    sim = simulate_step(order.actions(placement.num_stages, num_microbatches), per_stage, links)
+    sim = simulate_step(actions, per_stage)
     ranks, step = len(sim.rank_busy_s), sim.step_time_s
     bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0
     loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
@@ -171,7 +173,8 @@ def refine(
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
         raise ValueError(f"budget={budget!r} must be an integer >= 1 (simulations the search may run).")
     stages, layers = proposal.num_stages, proposal.num_layers
-    model = StageModel.build(problem, stages)
+    # Only its memory is read: links and worker speeds are the step's business (and may not fit a view).
+    model = StageModel.build(problem.with_hardware(comm_time_s=None, worker_slowdown=None), stages)
 
     def fits(placement: Placement) -> bool:
         return model.overflow(placement)[0] <= 0

@@ -47,12 +47,13 @@ def test_step_of_1f1b_follows_the_hand_worked_timeline():
     assert step.step_s == pytest.approx(30.0)
 
 
-def test_a_link_delays_the_activation_and_the_gradient_and_a_split_backward_shares_it():
+def test_a_send_keeps_its_sender_busy_and_a_split_backward_shares_the_backward():
     hw = Hardware(comm_time_s=0.5)
     step = predict_step(BalanceProblem(COSTS, hardware=hw), Placement.from_string("0-2|3"), ORDER, 2)
-    # rank 1's F0 starts at 7.5; its B0 ends at 12.5 and reaches rank 0 at 13, which is busy until 14
-    # with F1; F1 reaches rank 1 at 14.5: F1 14.5-18.5, B1 18.5-19.5 (rank 0 is busy until 22 anyway).
-    assert step.step_s == pytest.approx(30.0)
+    # Stage 0's forward becomes 7 + 0.5 (its send): rank 0: F0 0-7.5, F1 7.5-15, B0 15-23, B1 23-31;
+    # rank 1: F0 7.5-11.5, B0 11.5-12.5, F1 15-19, B1 19-20. The last stage sends nothing.
+    assert step.step_s == pytest.approx(31.0)
+    assert step.stage_loads == pytest.approx((30.0, 10.0))  # compute only
 
     def split(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
         return [
