@@ -97,6 +97,7 @@ def predict_step(
     order: ScheduleOrder,
     num_microbatches: int,
     stage_workers: Sequence[int] | None = None,
+    per_op_s: float = 0.0,
 ) -> StepPrediction:
     """Simulate one step of ``placement`` under ``order``'s action lists.
 
@@ -112,7 +113,11 @@ def predict_step(
         order: The schedule and its action lists.
         num_microbatches: Micro-batches per step.
         stage_workers: The worker of each stage, for the slowdowns (``None``: stage ``s`` on worker ``s``).
+        per_op_s: Fixed seconds every action costs on top of its work (the runtime's own: launching it,
+            its receives and sends, the schedule's bookkeeping), as measured on the machine.
     """
+    if isinstance(per_op_s, bool) or not isinstance(per_op_s, (int, float)) or not 0 <= per_op_s < math.inf:
+        raise ValueError(f"per_op_s={per_op_s!r} must be a finite number of seconds >= 0.")
     times = stage_times(problem, placement, stage_workers)
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
@@ -120,8 +125,16 @@ def predict_step(
     per_stage = []
     for s, (f, b, send) in enumerate(zip(times.fwd_s, times.bwd_s, times.send_s, strict=True)):
         sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
-        fwd, bwd = f / num_microbatches + (send if sends else 0.0), b / num_microbatches
-        per_stage.append(StageTimes(fwd, bwd, input_grad_s=(1 - share) * bwd, weight_grad_s=share * bwd))
+        fwd = f / num_microbatches + (send if sends else 0.0) + per_op_s
+        bwd = b / num_microbatches
+        per_stage.append(
+            StageTimes(
+                fwd,
+                bwd + per_op_s,
+                input_grad_s=(1 - share) * bwd + per_op_s,
+                weight_grad_s=share * bwd + per_op_s,
+            )
+        )
     sim = simulate_step(actions, per_stage)
     ranks, step = len(sim.rank_busy_s), sim.step_time_s
     bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0

@@ -131,3 +131,19 @@ def test_decide_with_the_schedule_order_moves_to_the_fastest_step_and_says_how_i
     assert "refined by exact search by the schedule's step (3 simulated)" in by_order.reason
     by_name = decide(problem, Placement.from_string("0|1-3"), config, 2, "1F1B")
     assert str(by_name.proposed) == "0-1|2-3"  # the event simulator's policy keeps partition's choice
+
+
+def test_a_fixed_cost_per_action_adds_to_every_action_and_stages_on_one_rank_send_nothing():
+    step = predict_step(BalanceProblem(COSTS), Placement.from_string("0-2|3"), ORDER, 2, per_op_s=1.0)
+    # Per micro-batch F0=8 B0=9, F1=5 B1=2. rank 0: F0 0-8, F1 8-16, B0 16-25, B1 25-34;
+    # rank 1: F0 8-13, B0 13-15, F1 16-21, B1 21-23.
+    assert step.step_s == pytest.approx(34.0)
+    with pytest.raises(ValueError, match=r"per_op_s=-1\.0 must be a finite number of seconds >= 0"):
+        predict_step(BalanceProblem(COSTS), Placement.from_string("0-2|3"), ORDER, 2, per_op_s=-1.0)
+
+    def one_rank(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        return [[(0, "F", 0), (1, "F", 0), (1, "B", 0), (0, "B", 0)]]
+
+    problem = BalanceProblem(COSTS, hardware=Hardware(comm_time_s=0.5))
+    step = predict_step(problem, Placement.from_string("0-2|3"), ScheduleOrder("one", one_rank), 1)
+    assert step.step_s == pytest.approx(2 * (7 + 8 + 4 + 1))  # costs of one micro-batch, no send

@@ -1,0 +1,242 @@
+"""The step model against measured steps where the true costs are known: emulated-cost pipelines.
+
+Issue 19 asks the schedule model (:func:`lightning_dynmo.balancing.step_prediction.predict_step`, torch's
+own action lists) to predict a measured step within 2% on emulated pipelines of 4 and 8 ranks under
+1F1B, Interleaved1F1B and ZBVZeroBubble. Each block of a :class:`~lightning_dynmo.demos.DemoGPT` sleeps a
+known time forward and backward (:class:`~lightning_dynmo.demos.EmulatedCost`, no CPU), so the model's
+inputs are exact and only the model, and what it leaves out, can miss.
+
+Per (ranks, schedule), one job of that many gloo ranks:
+
+1. ``--overhead-steps`` steps with every sleep set to zero at the first placement: what the runtime
+   costs besides the layers' work (the tiny real blocks, embedding and head, sends, the schedule's
+   bookkeeping). Its median step over the simulated step of the same actions at one unit each gives a
+   per-action overhead (``per_op_s``), measured in the run and never fitted to the compared steps.
+2. ``--rounds`` rounds visiting each candidate placement (``--warm`` untimed steps after the migration,
+   ``--measure`` timed): the uniform split, the exact min-max partition of the true costs, the schedule
+   model's best (:func:`~lightning_dynmo.balancing.step_prediction.refine`) and a skewed split.
+
+For each candidate it prints the predicted step with and without the measured overhead, the measured
+median and the error, and which candidate each ranks first. ZBVZeroBubble splits backward into input and
+weight gradients: an emulated block sleeps in its input gradient only (its sleep sits on the input's
+path), so the jobs predict with ``weight_grad_share=0``. **Emulated cost**; more ranks than cores, so
+the runtime's own overhead is inflated by sharing 2 cores (that is what the overhead column measures).
+
+    python -m benchmarks.step_model            # 4 and 8 ranks x 3 schedules: ~15 minutes on 2 cores
+    python -m benchmarks.step_model --quick    # smoke run (2 ranks, 1F1B, one round): not figures
+
+The report goes to ``benchmarks/results/step_model-<date>.md``; an existing file is kept unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks.gpt_pipeline import PlacementSweep, visit_schedule
+from lightning_dynmo import DynMoStrategy
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
+from lightning_dynmo.balancing.schedule_model import StageTimes, simulate_step
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
+from lightning_dynmo.pipeline import schedule_order
+from lightning_dynmo.pipeline.step.schedule import resolve_schedule
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+#: Forward sleep of each block per micro-batch, ms, cycled over the layers (backward sleeps twice).
+PATTERN_MS = (2.0, 3.0, 5.0, 8.0, 3.0, 2.0, 6.0, 4.0)
+
+
+@dataclass(frozen=True)
+class Options:
+    """How long each part of a job runs."""
+
+    overhead_steps: int = 5
+    warm: int = 2
+    measure: int = 4
+    rounds: int = 2
+
+
+@dataclass(frozen=True)
+class StepModelJob:
+    """One pipeline job: ``ranks`` gloo ranks under ``schedule``, blocks sleeping ``fwd_ms`` (2x back)."""
+
+    schedule: str
+    ranks: int
+    fwd_ms: tuple[float, ...]
+    candidates: tuple[str, ...]
+    options: Options
+
+    @property
+    def microbatches(self) -> int:
+        return 2 * self.ranks
+
+    @property
+    def num_stages(self) -> int:
+        return self.ranks * resolve_schedule(self.schedule).stages_per_rank
+
+    def costs(self) -> list[LayerCost]:
+        """Per layer, one step's true sleep (all micro-batches), seconds."""
+        m = self.microbatches
+        return [LayerCost(fwd_time_s=m * f / 1e3, bwd_time_s=m * 2 * f / 1e3) for f in self.fwd_ms]
+
+
+def job_for(schedule: str, ranks: int, options: Options, layers_per_stage: int = 2) -> StepModelJob:
+    """The job of ``ranks`` ranks under ``schedule``, candidates: uniform, min-max, model, skewed."""
+    stages = ranks * resolve_schedule(schedule).stages_per_rank
+    num_layers = layers_per_stage * stages
+    fwd = tuple(PATTERN_MS[i % len(PATTERN_MS)] for i in range(num_layers))
+    job = StepModelJob(schedule, ranks, fwd, (), options)
+    problem, order = BalanceProblem(job.costs()), _order(schedule)
+    minmax = partition(problem, stages)
+    best = refine(problem, minmax, lambda p: predict_step(problem, p, order, job.microbatches).step_s)
+    sizes = [1] * (stages - 1) + [num_layers - stages + 1]  # everything on the last stage: far off
+    skewed = Placement.from_sizes([*sizes[: stages // 2], *sorted(sizes[stages // 2 :])])
+    names = dict.fromkeys(str(p) for p in (uniform(num_layers, stages), minmax, best.placement, skewed))
+    return dataclasses.replace(job, candidates=tuple(names))
+
+
+def _order(schedule: str) -> ScheduleOrder:
+    order = schedule_order(schedule)
+    # An emulated block sleeps on the input-gradient path only: its weight gradient is the tiny real one.
+    return dataclasses.replace(order, weight_grad_share=0.0)
+
+
+class _ZeroSleepFirst(pl.Callback):
+    """Every local block sleeps nothing for the first ``steps`` steps, then its own cost again."""
+
+    def __init__(self, steps: int, fwd_ms: Sequence[float]) -> None:
+        self.steps, self.fwd_ms = steps, list(fwd_ms)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx not in (0, self.steps):
+            return
+        strategy = trainer.strategy
+        assert isinstance(strategy, DynMoStrategy)
+        for index, block in strategy.local_layers.items():
+            cost: Any = block.cost  # type: ignore[union-attr]
+            on = batch_idx == self.steps
+            cost.fwd_ms, cost.bwd_ms = (self.fwd_ms[index], 2 * self.fwd_ms[index]) if on else (0.0, 0.0)
+
+
+def run_job(job: StepModelJob) -> dict[str, Any]:
+    """Body of one rank (started by ``benchmarks.common.launch``)."""
+    torch.set_num_threads(1)
+    o = job.options
+    sweep = visit_schedule(job.candidates, o.warm, o.measure, o.rounds, lead_steps=1)
+    schedule = [(job.candidates[0], False)] * o.overhead_steps + sweep
+    timer = StepTimer()
+    strategy = DynMoStrategy(
+        num_microbatches=job.microbatches, schedule=job.schedule, placement=job.candidates[0]
+    )
+    callbacks = [timer, _ZeroSleepFirst(o.overhead_steps, job.fwd_ms), PlacementSweep(schedule)]
+    trainer = benchmark_trainer(strategy, callbacks, len(schedule), devices=job.ranks)
+    model = DemoGPT(
+        num_layers=len(job.fwd_ms), sleep_ms=list(job.fwd_ms), d_model=16, vocab_size=32, seq_len=8
+    )
+    m = job.microbatches
+    trainer.fit(
+        model, RandomTokenDataModule(batch_size=m, num_samples=m * len(schedule), seq_len=8, vocab_size=32)
+    )
+    overhead = timer.step_s[1 : o.overhead_steps]  # the first step builds the pipeline
+    timed: dict[str, list[float]] = {}
+    for (placement, is_timed), step_s in zip(sweep, timer.step_s[o.overhead_steps :], strict=True):
+        if is_timed:
+            timed.setdefault(placement, []).append(step_s)
+    return {"overhead_s": overhead, "timed_s": timed}
+
+
+def per_op_overhead(job: StepModelJob, zero_sleep_step_s: float) -> float:
+    """Seconds per action: the zero-sleep step over the simulated step of the same actions at 1 s each."""
+    placement = Placement.from_string(job.candidates[0])
+    actions = _order(job.schedule).actions(placement.num_stages, job.microbatches)
+    unit = [StageTimes(1.0, 1.0, input_grad_s=1.0, weight_grad_s=1.0)] * placement.num_stages
+    return zero_sleep_step_s / simulate_step(actions, unit).step_time_s
+
+
+def predicted_ms(job: StepModelJob, placement: str, per_op_s: float) -> float:
+    """The schedule model's step of ``placement``, ms, with ``per_op_s`` added to every action."""
+    problem, p = BalanceProblem(job.costs()), Placement.from_string(placement)
+    return 1e3 * predict_step(problem, p, _order(job.schedule), job.microbatches, per_op_s=per_op_s).step_s
+
+
+def job_section(job: StepModelJob, result: dict[str, Any]) -> tuple[list[str], list[float]]:
+    """The table of one job and its errors (with the overhead), as fractions."""
+    zero = statistics.median(result["overhead_s"])
+    per_op = per_op_overhead(job, zero)
+    lines = [
+        f"### {job.ranks} ranks, {job.schedule} ({job.num_stages} stages, {len(job.fwd_ms)} layers, "
+        f"{job.microbatches} micro-batches)",
+        "",
+        f"Zero-sleep step {1e3 * zero:.1f} ms (median of {len(result['overhead_s'])}): "
+        f"{1e3 * per_op:.2f} ms per action.",
+        "",
+        "| placement | predicted, no overhead (ms) | predicted (ms) | measured (ms) | error |",
+        "|---|---|---|---|---|",
+    ]
+    errors, measured, predicted = [], {}, {}
+    for name in job.candidates:
+        measured[name] = 1e3 * statistics.median(result["timed_s"][name])
+        predicted[name] = predicted_ms(job, name, per_op)
+        error = (predicted[name] - measured[name]) / measured[name]
+        errors.append(error)
+        bare = predicted_ms(job, name, 0.0)
+        lines.append(
+            f"| `{name}` | {bare:.1f} | {predicted[name]:.1f} | {measured[name]:.1f} | {error:+.1%} |"
+        )
+    best_p, best_m = min(predicted, key=predicted.__getitem__), min(measured, key=measured.__getitem__)
+    lines += ["", f"Predicted best `{best_p}`, measured best `{best_m}`.", ""]
+    return lines, errors
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the jobs, print and write the report; return it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_model", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    parser.add_argument("--rounds", type=int, default=Options.rounds)
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 1F1B, 1 round: a smoke run")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    options = Options(rounds=args.rounds)
+    shapes = [(s, r) for r in args.ranks for s in args.schedule]
+    if args.quick:
+        options, shapes = Options(overhead_steps=3, warm=1, measure=1, rounds=1), [("1F1B", 2)]
+    out = results_path("step_model", args.out, args.force)
+    torch.set_num_threads(1)
+    command = "python -m benchmarks.step_model" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+    )
+    lines = ["# The step model against measured steps (emulated cost)", "", f"Command: `{command}`", ""]
+    all_errors = []
+    for schedule, ranks in shapes:
+        job = job_for(schedule, ranks, options)
+        section, errors = job_section(job, launch(run_job, job, nproc=ranks, start_method="fork"))
+        lines += section
+        all_errors += [abs(e) for e in errors]
+        print("\n".join(section), flush=True)
+    lines += [
+        f"Over all {len(all_errors)} placements: median |error| {statistics.median(all_errors):.1%}, "
+        f"worst {max(all_errors):.1%}.",
+        "",
+    ]
+    report = "\n".join(lines)
+    write_report(report, "step_model", out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
