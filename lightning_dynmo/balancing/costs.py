@@ -24,6 +24,9 @@ class LayerCost:
     Attributes:
         fwd_time_s: Forward time of the layer for one whole training step (all micro-batches), seconds.
         bwd_time_s: Backward time of the layer for one whole training step, seconds.
+        bwd_weight_time_s: The part of ``bwd_time_s`` spent in weight-gradient passes, measured under
+            the schedules that split backward into input and weight gradients (zero-bubble, DualPipeV);
+            0 where they were not split (the step model then assumes a share).
         num_params: Number of trainable-or-not parameters the layer holds (after pruning: the
             non-zero ones, if the layer is sparse).
         memory_bytes: Device memory the layer needs on the stage that owns it: parameters, gradients,
@@ -35,6 +38,7 @@ class LayerCost:
     fwd_time_s: float = 0.0
     bwd_time_s: float = 0.0
     num_params: int = 0
+    bwd_weight_time_s: float = 0.0
     memory_bytes: int = 0
     activation_bytes: int = 0
 
@@ -48,6 +52,11 @@ class LayerCost:
                     f"LayerCost.{f.name} must be a finite number >= 0, got {value!r}. "
                     "Costs are durations and sizes; clamp or drop the bad measurement before balancing."
                 )
+        if self.bwd_weight_time_s > self.bwd_time_s * (1 + 1e-9):
+            raise ValueError(
+                f"LayerCost.bwd_weight_time_s={self.bwd_weight_time_s!r} exceeds "
+                f"bwd_time_s={self.bwd_time_s!r}; it is the weight-gradient part of the backward time."
+            )
 
     @property
     def time_s(self) -> float:

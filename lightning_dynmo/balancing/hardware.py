@@ -120,11 +120,14 @@ class StageTimes:
         bwd_s: The same for backward.
         send_s: Per stage, seconds to send one micro-batch's boundary activation over its link (0 for
             the last stage), at the micro-batch size the costs were measured with.
+        wgrad_s: Per stage, the weight-gradient part of ``bwd_s`` where it was measured apart
+            (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`; 0 otherwise).
     """
 
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     send_s: tuple[float, ...]
+    wgrad_s: tuple[float, ...]
 
     def per_microbatch(
         self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
@@ -170,18 +173,23 @@ def stage_times(
     extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
     slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
     links = hardware.links(placement.num_layers, stages, by)
-    stage_fwd, stage_bwd, send = [], [], []
+    wgrad = [c.bwd_weight_time_s if by == "time" else 0.0 for c in costs]
+    stage_fwd, stage_bwd, send, stage_wgrad = [], [], [], []
     for s in range(stages):
         layers = placement.layers_of(s)
         f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
+        w = sum(wgrad[i] for i in layers)
         if s == 0 and first is not None:
             f, b = f + extra_f[0], b + extra_b[0]
+            w += first.bwd_weight_time_s if by == "time" else 0.0
         if s == stages - 1 and last is not None:
             f, b = f + extra_f[-1], b + extra_b[-1]
+            w += last.bwd_weight_time_s if by == "time" else 0.0
         stage_fwd.append(slowdown[s] * f)
         stage_bwd.append(slowdown[s] * b)
+        stage_wgrad.append(slowdown[s] * w)
         send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
-    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send))
+    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad))
 
 
 def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:
@@ -248,4 +256,9 @@ def to_reference(
 
 def scaled(cost: LayerCost, factor: float) -> LayerCost:
     """``cost`` with its forward and backward times multiplied by ``factor``."""
-    return dataclasses.replace(cost, fwd_time_s=cost.fwd_time_s * factor, bwd_time_s=cost.bwd_time_s * factor)
+    return dataclasses.replace(
+        cost,
+        fwd_time_s=cost.fwd_time_s * factor,
+        bwd_time_s=cost.bwd_time_s * factor,
+        bwd_weight_time_s=cost.bwd_weight_time_s * factor,
+    )

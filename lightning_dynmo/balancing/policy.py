@@ -551,6 +551,7 @@ def smooth_costs(
         LayerCost(
             fwd_time_s=weight * old.fwd_time_s + (1.0 - weight) * new.fwd_time_s,
             bwd_time_s=weight * old.bwd_time_s + (1.0 - weight) * new.bwd_time_s,
+            bwd_weight_time_s=weight * old.bwd_weight_time_s + (1.0 - weight) * new.bwd_weight_time_s,
             num_params=new.num_params,
             memory_bytes=new.memory_bytes,
             activation_bytes=new.activation_bytes,

@@ -103,7 +103,8 @@ def predict_step(
 
     Per stage and micro-batch: its layers' and pinned parts' forward and backward over
     ``num_microbatches``, times its worker's slowdown; under a split backward, ``I`` and ``W`` share the
-    backward by ``order.weight_grad_share``. A stage's activation send keeps it busy (it lengthens its
+    backward as measured (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`), or by
+    ``order.weight_grad_share`` where it was not. A stage's activation send keeps it busy (it lengthens its
     forward, a synchronous transfer, as the balancers assume and as the profiler measures a link: a
     blocking send); stages on one rank exchange in memory and send nothing.
 
@@ -121,18 +122,20 @@ def predict_step(
     times = stage_times(problem, placement, stage_workers)
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
-    share = order.weight_grad_share
     per_stage = []
-    for s, (f, b, send) in enumerate(zip(times.fwd_s, times.bwd_s, times.send_s, strict=True)):
+    for s, (f, b, send, w) in enumerate(
+        zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, strict=True)
+    ):
         sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
         fwd = f / num_microbatches + (send if sends else 0.0) + per_op_s
         bwd = b / num_microbatches
+        wgrad = w / num_microbatches if w > 0 else order.weight_grad_share * bwd  # measured, else the share
         per_stage.append(
             StageTimes(
                 fwd,
                 bwd + per_op_s,
-                input_grad_s=(1 - share) * bwd + per_op_s,
-                weight_grad_s=share * bwd + per_op_s,
+                input_grad_s=bwd - wgrad + per_op_s,
+                weight_grad_s=wgrad + per_op_s,
             )
         )
     sim = simulate_step(actions, per_stage)

@@ -120,6 +120,7 @@ def _cost(profile: LayerProfile, inflight_microbatches: int) -> LayerCost:
     return LayerCost(
         fwd_time_s=profile.fwd_time_s,
         bwd_time_s=profile.bwd_time_s,
+        bwd_weight_time_s=min(profile.bwd_weight_time_s, profile.bwd_time_s),
         num_params=profile.num_params,
         memory_bytes=profile.memory.total_bytes(inflight_microbatches),
         activation_bytes=profile.memory.output_bytes_per_microbatch,

@@ -147,3 +147,19 @@ def test_a_fixed_cost_per_action_adds_to_every_action_and_stages_on_one_rank_sen
     problem = BalanceProblem(COSTS, hardware=Hardware(comm_time_s=0.5))
     step = predict_step(problem, Placement.from_string("0-2|3"), ScheduleOrder("one", one_rank), 1)
     assert step.step_s == pytest.approx(2 * (7 + 8 + 4 + 1))  # costs of one micro-batch, no send
+
+
+def test_a_measured_weight_gradient_sets_the_split_and_an_unmeasured_one_takes_the_share():
+    def split_one(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        return [[(s, "F", 0), (s, "I", 0), (s, "W", 0)] for s in range(num_stages)]
+
+    order, placement = ScheduleOrder("split", split_one), Placement.from_string("0|1")
+    head = LayerCost(fwd_time_s=1.0, bwd_time_s=4.0, bwd_weight_time_s=3.0)
+    problem = BalanceProblem([LayerCost(fwd_time_s=1.0, bwd_time_s=6.0), head])
+    # Stage 1 measured I=1, W=3: rank 1 F 1-2, I 2-3, W 3-6; rank 0 (share 0.5: I=3, W=3) F 0-1, I 3-6, W 6-9.
+    assert predict_step(problem, placement, order, 1).step_s == pytest.approx(9.0)
+    # Unmeasured, stage 1 splits 2 + 2: its I ends at 4, rank 0's I 4-7, W 7-10.
+    unmeasured = BalanceProblem([problem.costs[0], dataclasses.replace(head, bwd_weight_time_s=0.0)])
+    assert predict_step(unmeasured, placement, order, 1).step_s == pytest.approx(10.0)
+    with pytest.raises(ValueError, match=r"bwd_weight_time_s=5\.0 exceeds bwd_time_s=4\.0"):
+        dataclasses.replace(head, bwd_weight_time_s=5.0)
