@@ -32,15 +32,13 @@ The report goes to ``benchmarks/results/projection-<date>.md``; an existing file
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from benchmarks.common import results_path, write_report
-from benchmarks.trace_cases import CASES, TRACES, cost_trace, dense_trace, load_traces, synthetic_trace
+from benchmarks.trace_cases import CASES, cost_trace, dense_trace, load_traces, synthetic_trace, trace_parser
 from lightning_dynmo.balancing import Placement, by_parameters, partition, uniform
 from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
 from lightning_dynmo.balancing.trace import CostTrace, StepCosts
@@ -48,8 +46,8 @@ from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
 #: (ranks, schedule) of the full run.
-SHAPES = ((8, "1F1B"), (16, "1F1B"), (24, "1F1B"), (8, "Interleaved1F1B"))
-QUICK_SHAPES = ((2, "1F1B"), (2, "Interleaved1F1B"))
+SHAPES: tuple[tuple[int, str], ...] = ((8, "1F1B"), (16, "1F1B"), (24, "1F1B"), (8, "Interleaved1F1B"))
+QUICK_SHAPES: tuple[tuple[int, str], ...] = ((2, "1F1B"), (2, "Interleaved1F1B"))
 KEEP = 0.95  # re-packing keeps at least this share of the throughput
 MODEL = "predict_step (balancing.step_prediction: the schedule's action lists, parts pinned)"
 
@@ -185,13 +183,16 @@ def project(
     static = min(("static uniform", "static params"), key=lambda k: runs[k].total_s)
     loads = predict_step(mean.problem(), fixed[static], shape.order, shape.microbatches).stage_loads
     units = [c.time_s for c in (*mean.layers, mean.first, mean.last)]
-    dense_s = None if dense is None else simulate(dense, [fixed["static uniform"]] * dense.num_rows, shape)
+    dense_s = None
+    if dense is not None:  # its static run's mean step, over as many steps as the trace
+        dense_run = simulate(dense, [fixed["static uniform"]] * dense.num_rows, shape)
+        dense_s = dense_run.total_s / dense.num_rows * rows
     return Projection(
         shape,
         runs,
         bound=max(loads) / max(units),
         repack=repack(mean, shape, budget),
-        dense_static_s=None if dense_s is None else dense_s.total_s / dense.num_rows * rows,  # type: ignore[union-attr]
+        dense_static_s=dense_s,
     )
 
 
@@ -273,16 +274,12 @@ def describe(name: str, trace: CostTrace, source: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> str:
     """Project every trace, print and write the report; return it."""
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.projection", description=__doc__.split("\n")[0]
+    parser = trace_parser(
+        "python -m benchmarks.projection", __doc__.split("\n")[0], "a synthetic trace, 2 ranks"
     )
-    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of trace files")
     parser.add_argument("--window", type=int, default=1, help="trace rows per DynMo decision")
     parser.add_argument("--microbatches-per-rank", type=int, default=2)
     parser.add_argument("--budget", type=int, default=24, help="step-model simulations per refinement")
-    parser.add_argument("--quick", action="store_true", help="a synthetic trace on 2 ranks: a smoke run")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     out = results_path("projection", args.out, args.force)
     if args.quick:

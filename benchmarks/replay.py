@@ -31,18 +31,16 @@ The report goes to ``benchmarks/results/replay-<date>.md``; an existing file is 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import paired
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
-from benchmarks.trace_cases import DENSE_FWD, TRACES, cost_trace, load_traces, synthetic_trace
+from benchmarks.trace_cases import DENSE_FWD, cost_trace, load_traces, synthetic_trace, trace_parser
 from lightning_dynmo.balancing import Placement, by_parameters, partition, uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.balancing.trace import CostTrace
@@ -206,16 +204,14 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> str:
     """Replay every trace, print and write the report; return it."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.split("\n")[0])
-    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of trace files")
+    parser = trace_parser(
+        "python -m benchmarks.replay", __doc__.split("\n")[0], "synthetic trace, 2 ranks, 1 round"
+    )
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block-ms", type=float, default=4.0, help="a dense block's forward per micro-batch")
-    parser.add_argument("--quick", action="store_true", help="synthetic trace, 2 ranks, 1 round: a smoke run")
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     out = results_path("replay", args.out, args.force)
     stats = load_traces(args.traces)

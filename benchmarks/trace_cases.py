@@ -17,6 +17,7 @@ from SmolLM2-135M's shape by counting multiply-adds per token (:func:`head_block
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from collections.abc import Callable
@@ -168,3 +169,13 @@ def cost_trace(stats: StatisticTrace, head: bool = True, dense: bool = False) ->
     blocks = head_blocks()
     last = LayerCost(fwd_time_s=blocks * DENSE_FWD, bwd_time_s=2 * blocks * DENSE_FWD)
     return CostTrace.build(stats, case.curve(), first if head else None, last if head else None)
+
+
+def trace_parser(prog: str, description: str, quick: str) -> argparse.ArgumentParser:
+    """The options of every trace benchmark: --traces, --quick (``quick``: what it runs), --out, --force."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--traces", type=Path, default=TRACES, help="folder of trace files")
+    parser.add_argument("--quick", action="store_true", help=f"{quick}: a smoke run, not figures")
+    parser.add_argument("--out", type=Path, default=None, help="the report's path (default: dated)")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing dated report")
+    return parser

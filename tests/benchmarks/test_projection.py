@@ -45,7 +45,8 @@ def test_quick_projection_writes_the_four_tables(tmp_path):
     report = main(["--quick", "--out", str(out)])
     assert out.read_text() == report + "\n"
     assert f"`python -m benchmarks.projection --quick --out {out}`" in report
-    for table in ("**(a) Bubble", "**(b) Rebalancing gain", "**(c) The paper's comparison", "**(d) Re-packing"):
+    tables = ("**(a) Bubble", "**(b) Rebalancing gain", "**(c) The paper's comparison", "**(d) Re-packing")
+    for table in tables:
         assert table in report
     assert "cost curve: proportional" in report and "Step model: predict_step" in report
     assert report.count("| synthetic | 2 x ") == 8  # two shapes in each of the four tables
