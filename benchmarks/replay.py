@@ -10,8 +10,9 @@ dense block sleeps ``--block-ms`` per micro-batch forward. Jobs, each ``--steps`
 ``--warmup`` untimed (the trace is spread over the run: each row lasts ``steps / rows`` steps):
 
 - **static uniform**, **static params**: fixed placements;
-- **best fixed**: the exact min-max partition of the true per-step costs averaged over the run, run as
-  a fixed placement (computed, never picked by measurement);
+- **best fixed**: the exact min-max partition of the true per-step costs averaged over the run, refined
+  by the step model (many partitions tie on the head's stage; the step breaks the tie, as DynMo's
+  policy does), run as a fixed placement (computed, never picked by measurement);
 - **DynMo**: ``DynMoCallback`` live (it profiles the sleeps, decides and migrates), from uniform.
 
 ``--rounds`` interleaved rounds (the job order reversed every other round); every ratio is taken within
@@ -40,8 +41,9 @@ import torch
 
 from benchmarks import paired
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks.projection import Shape, best_placement
 from benchmarks.trace_cases import DENSE_FWD, cost_trace, load_traces, synthetic_trace, trace_parser
-from lightning_dynmo.balancing import Placement, by_parameters, partition, uniform
+from lightning_dynmo.balancing import Placement, by_parameters, uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.balancing.trace import CostTrace
 from lightning_dynmo.callback import DynMoCallback
@@ -51,6 +53,7 @@ from lightning_dynmo.strategy import DynMoStrategy
 
 GAP = 0.05  # a static split within 5% of the best fixed placement is "not imbalanced"
 DYNMO = {"balancer": "partition", "cost": "time", "every_step": True}
+REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placement
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,12 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
 
 
 def fixed_placements(trace: CostTrace, ranks: int) -> dict[str, str]:
-    """Static uniform, static params and the best fixed placement (the partition of the mean costs)."""
+    """Static uniform, static params and the best fixed placement (of the costs averaged over the run)."""
     mean = trace.mean_costs()
     return {
         "static uniform": str(uniform(trace.num_layers, ranks)),
         "static params": str(by_parameters(list(mean.layers), ranks)),
-        "best fixed": str(partition(mean.problem(), ranks)),
+        "best fixed": str(best_placement(mean, Shape(ranks, "1F1B", 2 * ranks), budget=REFINE_BUDGET)),
     }
 
 
