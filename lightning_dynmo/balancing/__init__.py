@@ -20,6 +20,7 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``schedule_model``: a step model that follows each rank's real action list (F, B, I, W), with a critical
   path.
 - ``step_prediction``: a placement's step under a schedule's action lists, and the search it refines.
+- ``trace``: recorded dynamism as costs: a statistic trace, a cost curve, per-step costs and their mean.
 - ``microbatches``: the micro-batch count a re-packed pipeline should run.
 - ``trigger``: *when* to rebalance (periodic, events, every step, auto).
 - ``policy``: *what* to rebalance to, and whether it is worth applying.

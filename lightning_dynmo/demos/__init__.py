@@ -12,6 +12,7 @@ Modules:
 - :mod:`.cost`: :class:`EmulatedCost`, an identity that sleeps in forward and backward.
 - :mod:`.hardware`: emulated heterogeneous hardware, a slow worker and a slow link, per process.
 - :mod:`.dynamics`: scripted dynamic models (emulated costs that change at a known step, routing noise).
+- :mod:`.replay`: :class:`TraceReplay`, a recorded per-step, per-layer cost trace replayed as emulated costs.
 - :mod:`.data`: :class:`RandomTokenDataModule`, random-but-learnable token batches of a fixed shape.
 """
 
@@ -20,6 +21,7 @@ from lightning_dynmo.demos.data import RandomTokenDataModule, RandomTokenDataset
 from lightning_dynmo.demos.dynamics import RoutingNoise, ScheduledCostChange
 from lightning_dynmo.demos.emulated_block import EmulatedBlock, EmulatedBlockOptions
 from lightning_dynmo.demos.gpt import DemoConfig, DemoGPT
+from lightning_dynmo.demos.replay import TraceReplay
 
 __all__ = [
     "DemoConfig",
@@ -31,4 +33,5 @@ __all__ = [
     "RandomTokenDataset",
     "RoutingNoise",
     "ScheduledCostChange",
+    "TraceReplay",
 ]

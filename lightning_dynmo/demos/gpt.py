@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_dynmo.demos.cost import EmulatedCost, check_emulated_ms
 from lightning_dynmo.demos.emulated_block import EmulatedBlockOptions
 from lightning_dynmo.models.config import GPTConfig, OptimizerConfig
 from lightning_dynmo.models.gpt import GPT
+from lightning_dynmo.pipeline.model.contract import HIDDEN
 
 __all__ = ["DemoConfig", "DemoGPT"]
 
@@ -41,6 +43,9 @@ class DemoConfig:
             empty means no emulation, otherwise one value per block.
         seed: Seed for the initial weights.
         tie_embeddings: The output head reuses the token embedding's weight (GPT-2 style).
+        first_sleep_ms: Emulated forward cost of the first-stage part (the embedding) per call, ms
+            (backward sleeps twice as long); 0: none, the default.
+        last_sleep_ms: The same for the last-stage part (final norm and head, before the loss).
     """
 
     vocab_size: int = 64
@@ -55,6 +60,8 @@ class DemoConfig:
     sleep_ms: Sequence[float] = field(default_factory=tuple)
     seed: int = 0
     tie_embeddings: bool = False
+    first_sleep_ms: float = 0.0
+    last_sleep_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -64,6 +71,8 @@ class DemoConfig:
                 f"sleep_ms has {len(self.sleep_ms)} values but num_layers={self.num_layers}; give one per "
                 "block or none."
             )
+        check_emulated_ms(self.first_sleep_ms, None)
+        check_emulated_ms(self.last_sleep_ms, None)
         # The shape rules (e.g. d_model divisible by num_heads) are the GPT's: checked by building its config.
         self.gpt_config()
         self.optimizer_config()
@@ -96,7 +105,9 @@ class DemoGPT(GPT):
     """A tiny :class:`~lightning_dynmo.models.GPT` with the demo's defaults and emulated block costs.
 
     Its blocks are ``"emulated"`` blocks (:class:`~lightning_dynmo.demos.emulated_block.EmulatedBlock`):
-    ``layers["i"].cost`` is the block's :class:`~lightning_dynmo.demos.EmulatedCost`.
+    ``layers["i"].cost`` is the block's :class:`~lightning_dynmo.demos.EmulatedCost`. ``first_cost`` and
+    ``last_cost`` emulate the first-stage part (after the embedding) and the last-stage part (after the
+    head); they sleep nothing unless ``first_sleep_ms`` / ``last_sleep_ms`` or a replay sets them.
 
     Args:
         config: The demo's settings; keyword ``overrides`` replace single fields. The resulting
@@ -111,9 +122,27 @@ class DemoGPT(GPT):
         demo = DemoConfig(**{**(config.__dict__ if config else {}), **overrides})
         super().__init__(demo.gpt_config(), demo.optimizer_config())
         self.demo_config = demo
+        # No parameters: they change nothing in the model's units or checkpoints, and every rank has them
+        # (only the rank running pipeline_first / pipeline_last ever sleeps in them).
+        self.first_cost = EmulatedCost(demo.first_sleep_ms)
+        self.last_cost = EmulatedCost(demo.last_sleep_ms)
         # The GPT saved its own arguments, which DemoGPT does not take: the settings are the demo's.
         self.hparams.clear()
         self.save_hyperparameters({"config": demo}, logger=False)  # frozen: see GPT
+
+    @override
+    def pipeline_first(self, idx: torch.Tensor) -> Any:
+        """The GPT's embedding, then the first part's emulated cost on the hidden state."""
+        out = super().pipeline_first(idx)
+        if isinstance(out, dict):
+            return {**out, HIDDEN: self.first_cost(out[HIDDEN])}
+        return self.first_cost(out)
+
+    @override
+    def pipeline_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The GPT's final norm and head, then the last part's emulated cost on the logits."""
+        logits: torch.Tensor = self.last_cost(super().pipeline_last(hidden))
+        return logits
 
     @override
     def configure_optimizers(self) -> Any:

@@ -1,0 +1,252 @@
+"""Trace-driven pipelines: each case's recorded per-step costs replayed as sleeps in real gloo pipelines.
+
+Per case (the newest trace of each case in ``benchmarks/results/traces/``, a synthetic one with
+``--quick``) and per pipeline size (``--ranks``, 8 and 16 by default; 1F1B), every block of a
+:class:`~lightning_dynmo.demos.DemoGPT` with the model's real layer count sleeps, at every step, what
+the trace says its layer costs at that step (:class:`~lightning_dynmo.demos.TraceReplay`), and so do
+the embedding and the head + loss (the parts, costed from the model's shape: :mod:`benchmarks.trace_cases`).
+Sleeping uses no CPU, so 8-16 ranks run on 2 cores (``start_method="fork"``). The costs are scaled so a
+dense block sleeps ``--block-ms`` per micro-batch forward. Jobs, each ``--steps`` steps, the first
+``--warmup`` untimed (the trace is spread over the run: each row lasts ``steps / rows`` steps):
+
+- **static uniform**, **static params**: fixed placements;
+- **best fixed**: the exact min-max partition of the true per-step costs averaged over the run, refined
+  by the step model (many partitions tie on the head's stage; the step breaks the tie, as DynMo's
+  policy does), run as a fixed placement (computed, never picked by measurement);
+- **DynMo**: ``DynMoCallback`` live (it profiles the sleeps, decides and migrates), from uniform.
+
+``--rounds`` interleaved rounds (the job order reversed every other round); every ratio is taken within
+a round and summarised by its median (:mod:`benchmarks.paired`; the ideal is the best fixed placement,
+one candidate: nothing to hold out). Per job the idle (bubble) share per iteration two ways: *simulated*
+(:func:`~lightning_dynmo.balancing.step_prediction.predict_step` on the true costs of each replayed step,
+the placement the job ended at) and *measured*, ``(ranks x step - work) / (ranks x step)`` with ``work``
+the sleeps the trace prescribes (known exactly) and ``step`` the measured median. DynMo's profiled
+first/last parts are printed beside the true ones (they must be measured as parts, not lost).
+**Emulated cost**.
+
+    python -m benchmarks.replay                  # every trace, 8 and 16 ranks, 5 rounds: long
+    python -m benchmarks.replay --quick          # synthetic trace, 2 ranks, 1 round: not figures
+
+The report goes to ``benchmarks/results/replay-<date>.md``; an existing file is kept unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from benchmarks import paired
+from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks.projection import Shape, best_placement
+from benchmarks.trace_cases import DENSE_FWD, cost_trace, load_traces, synthetic_trace, trace_parser
+from lightning_dynmo.balancing import Placement, by_parameters, uniform
+from lightning_dynmo.balancing.step_prediction import predict_step
+from lightning_dynmo.balancing.trace import CostTrace
+from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule, TraceReplay
+from lightning_dynmo.pipeline import schedule_order
+from lightning_dynmo.strategy import DynMoStrategy
+
+GAP = 0.05  # a static split within 5% of the best fixed placement is "not imbalanced"
+DYNMO = {"balancer": "partition", "cost": "time", "every_step": True}
+REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placement
+
+
+@dataclass(frozen=True)
+class ReplayJob:
+    """One pipeline job: ``ranks`` gloo ranks replaying ``trace`` (emulated seconds) for ``steps`` steps.
+
+    Attributes:
+        trace: The costs to replay, in the emulated pipeline's seconds.
+        ranks: Pipeline ranks (1F1B: one stage each).
+        steps: Training steps.
+        warmup: Untimed first steps.
+        placement: The fixed placement, or where DynMo starts.
+        dynmo: ``DynMoCallback`` keywords; ``None``: a fixed placement.
+    """
+
+    trace: CostTrace
+    ranks: int
+    steps: int
+    warmup: int
+    placement: str
+    dynmo: dict[str, Any] | None = None
+
+    @property
+    def microbatches(self) -> int:
+        return 2 * self.ranks
+
+    @property
+    def steps_per_row(self) -> int:
+        return max(1, self.steps // self.trace.num_rows)
+
+    def replayed_rows(self) -> list[int]:
+        """The trace row of every timed step."""
+        replay = TraceReplay(self.trace, self.microbatches, self.steps_per_row)
+        return [replay.row(s) for s in range(self.warmup, self.steps)]
+
+
+def run_replay(job: ReplayJob) -> dict[str, Any]:
+    """Body of one rank (started by ``benchmarks.common.launch``)."""
+    torch.set_num_threads(1)
+    timer, m = StepTimer(), job.microbatches
+    dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
+    callbacks = [timer, TraceReplay(job.trace, m, job.steps_per_row), *([dynmo] if dynmo else [])]
+    strategy = DynMoStrategy(num_microbatches=m, schedule="1F1B", placement=job.placement)
+    trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
+    model = DemoGPT(num_layers=job.trace.num_layers, d_model=16, vocab_size=32, seq_len=8)
+    trainer.fit(
+        model, RandomTokenDataModule(batch_size=m, num_samples=m * job.steps, seq_len=8, vocab_size=32)
+    )
+    hardware = dynmo.last_hardware if dynmo is not None else None
+    parts = {}
+    if hardware is not None:
+        parts = {
+            name: None if cost is None else cost.time_s
+            for name, cost in (("first", hardware.first_stage_extra), ("last", hardware.last_stage_extra))
+        }
+    return {
+        "step_s": timer.step_s[job.warmup :],
+        "placement": str(strategy.placement),
+        "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
+        "parts_s": parts,
+    }
+
+
+def fixed_placements(trace: CostTrace, ranks: int) -> dict[str, str]:
+    """Static uniform, static params and the best fixed placement (of the costs averaged over the run)."""
+    mean = trace.mean_costs()
+    return {
+        "static uniform": str(uniform(trace.num_layers, ranks)),
+        "static params": str(by_parameters(list(mean.layers), ranks)),
+        "best fixed": str(best_placement(mean, Shape(ranks, "1F1B", 2 * ranks), budget=REFINE_BUDGET)),
+    }
+
+
+def idle_shares(job: ReplayJob, placement: str, step_s: float) -> tuple[float, float]:
+    """Simulated (step model, true costs, per replayed step, mean) and measured idle share of a job."""
+    order, p = schedule_order("1F1B"), Placement.from_string(placement)
+    rows = job.replayed_rows()
+    simulated = statistics.fmean(
+        predict_step(job.trace.rows[r].problem(), p, order, job.microbatches).bubble_ratio for r in rows
+    )
+    work = statistics.fmean(job.trace.rows[r].total_s for r in rows)
+    return simulated, max(0.0, 1.0 - work / (job.ranks * step_s))
+
+
+def replay_case(trace: CostTrace, ranks: int, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """Every fixed placement and DynMo on ``ranks`` ranks, ``rounds`` interleaved rounds."""
+    fixed = fixed_placements(trace, ranks)
+    base = ReplayJob(trace, ranks, steps, warmup, fixed["static uniform"])
+    jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
+    jobs["DynMo"] = replace(base, placement="uniform", dynmo=DYNMO)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for r in range(rounds):
+        for name in list(jobs) if r % 2 == 0 else list(jobs)[::-1]:
+            print(
+                f"  [{trace.case}] {ranks} ranks, round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True
+            )
+            runs[name].append(launch(run_replay, jobs[name], nproc=ranks, start_method="fork"))
+    per_round = {name: [statistics.median(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
+    per_round["DynMo"] = [statistics.median(run["step_s"]) for run in runs["DynMo"]]
+    comparison = paired.compare(
+        statics={k: per_round[k] for k in ("static uniform", "static params")},
+        dynmo={"DynMo": per_round["DynMo"]},
+        candidates={"best fixed": per_round["best fixed"]},
+        gap=GAP,
+        held_out=False,
+    )
+    rows = {}
+    for name in (*fixed, "DynMo"):
+        last = runs[fixed.get(name, name)][-1]
+        step = statistics.median(per_round[name])
+        simulated, measured = idle_shares(base, last["placement"], step)
+        rows[name] = {"ms": 1e3 * step, "placement": last["placement"], "idle": (simulated, measured)}
+    rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
+    return {"rows": rows, "comparison": comparison, "parts": runs["DynMo"][-1]["parts_s"], "ranks": ranks}
+
+
+def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
+    """One case on one pipeline size: the table, the paired verdict, the parts."""
+    c: paired.PairedComparison = result["comparison"]
+    rows = result["rows"]
+    lines = [
+        f"### {trace.case}, {result['ranks']} ranks ({trace.num_layers} layers, cost curve: "
+        f"{trace.curve_label})",
+        "",
+        "| run | step (ms) | idle, simulated | idle, measured | placement (last) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, row in rows.items():
+        sim, meas = row["idle"]
+        lines.append(f"| {name} | {row['ms']:.1f} | {sim:.0%} | {meas:.0%} | `{row['placement']}` |")
+    mean = trace.mean_costs()
+    parts = result["parts"]
+    profiled = ", ".join(
+        f"{name} {1e3 * parts[name]:.1f} ms (true {1e3 * true.time_s:.1f})"
+        if parts.get(name) is not None
+        else f"{name} -"
+        for name, true in (("first", mean.first), ("last", mean.last))
+    )
+    of_best = c.median_of_ideal()
+    lines += [
+        "",
+        f"Better static ({c.static}) / DynMo: **{c.median_speedup():.2f}x**; DynMo achieves "
+        f"**{of_best:.0%}** of the best fixed placement (medians over {c.rounds} round(s) of ratios within "
+        f"a round); >= 95% of best fixed: {'yes' if of_best >= 0.95 else 'NO'}; slower than static beyond "
+        f"noise: {'YES' if c.slower_beyond_noise() else 'no'}. DynMo rebalances per round: "
+        f"{rows['DynMo']['rebalances']}. Parts as DynMo profiled them, per step: {profiled}.",
+        "",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Replay every trace, print and write the report; return it."""
+    parser = trace_parser(
+        "python -m benchmarks.replay", __doc__.split("\n")[0], "synthetic trace, 2 ranks, 1 round"
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block-ms", type=float, default=4.0, help="a dense block's forward per micro-batch")
+    args = parser.parse_args(argv)
+    out = results_path("replay", args.out, args.force)
+    stats = load_traces(args.traces)
+    if args.quick:
+        stats, args.ranks, args.steps, args.warmup, args.rounds = [synthetic_trace(4, 3)], [2], 6, 2, 1
+        args.block_ms = 1.0
+    torch.set_num_threads(1)  # before forking the ranks
+    lines = [
+        "# Trace-driven pipelines: recorded costs replayed as sleeps (emulated cost)",
+        "",
+        "Command: `python -m benchmarks.replay"
+        + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+        + "`  ",
+        f"Setup: 1F1B, 2 micro-batches per rank, {args.steps} steps ({args.warmup} untimed), {args.rounds} "
+        f"round(s); a dense block sleeps {args.block_ms} ms forward per micro-batch (backward 2x). Simulated "
+        "idle: predict_step (balancing.step_prediction) on the true costs of each replayed step.",
+        "",
+    ]
+    for s in stats:
+        for ranks in args.ranks:
+            # Costs are per step in dense-forward units; a block sleeps per micro-batch.
+            trace = cost_trace(s).scaled(args.block_ms / 1e3 / DENSE_FWD * 2 * ranks)
+            if trace.num_layers < ranks:
+                continue
+            result = replay_case(trace, ranks, args.steps, args.warmup, args.rounds)
+            section_lines = section(trace, result)
+            print("\n".join(section_lines), flush=True)
+            lines += section_lines
+    report = "\n".join(lines)
+    write_report(report, "replay", out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The replay benchmark's quick mode runs real pipelines and reports what it must (no timing asserted)."""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks.replay import ReplayJob, fixed_placements
+from benchmarks.replay import main as replay_main
+from benchmarks.trace_cases import cost_trace, synthetic_trace
+
+
+def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
+    out = tmp_path / "replay.md"
+    report = replay_main(["--quick", "--out", str(out)])
+    assert out.read_text() == report + "\n"
+    assert f"`python -m benchmarks.replay --quick --out {out}`" in report
+    assert "### synthetic, 2 ranks (4 layers, cost curve: proportional)" in report
+    for run in ("static uniform", "static params", "best fixed", "DynMo"):
+        assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
+    assert "of the best fixed placement" in report and "slower than static beyond noise" in report
+    # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).
+    last = re.search(r"last ([\d.]+) ms \(true ([\d.]+)\)", report)
+    assert last is not None and float(last.group(1)) > 0.5 * float(last.group(2)) > 0
+
+
+def test_best_fixed_is_the_partition_of_the_mean_costs_with_the_head():
+    trace = cost_trace(synthetic_trace(4, 3))
+    fixed = fixed_placements(trace, 2)
+    assert fixed["static uniform"] == "0-1|2-3"
+    assert fixed["best fixed"] == "0-2|3-3"  # the head (about 7 blocks) sits on the last stage
+    job = ReplayJob(trace, ranks=2, steps=7, warmup=1, placement="uniform")
+    assert job.steps_per_row == 2 and job.replayed_rows() == [0, 1, 1, 2, 2, 2]
