@@ -93,7 +93,7 @@ def route_every_other(model: Any) -> dict[int, MoDLayer]:
 
 def record(run: CaseRun) -> Trace:
     """Train MoD with the predictor's BCE; per step, each routed layer's predicted and capped count."""
-    steps, batch, seq = (3, 2, 32) if run.quick else (40, 2, 128)
+    steps, batch, seq = (3, 2, 32) if run.quick else (30, 2, 128)
     model = run.pretrained.model
     routed = route_every_other(model)
     optimizer = adamw(

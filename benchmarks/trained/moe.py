@@ -95,7 +95,7 @@ def upcycle(model: nn.Module, options: MoEOptions, *, seed: int = 0) -> list[Upc
 
 def record(run: CaseRun) -> Trace:
     """Upcycle, train with the balancing loss, and record each layer's max/mean expert load per step."""
-    steps, batch, seq = (3, 2, 32) if run.quick else (40, 2, 128)
+    steps, batch, seq = (3, 2, 32) if run.quick else (30, 2, 128)
     options = MoEOptions(num_experts=8, top_k=2, capacity_factor=None, load_balance_coef=LOAD_BALANCE_COEF)
     model = run.pretrained.model
     moes = upcycle(model, options)
