@@ -18,6 +18,7 @@ from SmolLM2-135M's shape by counting multiply-adds per token (:func:`head_block
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 from collections.abc import Callable
@@ -89,6 +90,8 @@ class TraceCase:
         phases: The trace's rows are phases announced by an event (a pruning stage, a freezing
             decision) that DynMo rebalances on, so it runs each phase balanced for it; otherwise rows are
             steps and DynMo decides from the rows before.
+        odd_layers_only: The trace holds layers 1, 3, 5, ... only (MoD's routed blocks); the layers
+            between are dense blocks (statistic 1.0), put back by :func:`load_traces`.
     """
 
     name: str
@@ -97,6 +100,7 @@ class TraceCase:
     paper_speedup: str
     paper_bubble: str = "-"
     phases: bool = False
+    odd_layers_only: bool = False
 
 
 CASES: dict[str, TraceCase] = {
@@ -104,7 +108,9 @@ CASES: dict[str, TraceCase] = {
     for c in (
         # An expert-parallel MoE layer waits for its busiest expert: cost ~ busiest / mean load.
         TraceCase("moe", _proportional(1.0), None, "1.23x over static splits", "~25% -> 8%"),
-        TraceCase("mod", _proportional(1.0), None, "1.17x over static splits", "~18% -> 4%"),
+        TraceCase(
+            "mod", _proportional(1.0), None, "1.17x over static splits", "~18% -> 4%", odd_layers_only=True
+        ),
         # Time proportional to the linear weights' non-zeros (emulated: no CPU kernel gets cheaper).
         TraceCase(
             "pruning", _scaling_share(1 - _score_share(), "linear weights"), 1.0, "3.18x over dense Megatron"
@@ -132,7 +138,14 @@ def load_traces(folder: Path = TRACES) -> list[StatisticTrace]:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and data.get("case") in CASES and "rows" in data:
             newest[data["case"]] = path
-    return [StatisticTrace.from_record(json.loads(newest[c].read_text())) for c in CASES if c in newest]
+    traces = [StatisticTrace.from_record(json.loads(newest[c].read_text())) for c in CASES if c in newest]
+    return [_with_dense_layers(t) if CASES[t.case].odd_layers_only else t for t in traces]
+
+
+def _with_dense_layers(trace: StatisticTrace) -> StatisticTrace:
+    """``trace``'s rows with a dense layer (1.0) before each recorded one: the model's whole depth."""
+    rows = tuple(tuple(v for value in row for v in (1.0, value)) for row in trace.values)
+    return dataclasses.replace(trace, values=rows)
 
 
 def synthetic_trace(num_layers: int, rows: int, seed: int = 0) -> StatisticTrace:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.projection import Shape, best_placement, main, project, step_s
-from benchmarks.trace_cases import cost_trace, dense_trace, head_blocks, synthetic_trace
+from benchmarks.trace_cases import cost_trace, dense_trace, head_blocks, load_traces, synthetic_trace
 from lightning_dynmo.balancing import uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.pipeline import schedule_order
@@ -50,3 +52,15 @@ def test_quick_projection_writes_the_four_tables(tmp_path):
         assert table in report
     assert "cost curve: proportional" in report and "Step model: predict_step" in report
     assert report.count("| synthetic | 2 x ") == 8  # two shapes in each of the four tables
+
+
+def test_a_mod_trace_of_the_routed_layers_gets_its_dense_layers_back(tmp_path):
+    record = {
+        "case": "mod",
+        "statistic": "share of tokens processed",
+        "unit": "fraction",
+        "rows": [{"step": 1, "values": [0.25, 0.5]}, {"step": 2, "values": [0.125, 0.75]}],
+    }
+    (tmp_path / "mod-2026-11-26.json").write_text(json.dumps(record))
+    (trace,) = load_traces(tmp_path)
+    assert trace.values == ((1.0, 0.25, 1.0, 0.5), (1.0, 0.125, 1.0, 0.75))  # blocks 0..3, odd ones routed
