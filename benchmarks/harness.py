@@ -1,10 +1,12 @@
 """One benchmark harness: jobs run in rotated interleaved rounds, compared by paired ratios, reported.
 
-Read in this order: :func:`run_rounds` (the one loop every measured comparison runs), :func:`step_ms`
-(a job's figure per round), :func:`compare_runs` (the one statistic, :func:`benchmarks.paired.compare`:
-ratios within a round, the ideal held out of the round it judges), :func:`table` and :func:`verdict`
-(how a comparison is written), :func:`compare_placements` (all of it for fixed 2-stage splits against
-DynMo, jobs of :func:`benchmarks.gpt_pipeline.run_job`), then :func:`header` (what every report starts with).
+Read in this order: :class:`ModelSizes` (a mode's sizes, as data), :func:`run_rounds` (the one loop every
+measured comparison runs), :func:`step_ms` (a job's figure per round), :func:`compare_runs` (the one
+statistic, :func:`benchmarks.paired.compare`: ratios within a round, the ideal held out of the round it
+judges), :func:`table` and :func:`verdict` (how a comparison is written), :func:`compare_placements` (all
+of it for fixed 2-stage splits against DynMo, jobs of :func:`benchmarks.gpt_pipeline.run_job` built by
+:func:`fixed_job`), then the report: :func:`argument_parser` (the options every script shares),
+:func:`header` (what every report starts with) and :func:`finish` (how it ends and is written).
 
 Every figure a report shows carries one of three labels: :data:`REAL` (the model's real blocks computed
 on this machine), :data:`EMULATED` (blocks that sleep a measured or chosen cost) or :data:`PROJECTED`
