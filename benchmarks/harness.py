@@ -184,7 +184,7 @@ def table(
     def ratio(base: Sequence[float] | float, row: Mapping[str, Any]) -> float:
         if isinstance(base, float):
             return base / float(row["ms"])
-        return statistics.median(b / t for b, t in zip(base, row["per_round"], strict=True))
+        return float(statistics.median(b / t for b, t in zip(base, row["per_round"], strict=True)))
 
     static: Sequence[float] | float
     ideal: Sequence[float] | float

@@ -94,7 +94,7 @@ def end_parts(model: GPT, vocab_size: int, rows: int, seq_len: int, d_model: int
         out: Tensor = model.pipeline_loss(model.pipeline_last(hidden), idx)
         return out
 
-    embeddings = [*model.tok_emb.parameters(), *model.pos_emb.parameters()]
+    embeddings: list[Tensor] = [*model.tok_emb.parameters(), *model.pos_emb.parameters()]
     return EndParts(first, embeddings, last, [hidden, *model.ln_f.parameters(), *model.head.parameters()])
 
 
@@ -164,7 +164,7 @@ def project(
         return [simulated_ms(lv, p, microbatches) for lv, p in zip(levels, placements, strict=True)]
 
     best = min(pool.values(), key=lambda p: statistics.mean(per_level([p] * len(levels))))
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"label": f"static {name}", "per_level": per_level([p] * len(levels)), "placement": str(p)}
         for name, p in statics.items()
     ]
