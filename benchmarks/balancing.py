@@ -14,8 +14,6 @@ so compare them only within one run on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import itertools
 import math
 import platform
@@ -24,10 +22,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks import harness
+from benchmarks.common import results_path
 from lightning_dynmo.balancing import (
     BalanceProblem,
     Hardware,
@@ -237,17 +236,14 @@ def virtual_stage_section(cases: Sequence[str], sizes: Sequence[tuple[int, int]]
 
 def main(argv: Sequence[str] | None = None) -> str:
     """Run the benchmark; print the report and write it unless ``--quick`` without ``--out``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and one repeat (smoke run)")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the markdown report")
+    parser = harness.argument_parser(__doc__, "small sizes and one repeat")
     args = parser.parse_args(argv)
+    out = None if args.quick and args.out is None else results_path("balancing", args.out, args.force)
     sizes, cases, repeats = (QUICK_SIZES, QUICK_CASES, 1) if args.quick else (SIZES, CASES, 5)
-    command = "python -m benchmarks.balancing" + (" --quick" if args.quick else "")
     lines = [
-        f"# Balancing benchmark ({dt.date.today().isoformat()})",
+        harness.header("Balancing benchmark", "balancing", argv, [harness.EMULATED]),
         "",
-        f"Command: `{command}` (from the repository root). Python {platform.python_version()}, "
-        f"{platform.machine()}, numpy {np.__version__}. Costs are emulated profiles (see "
+        f"Python {platform.python_version()}, numpy {np.__version__}. Costs are emulated profiles (see "
         "`dynamism_profile`); time = median of {repeats} decisions (3 at 1,024 layers), wall clock, "
         "not a quiet machine unless stated. Ratio = heaviest stage / exact optimum (partition by "
         "time). Diffusion starts from the uniform placement.".replace("{repeats}", str(repeats)),
@@ -265,9 +261,6 @@ def main(argv: Sequence[str] | None = None) -> str:
     lines += virtual_stage_section(cases, (((8, 4), (48, 16)) if args.quick else VIRTUAL_SIZES))
     report = "\n".join(lines) + "\n"
     sys.stdout.write(report)
-    out = args.out
-    if out is None and not args.quick:
-        out = Path(__file__).parent / "results" / f"balancing-{dt.date.today().isoformat()}.md"
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)

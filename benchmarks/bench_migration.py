@@ -1,7 +1,8 @@
 """Time migrate_units on 2 CPU ranks (gloo): one transformer-sized MLP block with its AdamW state,
 bounced between the ranks. Prints one line per size: bytes moved, median seconds, MB/s.
 
-    PYTHONPATH=. python benchmarks/bench_migration.py [--dims 256 512] [--repeats 7]
+    python -m benchmarks.bench_migration [--dims 256 512] [--repeats 7]
+    python -m benchmarks.bench_migration --quick   # a smoke run (one small block, 2 bounces): not figures
 
 Timings on a shared 2-core machine are noisy; rerun on a quiet one before quoting them.
 """
@@ -51,20 +52,29 @@ def _bounce(rank: int, world_size: int, dim: int, repeats: int) -> list[tuple[in
     return timings[1:]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[str]:
+    """Print and return one line per size: bytes moved, the median seconds of a move, MB/s."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--dims", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    for dim in args.dims:
+    parser.add_argument("--quick", action="store_true", help="smoke run, not figures: one small block")
+    parser.add_argument("--dims", type=int, nargs="+", default=None, help="block widths (default 256 512)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed bounces per width (default 7)")
+    args = parser.parse_args(argv)
+    dims = args.dims or ([64] if args.quick else [256, 512])
+    repeats = args.repeats or (2 if args.quick else 7)
+    lines = []
+    for dim in dims:
         with tempfile.TemporaryDirectory() as tmp:
-            per_rank = run_distributed(_bounce, 2, tmp, timeout_s=300, args=(dim, args.repeats))
+            per_rank = run_distributed(_bounce, 2, tmp, timeout_s=300, args=(dim, repeats))
         nbytes = per_rank[0][0][0]
         seconds = statistics.median(max(a[1], b[1]) for a, b in zip(per_rank[0], per_rank[1], strict=True))
         rate = nbytes / seconds / 1e6
-        print(f"dim={dim}: {nbytes / 1e6:.1f} MB per move, median {seconds * 1e3:.1f} ms, {rate:.0f} MB/s")
+        lines.append(
+            f"dim={dim}: {nbytes / 1e6:.1f} MB per move, median {seconds * 1e3:.1f} ms, {rate:.0f} MB/s"
+        )
+        print(lines[-1])
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What attaching DynMoCallback costs a real-compute pipeline that never moves, against no callback.
 
 One fixed 2-stage split of a dense GPT (the end-to-end benchmark's sizes) on 2 gloo CPU ranks, 1F1B, real
-compute, three jobs per round, interleaved over ``--rounds`` rounds (order reversed every other round):
+compute, four jobs per round, interleaved over ``--rounds`` rounds (order rotated every round,
+:mod:`benchmarks.harness`):
 
 - ``no callback``: the placement alone;
 - ``DynMo idle``: ``DynMoCallback(every_n_steps=10_000)``: its always-on parts only (the busy timer, one
@@ -13,7 +14,8 @@ compute, three jobs per round, interleaved over ``--rounds`` rounds (order rever
   decision at every step, whatever the loads. ``min_gain`` 0.1 keeps both from moving a layer of the
   balanced split on step-to-step noise, so what they add is the profiling and the decisions.
 
-A job's figure is the median of its steps after ``--skip``; a configuration's, the median over rounds. The
+A job's figure is the median of its steps after ``--skip``; a configuration's, the median over rounds;
+its ratio to no callback, the median of the ratios within a round. The
 report also gives the callback's own account (``overhead_s`` per measured step) beside the measured
 difference, since the two can disagree. Real compute; no emulated cost.
 
@@ -26,21 +28,17 @@ an existing dated file is kept unless ``--force``).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import launch, results_path, write_report
-from benchmarks.e2e import FULL, QUICK, Sizes, interleaved
-from benchmarks.gpt_pipeline import JobSpec, median_ms, run_job
+from benchmarks import harness
+from benchmarks.common import results_path
+from benchmarks.e2e import FULL, QUICK, Sizes
+from benchmarks.gpt_pipeline import JobSpec, run_job
 from lightning_dynmo.models import GPTConfig
 
 PLACEMENT = "0-3|4-7"  # 8 blocks, the uniform split
@@ -66,76 +64,63 @@ def jobs(
         placement=placement,
     )
     return {
-        "no callback": replace(
-            base,
-            kind="sweep",
-            candidates=(placement,),
-            lead_steps=skip,
-            warm_steps=0,
-            measure_steps=steps - skip,
-            repeats=1,
-        ),
+        "no callback": replace(base, kind="fixed"),
         "DynMo idle": replace(base, callback={"every_n_steps": 10_000}),
         "DynMo every step": replace(base, callback=every_step),
         "DynMo every step, no skipping": replace(base, callback={**every_step, "skip_balanced": False}),
     }
 
 
-def measure(specs: dict[str, JobSpec], placement: str, skip: int, rounds: int) -> dict[str, dict[str, Any]]:
+def _moved_none(run: dict[str, Any]) -> list[str]:
+    if run.get("moved_to"):
+        raise RuntimeError(f"a job moved layers (to {run['moved_to']}): the comparison needs a fixed split")
+    return []
+
+
+def measure(specs: dict[str, JobSpec], skip: int, rounds: int) -> dict[str, dict[str, Any]]:
     """Per configuration: the median step (ms) over rounds, each round's, and the callback's own account."""
-    per_round: dict[str, list[float]] = {name: [] for name in specs}
-    own_ms: dict[str, list[float]] = {name: [] for name in specs}
-    decisions: dict[str, list[int]] = {name: [] for name in specs}
-    for r in range(rounds):
-        for name in interleaved(list(specs), r):
-            print(f"[callback_cost] round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
-            run = launch(run_job, specs[name], start_method="fork")
-            steps = run["sweep_s"][placement] if name == "no callback" else run["step_s"][skip:]
-            per_round[name].append(median_ms(steps))
-            if name != "no callback":  # the callback's overhead_s covers the whole run: per step
-                own_ms[name].append(1e3 * run["overhead_s"] / len(run["step_s"]))
-                decisions[name].append(run["decisions"])
-            if run.get("moved_to"):
-                raise RuntimeError(
-                    f"{name} moved layers (to {run['moved_to']}): the comparison needs a fixed split"
-                )
+    runs = harness.run_rounds(
+        specs,
+        run_job,
+        rounds,
+        "callback_cost",
+        start_method="fork",
+        log=_moved_none,
+    )
+    per_round = {name: harness.step_ms(reports, skip) for name, reports in runs.items()}
+    base = per_round["no callback"]
     return {
         name: {
             "ms": statistics.median(values),
             "rounds": values,
-            "own_ms": statistics.median(own_ms[name]) if own_ms[name] else 0.0,
-            "decisions": statistics.median(decisions[name]) if decisions[name] else 0,
+            "vs_base": statistics.median(t / b for t, b in zip(values, base, strict=True)),
+            # the callback's overhead_s covers the whole run: per step
+            "own_ms": statistics.median(
+                1e3 * r.get("overhead_s", 0.0) / len(r["step_s"]) for r in runs[name]
+            ),
+            "decisions": statistics.median(r.get("decisions", 0) for r in runs[name]),
         }
         for name, values in per_round.items()
     }
 
 
 def table(rows: dict[str, dict[str, Any]]) -> list[str]:
-    base = rows["no callback"]["ms"]
     out = [
-        "| run | step (ms) | this / no callback | per round (ms) | the callback's own account (ms a step) "
-        "| decisions a job |",
+        "| run | step (ms) | this / no callback (paired) | per round (ms) "
+        "| the callback's own account (ms a step) | decisions a job |",
         "|---|---:|---:|---|---:|---:|",
     ]
     for name, row in rows.items():
         rounds = ", ".join(f"{v:.1f}" for v in row["rounds"])
         own = "-" if name == "no callback" else f"{row['own_ms']:.2f}"
         made = "-" if name == "no callback" else f"{row['decisions']:g}"
-        out.append(f"| {name} | {row['ms']:.1f} | {row['ms'] / base:.3f} | {rounds} | {own} | {made} |")
+        out.append(f"| {name} | {row['ms']:.1f} | {row['vs_base']:.3f} | {rounds} | {own} | {made} |")
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny model and one round: a smoke run")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
-    parser.add_argument("--steps", type=int, default=None, help="steps per job")
-    parser.add_argument("--skip", type=int, default=None, help="first steps of a job not measured")
-    parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
+    parser = harness.argument_parser(__doc__, "tiny model and one round", "rounds", "steps", "skip")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     placement = QUICK_PLACEMENT if args.quick else PLACEMENT
@@ -148,22 +133,23 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     config = GPTConfig(vocab_size=256, blocks="dense", **sizes.shape)
     min_gain = QUICK_MIN_GAIN if args.quick else MIN_GAIN
-    rows = measure(jobs(config, placement, steps, skip, sizes, min_gain), placement, skip, rounds)
-    command = "python -m benchmarks.callback_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report = "\n\n".join(
+    rows = measure(jobs(config, placement, steps, skip, sizes, min_gain), skip, rounds)
+    harness.finish(
+        "callback_cost",
+        out,
         [
-            f"## What DynMoCallback costs a pipeline that never moves ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
+            harness.header(
+                "What DynMoCallback costs a pipeline that never moves", "callback_cost", argv, [harness.REAL]
+            ),
             f"Dense GPT: {sizes.num_layers} blocks, d_model {sizes.d_model}, {sizes.num_heads} heads, "
             f"seq_len {sizes.seq_len}; batch {sizes.batch_size} in {sizes.microbatches} micro-batches; "
             f"fixed split `{placement}`, 1F1B on 2 CPU ranks (gloo, one thread each, pinned to their "
-            f"cores). Real compute. {rounds} interleaved round(s) of {steps} steps per job, medians of "
+            f"cores). {rounds} interleaved round(s) of {steps} steps per job, medians of "
             f"steps {skip}+. The every-step jobs decide by measured time with min_gain {min_gain:g}.",
             "\n".join(table(rows)),
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "callback_cost", out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+import torch
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lightning_dynmo.callback import DynMoCallback
@@ -25,7 +26,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def write_report(report: str, name: str, out: Path | None = None) -> Path:
-    """Print ``report`` and write it to ``out`` (default ``benchmarks/results/<name>-<date>.md``)."""
+    """Print ``report`` and write it to ``out`` (default ``benchmarks/results/<name>-<date>.md``).
+
+    Scripts choose ``out`` with :func:`results_path` before they measure, so an existing report is never
+    overwritten by accident.
+    """
     print(report)
     path = out or RESULTS / f"{name}-{dt.date.today().isoformat()}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,14 +40,13 @@ def write_report(report: str, name: str, out: Path | None = None) -> Path:
 
 
 def results_path(name: str, out: Path | None, force: bool) -> Path:
-    """Where a report goes: ``out``, else ``benchmarks/results/<name>-<date>.md`` if that is new or ``force``.
+    """Where a report goes: ``out``, else ``benchmarks/results/<name>-<date>.md``; never an existing file
+    unless ``force`` (committed results stay as they are).
 
     Raises:
-        FileExistsError: if the dated file exists (e.g. committed figures) and neither ``out`` nor ``force``.
+        FileExistsError: if that file exists (e.g. committed figures) and not ``force``.
     """
-    if out is not None:
-        return out
-    path = RESULTS / f"{name}-{dt.date.today().isoformat()}.md"
+    path = out if out is not None else RESULTS / f"{name}-{dt.date.today().isoformat()}.md"
     if path.exists() and not force:
         raise FileExistsError(
             f"{path} exists; pass --out PATH to write elsewhere or --force to overwrite it."
@@ -143,6 +147,18 @@ def job_report(timer: StepTimer, strategy: DynMoStrategy, dynmo: DynMoCallback |
         "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
         "overhead_s": dynmo.overhead_s if dynmo else 0.0,
     }
+
+
+def block_fwd_bwd_s(block: torch.nn.Module, x: torch.Tensor) -> float:
+    """Wall seconds of one forward + backward of ``block`` on ``x`` (the output's sum as the loss).
+
+    The block's gradients are cleared after, so repeated calls time the same work.
+    """
+    start = time.perf_counter()
+    block(x.requires_grad_(True)).sum().backward()
+    elapsed = time.perf_counter() - start
+    block.zero_grad(set_to_none=True)
+    return elapsed
 
 
 class StepTimer(pl.Callback):

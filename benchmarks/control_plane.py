@@ -28,12 +28,10 @@ scheduling delays and grow with ``P`` for that reason too; the call counts are e
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import functools
 import math
 import multiprocessing as mp
 import queue
-import shlex
 import statistics
 import subprocess
 import sys
@@ -53,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import write_report
+from benchmarks import harness
+from benchmarks.common import results_path, write_report
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.placement import Placement
@@ -412,12 +411,11 @@ def _timing_rows(
     return rows
 
 
-def report(results: dict[int, dict[str, Any]], command: str, load: str) -> str:
+def report(results: dict[int, dict[str, Any]], argv: Sequence[str] | None, load: str) -> str:
     ranks = sorted(results)
+    title = "Control-plane cost against the number of ranks"
     lines = [
-        f"# Control-plane cost against the number of ranks ({dt.date.today().isoformat()})",
-        "",
-        f"Command: `{command}`",
+        harness.header(title, "control_plane", argv, [harness.REAL]),
         "",
         f"Machine load before the run (`uptime`): `{load}`. gloo on CPU, one process per rank, one torch",
         "thread each, on a shared 2-core machine: up to 16 processes share 2 cores, so the timings include",
@@ -485,7 +483,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=5, help="rounds (after a barrier); the median is kept")
     parser.add_argument("--quick", action="store_true", help="2 and 4 ranks, 3 rounds of 3 calls")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--force", action="store_true", help="overwrite an existing report")
     args = parser.parse_args(argv)
+    out = results_path("control-plane", args.out, args.force)
     if args.quick:
         args.ranks, args.repeats, args.rounds = [2, 4], min(args.repeats, 3), min(args.rounds, 3)
     bad = [p for p in args.ranks if p < 1 or p % min(args.pipeline_size, p)]
@@ -495,13 +495,12 @@ def main(argv: Sequence[str] | None = None) -> Path:
             "(or smaller than it); pick counts such as 2 4 8 16."
         )
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    command = "python -m benchmarks.control_plane " + shlex.join(sys.argv[1:] if argv is None else argv)
     results = {}
     for ranks in args.ranks:
         began = time.perf_counter()
         results[ranks] = run_ranks(Spec(args.pipeline_size, args.repeats, args.rounds), ranks)
         print(f"{ranks} ranks done in {time.perf_counter() - began:.1f} s", file=sys.stderr)
-    return write_report(report(results, command.strip(), load), "control-plane", args.out)
+    return write_report(report(results, argv, load), "control-plane", out)
 
 
 if __name__ == "__main__":

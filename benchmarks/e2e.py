@@ -26,7 +26,7 @@ Three modes (``--mode``, any of them; default all):
 
 - ``real``: the case's real GPT blocks on a 2-rank gloo CPU pipeline (1F1B). Per round: one job per
   fixed 2-stage candidate (the static splits among them) and one per DynMo variant, all with the same
-  steps and the same untimed start; ``--rounds`` rounds, the job order reversed every other round; each
+  steps and the same untimed start; ``--rounds`` rounds, the job order rotated every round; each
   figure is the median over rounds of a job's median step after the dynamism settled. **Real compute.**
 - ``emulated``: ``--stages`` (4 by default) CPU ranks; each block of a :class:`~lightning_dynmo.demos.DemoGPT`
   sleeps what a block of the case measured inside the real pipeline (forward and backward apart; the
@@ -57,25 +57,20 @@ an existing file is never overwritten unless ``--force``.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import functools
-import os
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds
-from benchmarks import paired
-from benchmarks.common import RESULTS, StepTimer, benchmark_trainer, launch, write_report
+from benchmarks import harness, paired
+from benchmarks.common import StepTimer, benchmark_trainer, results_path, write_report
 from benchmarks.early_exit_mod import Setup, calibrate_exit_threshold, layer_times, step_time_s
 from benchmarks.gpt_pipeline import JobSpec, PlacementSweep, median_ms, run_job, visit_schedule
 from lightning_dynmo.balancing import (
@@ -102,58 +97,23 @@ from lightning_dynmo.strategy import DynMoStrategy
 
 MODES = ("real", "emulated", "projection")
 VARIANTS = tuple((b, c) for b in ("partition", "diffusion") for c in ("time", "params"))
-IMBALANCE_GAP = 0.05  # a case whose better static split is within 5% of the ideal is "not imbalanced"
+IMBALANCE_GAP = harness.IMBALANCE_GAP
 PROJECTIONS = ((24, 8), (48, 16), (48, 24))  # (layers, stages), the paper's scales
 SPREAD = 2  # the measured 2-stage candidates: first stage within 2 blocks of half
 START = "fork"  # ranks forked from this process (torch set to one thread first): no re-import per job
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(harness.ModelSizes):
     """Model, batch and run sizes of the real-compute mode."""
 
-    num_layers: int
-    d_model: int
-    num_heads: int
-    seq_len: int
-    batch_size: int
-    microbatches: int
     steps: int
     settle: int
     rounds: int
 
-    @property
-    def shape(self) -> dict[str, int]:
-        return {
-            "num_layers": self.num_layers,
-            "d_model": self.d_model,
-            "num_heads": self.num_heads,
-            "seq_len": self.seq_len,
-        }
 
-
-FULL = Sizes(
-    num_layers=8,
-    d_model=128,
-    num_heads=4,
-    seq_len=64,
-    batch_size=8,
-    microbatches=4,
-    steps=16,
-    settle=8,
-    rounds=2,
-)
-QUICK = Sizes(
-    num_layers=4,
-    d_model=32,
-    num_heads=2,
-    seq_len=32,
-    batch_size=4,
-    microbatches=2,
-    steps=6,
-    settle=3,
-    rounds=1,
-)
+FULL = Sizes.extend(harness.FULL_SIZES, steps=16, settle=8, rounds=2)
+QUICK = Sizes.extend(harness.QUICK_SIZES, steps=6, settle=3, rounds=1)
 
 
 # -- the cases --------------------------------------------------------------------------------------
@@ -283,27 +243,13 @@ def static_placements(params: Sequence[int], num_stages: int) -> dict[str, Place
 # -- mode 1: real compute on 2 stages --------------------------------------------------------------
 
 
-def two_stage_splits(num_layers: int, spread: int) -> list[str]:
-    """The 2-stage splits whose first stage holds within ``spread`` layers of half the blocks."""
-    half = num_layers // 2
-    return [
-        str(Placement.from_sizes([k, num_layers - k]))
-        for k in range(1, num_layers)
-        if abs(k - half) <= spread
-    ]
-
-
-def interleaved(names: list[str], round_index: int) -> list[str]:
-    """The jobs in order on even rounds, reversed on odd ones (a drift of the machine hits them alike)."""
-    return names if round_index % 2 == 0 else names[::-1]
-
-
 def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VARIANTS) -> dict[str, Any]:
     """One job per fixed 2-stage split and one per DynMo variant, interleaved over rounds."""
     config = case.model(sizes)
     params = block_params(config)
     statics = {k: str(p) for k, p in static_placements(params, 2).items()}
-    candidates = tuple(dict.fromkeys([*two_stage_splits(sizes.num_layers, SPREAD), statics["static params"]]))
+    splits = harness.two_stage_splits(sizes.num_layers, SPREAD)
+    candidates = tuple(dict.fromkeys([*splits, statics["static params"]]))
     lead = case.lead_steps(sizes)
     # A fixed placement is a job of its own with the DynMo jobs' structure (fresh ranks, the same untimed
     # start): timing placements one after the other inside one job favours the later ones (warm ranks).
@@ -334,26 +280,22 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
             for b, c in variants
         },
     }
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
-    for r in range(sizes.rounds):
-        for name in interleaved(list(jobs), r):
-            print(
-                f"[{case.name}] real, round {r + 1}/{sizes.rounds}: {name} ...", file=sys.stderr, flush=True
-            )
-            run = launch(run_job, jobs[name], start_method=START)
-            runs[name].append(run)
-            print(
-                f"    {median_ms(run['step_s'][-measured:]):.1f} ms, ends at {run['placement']}",
-                file=sys.stderr,
-            )
-            for why in run.get("why", []):  # each DynMo decision, applied or not, and its reason
-                print(f"      {why}", file=sys.stderr)
+    runs = harness.run_rounds(
+        jobs,
+        run_job,
+        sizes.rounds,
+        f"{case.name}, real",
+        start_method=START,
+        log=lambda run: [  # the step time, then each DynMo decision, applied or not, and its reason
+            f"{median_ms(run['step_s'][-measured:]):.1f} ms, ends at {run['placement']}",
+            *run.get("why", []),
+        ],
+    )
     per_round = {p: [median_ms(run["sweep_s"][p]) for run in runs[p]] for p in candidates}
     skip = sizes.settle + lead
     dynmo = [name for name in jobs if name.startswith("DynMo")]
     per_round |= {name: [median_ms(run["step_s"][skip:]) for run in runs[name]] for name in dynmo}
     sweep_ms = {p: statistics.median(per_round[p]) for p in candidates}
-    ideal = min(sweep_ms, key=lambda p: sweep_ms[p])
     rows: dict[str, dict[str, Any]] = {
         name: {"ms": sweep_ms[p], "placement": p, "per_round": per_round[p]} for name, p in statics.items()
     }
@@ -365,7 +307,6 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
             "rebalances": [len(run["moved_to"]) for run in runs[name]],
             "overhead_s": [run["overhead_s"] for run in runs[name]],
         }
-    rows["ideal"] = {"ms": sweep_ms[ideal], "placement": ideal, "per_round": per_round[ideal]}
     # The ideal of each round is the candidate fastest in the *other* rounds (no winner's curse).
     comparison = paired.compare(
         statics={name: per_round[p] for name, p in statics.items()},
@@ -373,6 +314,12 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
         candidates={p: per_round[p] for p in candidates},
         gap=IMBALANCE_GAP,
     )
+    # The ideal row: per round, the held-out ideal's time and placement.
+    rows["ideal"] = {
+        "ms": statistics.median(comparison.ideal_ms),
+        "placement": ", ".join(dict.fromkeys(comparison.ideal)),
+        "per_round": list(comparison.ideal_ms),
+    }
     profiled = next(runs[f"DynMo {b}/{c}"][-1] for b, c in variants if c == "time")
     costs = [
         LayerCost(
@@ -493,13 +440,9 @@ def emulated_case(
             for b in balancers
         },
     }
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in jobs}
-    for r in range(rounds):
-        for name in interleaved(list(jobs), r):
-            print(
-                f"  emulated {stages} stages, round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True
-            )
-            runs[name].append(launch(run_emulated, jobs[name], nproc=stages, start_method=START))
+    runs = harness.run_rounds(
+        jobs, run_emulated, rounds, f"emulated {stages} stages", nproc=stages, start_method=START
+    )
     dynmo = [name for name in jobs if name.startswith("DynMo")]
     per_round = {name: [median_ms(run["sweep_s"][p]) for run in runs[p]] for name, p in fixed.items()}
     per_round |= {name: [median_ms(run["step_s"][steps // 2 :]) for run in runs[name]] for name in dynmo}
@@ -566,91 +509,18 @@ def project_case(costs: Sequence[LayerCost], num_layers: int, num_stages: int) -
 # -- report -----------------------------------------------------------------------------------------
 
 
-def _ratios(values: Sequence[float]) -> str:
-    return ", ".join(f"{v:.2f}" for v in values)
-
-
-def verdict(comparison: paired.PairedComparison) -> tuple[list[str], bool | None]:
-    """Paired ratios against the better static split and the ideal; ``None`` when not imbalanced.
-
-    Every ratio is a median over rounds of a ratio taken within one round (see :mod:`benchmarks.paired`).
-    """
-    c = comparison
-    ideal = "the ideal held out of each round" if c.held_out else "the ideal"
-    lines = [
-        f"Better static split ({c.static}) / ideal: {statistics.median(c.imbalance):.2f}x. "
-        f"Best DynMo variant ({c.best}): **{c.median_speedup():.2f}x** the better static split, "
-        f"**{c.median_of_ideal():.0%}** of the ideal (medians over {c.rounds} round(s) of ratios "
-        "taken within a round).",
-    ]
-    if c.rounds > 1:
-        lines += [
-            f"Per round: better static / ideal {_ratios(c.imbalance)}; better static / {c.best} "
-            f"{_ratios(c.speedup[c.best])}; ideal / {c.best} {_ratios(c.of_ideal[c.best])}; "
-            f"{ideal}: {', '.join(f'`{p}`' for p in c.ideal)}.",
-        ]
-    slower = (
-        f" DynMo ({c.best}) is slower than the better static split in every one of {c.rounds} rounds: "
-        "**slower beyond noise**."
-        if c.slower_beyond_noise()
-        else ""
-    )
-    if not c.imbalanced:
-        return [
-            *lines,
-            f"Not imbalanced here: the better static split is not slower than {ideal} in every round by "
-            f"more than {IMBALANCE_GAP:.0%} at the median.{slower}",
-        ], None
-    ok = c.meets_target()
-    return [
-        *lines,
-        f"Imbalanced (slower than {ideal} in every round); DynMo >= 1.0x the better static and >= 90% "
-        f"of the ideal: **{'yes' if ok else 'NO'}**.{slower}",
-    ], ok
-
-
-def table(rows: dict[str, dict[str, Any]], comparison: paired.PairedComparison | None = None) -> list[str]:
-    """Medians of each run, and its ratios to the better static and the ideal.
-
-    With a comparison (the measured modes), the ratio columns are medians of per-round ratios against the
-    better static run and the (held-out) ideal of the same round; without one (the projection), ratios of
-    the single figures.
-    """
-
-    def ratio(base: Sequence[float] | float, row: dict[str, Any]) -> float:
-        if isinstance(base, float):
-            return base / row["ms"]
-        return statistics.median(b / t for b, t in zip(base, row["per_round"], strict=True))
-
-    static: Sequence[float] | float = min(rows["static uniform"]["ms"], rows["static params"]["ms"])
-    ideal: Sequence[float] | float = rows["ideal"]["ms"]
-    if comparison is not None:
-        static, ideal = comparison.static_ms, comparison.ideal_ms
-    out = [
-        "| run | step (ms) | better static / run | run achieves of ideal | placement | rebalances |",
-        "|---|---:|---:|---:|---|---|",
-    ]
-    for name, row in rows.items():
-        rebalances = ", ".join(str(n) for n in row.get("rebalances", [])) or "-"
-        out.append(
-            f"| {name} | {row['ms']:.1f} | {ratio(static, row):.2f} | {ratio(ideal, row):.0%} "
-            f"| `{row['placement']}` | {rebalances} |"
-        )
-    return out
-
-
 def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     lines = [f"### {case.name}", ""]
     summary: dict[str, Any] = {"case": case.name}
     if "real" in results:
         real = results["real"]
-        verdict_lines, _ = verdict(real["comparison"])
+        verdict_lines, _ = harness.verdict(real["comparison"])
         summary["real"] = real["comparison"]
         lines += [
-            "**Real compute**, 2 stages (the `ideal` row: the candidate fastest at the median; the ratio "
-            "columns compare each round with the candidate fastest in the other rounds):",
+            "**Real compute**, 2 stages (the `ideal` row and the ratio columns: each round's ideal is the "
+            "candidate fastest in the other rounds):",
             "",
-            *table(real["rows"], real["comparison"]),
+            *harness.table(real["rows"], real["comparison"]),
             "",
             *verdict_lines,
         ]
@@ -661,13 +531,13 @@ def case_section(case: Case, results: dict[str, Any]) -> tuple[list[str], dict[s
             )
         lines.append("")
     for emulated in results.get("emulated", []):
-        verdict_lines, _ = verdict(emulated["comparison"])
+        verdict_lines, _ = harness.verdict(emulated["comparison"])
         summary.setdefault("emulated", []).append(emulated["comparison"])
         lines += [
             f"**Emulated cost**, {emulated['layers']} blocks on {emulated['stages']} stages "
             "(ideal: the exact partition of the emulated costs, run as a fixed placement):",
             "",
-            *table(emulated["rows"], emulated["comparison"]),
+            *harness.table(emulated["rows"], emulated["comparison"]),
             "",
             *verdict_lines,
             "",
@@ -758,24 +628,10 @@ def measure_case(
             results["projection"] = [project_case(costs, n, s) for n, s in PROJECTIONS]
 
 
-def output_path(out: Path | None, force: bool) -> Path:
-    """``out`` or today's dated file; refuses to overwrite an existing file unless ``force``."""
-    path = out or RESULTS / f"e2e-{dt.date.today().isoformat()}.md"
-    if path.exists() and not force:
-        raise SystemExit(f"{path} exists: pass --force to overwrite it, or --out for another file.")
-    return path
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.argument_parser(__doc__, "tiny sizes, early exit, one round", "rounds")
     parser.add_argument("--case", nargs="+", choices=list(CASES), default=None, help="cases (default: all)")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, early exit, one round")
-    parser.add_argument(
-        "--rounds", type=int, default=None, help="interleaved rounds of the real-compute jobs"
-    )
     parser.add_argument(
         "--emulated-rounds", type=int, default=1, help="interleaved rounds of the emulated jobs"
     )
@@ -790,8 +646,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--emulated-ms", type=float, default=None, help="mean emulated block cost per micro-batch"
     )
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--force", action="store_true", help="overwrite an existing results file")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     if args.rounds is not None:
@@ -807,9 +661,13 @@ def main(argv: list[str] | None = None) -> None:
             f"--variants {chosen}: include a time variant (its profiler measures the emulated costs)"
         )
     emulated_ms = args.emulated_ms or (1.0 if args.quick else 6.0)
-    path = output_path(args.out, args.force)
+    try:
+        path = results_path("e2e", args.out, args.force)
+    except FileExistsError as error:  # a committed results file stays as it is
+        raise SystemExit(str(error)) from error
     torch.set_num_threads(1)
-    load = os.getloadavg()
+    labels = [label for mode, label in zip(MODES, harness.LABELS, strict=True) if mode in args.mode]
+    opening = harness.header("End to end: six dynamic-model cases, static vs DynMo", "e2e", argv, labels)
     started = time.perf_counter()
     sections: list[str] = []
     summaries = []
@@ -834,21 +692,15 @@ def main(argv: list[str] | None = None) -> None:
         lines, summary = case_section(case, results)
         sections.append("\n".join(lines))
         summaries.append(summary)
-    command = "python -m benchmarks.e2e " + shlex.join(argv if argv is not None else sys.argv[1:])
     header = [
-        f"## End to end: six dynamic-model cases, static vs DynMo ({dt.date.today().isoformat()})",
-        "",
-        f"Command: `{command.strip()}`  ",
-        f"Machine: {os.cpu_count()} CPU cores, load average at start "
-        f"{load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1/5/15 min; a shared machine: the lead may re-run "
-        "this on a quiet one).  ",
+        opening + "  ",
         f"Real-compute setup: GPT with {sizes.num_layers} blocks, d_model {sizes.d_model}, "
         f"{sizes.num_heads} heads, seq_len {sizes.seq_len}, batches of {sizes.batch_size} rows in "
         f"{sizes.microbatches} micro-batches, "
         f"float32, 1 torch thread per rank, 2 gloo ranks, 1F1B; every job (a fixed 2-stage split within "
         f"{SPREAD} blocks of half, or a DynMo variant) runs {sizes.steps} steps after the case's dynamism "
-        f"settled, the first {sizes.settle} not measured; {sizes.rounds} round(s), job order reversed every "
-        "other round, medians. Learning rate 1e-8 (what a routing costs must not drift while measured).",
+        f"settled, the first {sizes.settle} not measured; {sizes.rounds} round(s), job order rotated every "
+        "round, medians. Learning rate 1e-8 (what a routing costs must not drift while measured).",
         "",
         "Which figures are what: **real compute** = the case's GPT blocks on 2 CPU ranks; **emulated** = "
         "blocks that sleep their measured cost, on more ranks than cores; **projected** = the pipeline "

@@ -12,8 +12,9 @@ Three parts per case (``early_exit``, ``mod``), all on the GPT's real blocks (no
 2. **Pipeline** (2 gloo ranks, 1F1B): DynMo (early exit: on the blocks' events; MoD: every step)
    starting from the uniform split, and a sweep of every fixed 2-stage placement (the static uniform
    split is one of them), in ``--rounds`` interleaved rounds (:mod:`benchmarks.gpt_pipeline`); medians.
-   ``static / DynMo`` is the speedup, ``ideal / DynMo`` compares DynMo with the best fixed placement
-   found by measuring them all. DynMo's step times include its own profiling and migrations. The
+   Ratios are taken within a round (:mod:`benchmarks.harness`): DynMo against the static uniform split
+   and against the ideal, each round's ideal being the fixed placement fastest in the other rounds.
+   DynMo's step times include its own profiling and migrations. The
    learning rate is 1e-8: the jobs measure what the calibrated routing costs, so it must not drift.
 3. **Projection at 8 stages** (:func:`lightning_dynmo.balancing.simulate_pipeline`, 1F1B, 16
    micro-batches): a 32-layer model whose per-layer times come from part 1 (a least-squares line of
@@ -29,22 +30,19 @@ Three parts per case (``early_exit``, ``mod``), all on the GPT's real blocks (no
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import itertools
-import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from benchmarks.common import launch, write_report
+from benchmarks import harness
+from benchmarks.common import results_path
 from benchmarks.gpt_pipeline import JobSpec, median_ms, run_job
 from lightning_dynmo.balancing import (
     BalanceProblem,
@@ -284,8 +282,9 @@ def routed_shares(setup: Setup, batches: int) -> dict[int, list[float]]:
 def pipeline_comparison(config: GPTConfig, callback: dict[str, Any], setup: Setup) -> dict[str, Any]:
     """DynMo against a sweep of every fixed 2-stage placement (the uniform split among them), in rounds.
 
-    Each round runs the DynMo job, then the sweep job; the static uniform split's time is its visits
-    in the sweep, interleaved with the other candidates.
+    Each round runs the DynMo job and the sweep job (:func:`benchmarks.harness.run_rounds`); the static
+    uniform split's time is its visits in the sweep, interleaved with the other candidates. Each round's
+    ideal is the candidate fastest in the other rounds (:mod:`benchmarks.paired`).
     """
     last = setup.num_layers - 1
     candidates = tuple(f"0-{k}|{k + 1}-{last}" for k in range(last))
@@ -298,27 +297,26 @@ def pipeline_comparison(config: GPTConfig, callback: dict[str, Any], setup: Setu
         callback={"balancer": "partition", "cost": "time", **callback},
     )
     sweep = replace(dynmo, kind="sweep", candidates=candidates, repeats=setup.sweep_repeats)
-    runs: dict[str, list[dict[str, Any]]] = {"dynmo": [], "sweep": []}
-    for r in range(setup.rounds):
-        for name, spec in (("dynmo", dynmo), ("sweep", sweep)):
-            print(f"  round {r + 1}/{setup.rounds}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(launch(run_job, spec, start_method="fork"))
-    dynmo_ms = statistics.median(median_ms(run["step_s"][setup.settle :]) for run in runs["dynmo"])
-    sweep_ms = {
-        p: statistics.median(median_ms(run["sweep_s"][p]) for run in runs["sweep"]) for p in candidates
-    }
+    runs = harness.run_rounds(
+        {"DynMo": dynmo, "sweep": sweep}, run_job, setup.rounds, "pipeline", start_method="fork"
+    )
+    per_round = {p: [median_ms(run["sweep_s"][p]) for run in runs["sweep"]] for p in candidates}
+    per_round["DynMo"] = harness.step_ms(runs["DynMo"], setup.settle)
     static = str(uniform(setup.num_layers, 2))
+    comparison = harness.compare_runs(per_round, [static], ["DynMo"], candidates)
+    rows = {
+        f"fixed {p}" + (" = static uniform" if p == static else ""): {
+            "ms": statistics.median(per_round[p]),
+            "per_round": per_round[p],
+            "placement": p,
+        }
+        for p in candidates
+    }
     return {
-        "static": static,
-        "static_ms": sweep_ms[static],
-        "dynmo_ms": dynmo_ms,
-        "sweep_ms": sweep_ms,
-        "ideal": min(sweep_ms, key=lambda p: sweep_ms[p]),
-        "dynmo_placements": [run["placement"] for run in runs["dynmo"]],
-        "decisions": [run["decisions"] for run in runs["dynmo"]],
-        "rebalances": [len(run["moved_to"]) for run in runs["dynmo"]],
-        "overhead_s": [run["overhead_s"] for run in runs["dynmo"]],
-        "profiled_layer_ms": runs["dynmo"][-1].get("layer_ms", []),
+        "rows": {**harness.rows_of({"DynMo": runs["DynMo"]}, per_round), **rows},
+        "comparison": comparison,
+        "decisions": [run["decisions"] for run in runs["DynMo"]],
+        "profiled_layer_ms": runs["DynMo"][-1].get("layer_ms", []),
     }
 
 
@@ -496,27 +494,16 @@ def layer_table(layers: Sequence[LayerTime], profiled_ms: Sequence[float] = ()) 
 
 
 def pipeline_table(result: dict[str, Any]) -> list[str]:
-    static, dynmo, ideal_ms = result["static_ms"], result["dynmo_ms"], result["sweep_ms"][result["ideal"]]
-    rows = [
-        "| run | median step (ms) | static / run | ideal / run | placement |",
-        "|---|---:|---:|---:|---|",
-        f"| DynMo | {dynmo:.1f} | **{static / dynmo:.2f}** | **{ideal_ms / dynmo:.2f}** "
-        f"| {', '.join(f'`{p}`' for p in result['dynmo_placements'])} |",
+    """The paired comparison's table and verdict, then how many of DynMo's decisions it applied."""
+    rebalances = result["rows"]["DynMo"].get("rebalances", [0] * len(result["decisions"]))
+    applied = ", ".join(f"{a} of {d}" for a, d in zip(rebalances, result["decisions"], strict=True))
+    verdict, _ = harness.verdict(result["comparison"])
+    return [
+        *harness.table(result["rows"], result["comparison"]),
+        "",
+        *verdict,
+        f"DynMo decisions applied per round: {applied}.",
     ]
-    for placement, ms in result["sweep_ms"].items():
-        label = "fixed" + (" = static uniform" if placement == result["static"] else "")
-        label += " = ideal" if placement == result["ideal"] else ""
-        rows.append(f"| {label} | {ms:.1f} | {static / ms:.2f} | {ideal_ms / ms:.2f} | `{placement}` |")
-    applied = ", ".join(f"{a} of {d}" for a, d in zip(result["rebalances"], result["decisions"], strict=True))
-    overhead = ", ".join(f"{s:.2f}" for s in result["overhead_s"])
-    rows += ["", f"DynMo decisions applied per round: {applied}; its own overhead per round (s): {overhead}."]
-    gap = static / ideal_ms - 1.0
-    if gap < 0.05:
-        rows.append(
-            f"The static split is within {100 * gap:.1f}% of the best fixed placement on this machine: this "
-            "case's imbalance is too small here for DynMo to show a gain (see the projection)."
-        )
-    return rows
 
 
 def early_exit_section(setup: Setup, projection: Projection) -> str:
@@ -605,19 +592,13 @@ def mod_section(setup: Setup, projection: Projection, capacities: Sequence[float
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.argument_parser(__doc__, "tiny model, one round", "rounds", "steps", "settle")
     parser.add_argument("--case", choices=[*CASES, "both"], default="both")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, one round")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the pipeline jobs")
-    parser.add_argument("--steps", type=int, default=None, help="steps of the static and DynMo jobs")
-    parser.add_argument("--settle", type=int, default=None, help="first steps of a job not measured")
     parser.add_argument("--timing-repeats", type=int, default=None)
     parser.add_argument("--exit-share", type=float, default=0.3)
     parser.add_argument("--capacity", type=float, default=0.125)
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    out = results_path("early_exit_mod", args.out, args.force)
     quick = args.quick
     setup = Setup(
         num_layers=4 if quick else 8,
@@ -644,21 +625,25 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(early_exit_section(setup, projection))
     if args.case in ("mod", "both"):
         sections.append(mod_section(setup, projection, (0.125, 0.25, 0.5, 1.0)))
-    command = "python -m benchmarks.early_exit_mod " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report = "\n\n".join(
+    harness.finish(
+        "early_exit_mod",
+        out,
         [
-            f"## Early exit and Mixture of Depths: real compute ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
+            harness.header(
+                "Early exit and Mixture of Depths: real compute",
+                "early_exit_mod",
+                argv,
+                [harness.REAL, harness.PROJECTED],
+            ),
             f"Setup: GPT with {setup.num_layers} blocks, d_model {setup.d_model}, {setup.num_heads} heads, "
             f"seq_len {setup.seq_len}, batches of {setup.batch_size} rows in {setup.num_microbatches} "
             f"micro-batches, float32, one torch thread per process; pipeline jobs: 2 gloo ranks, 1F1B, "
             f"{setup.steps} steps (the first {setup.settle} not measured), {setup.rounds} interleaved "
             "round(s), medians; learning rate 1e-8 (the routing must not drift while measured).",
             *sections,
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "early_exit_mod", args.out)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,18 @@
 Read in this order: :class:`JobSpec` (what a job runs), :func:`run_job` (the body of each rank, started
 by ``benchmarks.common.launch``), then :func:`sweep_schedule` and :func:`median_ms`.
 
-Two kinds of job, each one 2-rank launch (1F1B, the GPT's real blocks, no emulated cost):
+Three kinds of job, each one 2-rank launch (1F1B, the GPT's real blocks, no emulated cost):
 
 - ``dynmo``: starts at ``placement`` (uniform by default); ``DynMoCallback`` with the case's trigger
   moves layers as it measures;
+- ``fixed``: stays at ``placement`` for ``steps`` steps (a static split, or one candidate of the ideal);
 - ``sweep``: every candidate placement in turn, ``repeats`` times over, each visit a few untimed steps
   (the migration, warm caches) then timed ones. Visits are interleaved, so a slow drift of a shared
   machine hits every candidate alike. The static uniform split is one candidate; the ideal is the
   candidate with the lowest median.
 
-Each rank trains on the same seeded random tokens (the pipeline feeds one batch stream). The learning
+Each rank trains on the same seeded random tokens (the pipeline feeds one batch stream), or on the
+standard-library corpus where ``corpus_cache`` is set, from ``weights`` where set. The learning
 rate is tiny by default: the jobs measure what a given routing pattern costs, so the weights, and with
 them which tokens exit or are routed, should not drift during the measurement.
 """
@@ -29,8 +31,9 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds in the spawned ranks
-from benchmarks.common import StepTimer, benchmark_trainer
+from benchmarks.common import StepTimer, benchmark_trainer, corpus_data
 from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -41,10 +44,11 @@ __all__ = [
     "random_tokens",
     "run_job",
     "sweep_schedule",
+    "training_data",
     "visit_schedule",
 ]
 
-JOB_KINDS = ("dynmo", "sweep")
+JOB_KINDS = ("dynmo", "fixed", "sweep")
 
 
 @dataclass(frozen=True)
@@ -52,12 +56,12 @@ class JobSpec:
     """One 2-rank training job.
 
     Attributes:
-        kind: ``"dynmo"`` or ``"sweep"``.
+        kind: ``"dynmo"``, ``"fixed"`` or ``"sweep"``.
         config: The GPT to train.
-        steps: Training steps of a ``dynmo`` job (a sweep's schedule decides its own).
+        steps: Training steps of a ``dynmo`` or ``fixed`` job (a sweep's schedule decides its own).
         batch_size: Rows per batch (``config.seq_len + 1`` tokens each).
         num_microbatches: Micro-batches per step.
-        placement: Where a ``dynmo`` job starts.
+        placement: Where a ``dynmo`` job starts and a ``fixed`` job stays.
         callback: ``DynMoCallback`` keyword arguments (``dynmo``).
         callbacks: Factories of the case's own callbacks (a dynamism such as pruning), called in each rank;
             they must pickle (module-level callables or ``functools.partial`` of them).
@@ -67,7 +71,12 @@ class JobSpec:
         measure_steps: Timed steps of each sweep visit.
         repeats: Visits to each candidate.
         lr: AdamW learning rate.
+        weight_decay: AdamW decoupled weight decay.
         seed: Seed of the token stream.
+        corpus_cache: Train on the standard-library corpus (its first ``corpus_bytes``) cached in this
+            folder instead of random tokens (prepare it before the launch: the ranks then share it).
+        corpus_bytes: How much of the corpus.
+        weights: A saved ``state_dict`` of the GPT to start from (a trained model), else fresh weights.
     """
 
     kind: str
@@ -84,7 +93,11 @@ class JobSpec:
     measure_steps: int = 2
     repeats: int = 2
     lr: float = 1e-8
+    weight_decay: float = 0.0
     seed: int = 0
+    corpus_cache: str | None = None
+    corpus_bytes: int = 2**20
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in JOB_KINDS:
@@ -136,6 +149,13 @@ def random_tokens(spec: JobSpec, steps: int) -> DataLoader[torch.Tensor]:
     return DataLoader(list(rows), batch_size=spec.batch_size, shuffle=False)
 
 
+def training_data(spec: JobSpec, steps: int) -> DataLoader[torch.Tensor] | TextDataModule:
+    """The job's batches: the cached corpus where ``spec.corpus_cache`` is set, else seeded random tokens."""
+    if spec.corpus_cache is None:
+        return random_tokens(spec, steps)
+    return corpus_data(spec.config.seq_len, spec.batch_size, spec.corpus_cache, spec.corpus_bytes)
+
+
 def run_job(spec: JobSpec) -> dict[str, Any]:
     """Body of one rank: fit ``spec`` and report step times (rank 0's report is what ``launch`` returns)."""
     torch.set_num_threads(1)
@@ -152,13 +172,16 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     strategy = DynMoStrategy(num_microbatches=spec.num_microbatches, schedule="1F1B", placement=placement)
     steps = len(schedule) if schedule else spec.steps
     trainer = benchmark_trainer(strategy, callbacks, steps)
-    model = GPT(spec.config, OptimizerConfig(lr=spec.lr, weight_decay=0.0))
-    trainer.fit(model, random_tokens(spec, steps))
-    report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
+    model = GPT(spec.config, OptimizerConfig(lr=spec.lr, weight_decay=spec.weight_decay))
+    if spec.weights is not None:
+        model.load_state_dict(torch.load(spec.weights, weights_only=True))
+    trainer.fit(model, training_data(spec, steps))
+    report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement), "rebalances": 0}
     if dynmo is not None:
         report["decisions"] = len(dynmo.rebalances)
         report["why"] = [f"step {r.step}: {r.old} -> {r.new}: {r.why}" for r in dynmo.rebalances]
         report["moved_to"] = [r.new for r in dynmo.rebalances if r.applied]
+        report["rebalances"] = len(report["moved_to"])
         report["overhead_s"] = dynmo.overhead_s
         costs = dynmo.last_costs or []
         report["layer_ms"] = [1e3 * (c.fwd_time_s + c.bwd_time_s) for c in costs]

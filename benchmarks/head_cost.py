@@ -12,10 +12,11 @@ torch's elastic launcher, interleaved over ``--rounds`` rounds:
   it chose.
 
 A run's step time is the median of its steps after ``--skip`` (past the DynMo run's profiling window
-and rebalance); each configuration's figure is the median over rounds. The report gives every
-candidate's step time and its ratio to the fastest candidate, marks the callback's choice and the
-block-only optimum (the exact partition of the same measured block costs without the parts, which is
-what a head-blind balancer picks), and the callback's own run. The head's measured cost in blocks comes
+and rebalance); ratios are taken within a round (:mod:`benchmarks.harness`), each round's ideal being
+the candidate fastest in the other rounds. The report gives every candidate's step time and its paired
+ratios to the uniform split and the ideal, names the callback's choice and the block-only optimum
+(the exact partition of the same measured block costs without the parts, which is what a head-blind
+balancer picks), and the callback's own run. The head's measured cost in blocks comes
 from the callback's last window.
 
     python -m benchmarks.head_cost                # vocabularies 3072 and 6144: ~5 minutes, 2 quiet cores
@@ -31,55 +32,38 @@ an existing dated file is kept unless ``--force``).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks import harness
+from benchmarks.common import StepTimer, benchmark_trainer, results_path
 from lightning_dynmo.balancing import BalanceProblem, partition
 from lightning_dynmo.balancing.placement import Placement
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """Model and batch sizes of one benchmark mode."""
+class Sizes(harness.ModelSizes):
+    """Model and batch sizes of one benchmark mode, with the vocabulary that sets the head's cost."""
 
-    d_model: int
-    num_heads: int
-    seq_len: int
     vocab_size: int
-    num_layers: int
-    batch_size: int
-    microbatches: int
 
     def gpt(self) -> Any:
         from lightning_dynmo.models import GPTConfig
 
-        return GPTConfig(
-            vocab_size=self.vocab_size,
-            seq_len=self.seq_len,
-            num_layers=self.num_layers,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-        )
+        return GPTConfig(vocab_size=self.vocab_size, **self.shape)
 
 
 # A block costs ~28 d^2 flops per token forward at seq_len = d (24 d^2 of matmuls, 4 T d of attention),
 # the head 2 d V: V = 3072 at d = 64 is ~3.4 blocks of matmul (the profiler measured head + loss at ~1.9
 # blocks with V = 2304 on the 2-core VM, so ~2.6 here). Blocks alone balance at 3 | 3; with the head on
 # the last stage 4 | 2 (4 vs ~4.6 blocks) should be fastest.
-FULL = Sizes(d_model=64, num_heads=2, seq_len=64, vocab_size=3072, num_layers=6, batch_size=8, microbatches=4)
-QUICK = Sizes(
-    d_model=32, num_heads=2, seq_len=16, vocab_size=1536, num_layers=4, batch_size=4, microbatches=2
-)
+FULL = Sizes.extend(harness.FULL_SIZES, num_layers=6, d_model=64, num_heads=2, vocab_size=3072)
+QUICK = Sizes.extend(harness.QUICK_SIZES, seq_len=16, vocab_size=1536)
 
 
 @dataclass(frozen=True)
@@ -134,31 +118,21 @@ def candidates(num_layers: int) -> list[str]:
 
 
 def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) -> dict[str, Any]:
-    """Interleaved rounds of every candidate and the DynMo run; per configuration the median over rounds."""
+    """Every candidate and the DynMo run in interleaved rounds (:mod:`benchmarks.harness`), compared."""
     half = sizes.num_layers // 2
     uniform = str(Placement.from_sizes([half, sizes.num_layers - half]))
-    jobs = [Job(f"fixed {p}", sizes, steps, p) for p in candidates(sizes.num_layers)]
+    jobs = {f"fixed `{p}`": Job(f"fixed `{p}`", sizes, steps, p) for p in candidates(sizes.num_layers)}
     label = f"DynMoCallback(every_n_steps={window_at}) from {uniform}"
-    jobs.append(Job(label, sizes, steps, uniform, window_at=window_at, dynmo=True))
-    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
-    dynmo_reports: list[dict[str, Any]] = []
-    for k in range(rounds):
-        for job in jobs:
-            print(f"[head_cost] round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr, flush=True)
-            report = launch(train, job, start_method="fork")
-            medians[job.label].append(statistics.median(report["step_s"][skip:]))
-            if job.dynmo:
-                dynmo_reports.append(report)
-    ms = {label: 1e3 * statistics.median(values) for label, values in medians.items()}
-    fixed = {j.placement: ms[j.label] for j in jobs if not j.dynmo}
-    best = min(fixed, key=lambda p: fixed[p])
-    chosen = [r["placement"] for r in dynmo_reports]
+    jobs[label] = Job(label, sizes, steps, uniform, window_at=window_at, dynmo=True)
+    runs = harness.run_rounds(jobs, train, rounds, "head_cost", start_method="fork")
+    per_round = {name: harness.step_ms(reports, skip) for name, reports in runs.items()}
+    fixed = [name for name, job in jobs.items() if not job.dynmo]
+    comparison = harness.compare_runs(per_round, [f"fixed `{uniform}`"], [label], fixed)
+    dynmo_reports = runs[label]
     return {
-        "fixed": fixed,
-        "best": best,
-        "dynmo_label": jobs[-1].label,
-        "dynmo_ms": ms[jobs[-1].label],
-        "chosen": chosen,
+        "rows": harness.rows_of(runs, per_round),
+        "comparison": comparison,
+        "chosen": [r["placement"] for r in dynmo_reports],
         "block_only": [r.get("block_only", "?") for r in dynmo_reports],
         "head_blocks": [r.get("head_blocks", float("nan")) for r in dynmo_reports],
         "embedding_blocks": [r.get("embedding_blocks", float("nan")) for r in dynmo_reports],
@@ -166,61 +140,37 @@ def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) ->
     }
 
 
+def _quoted(placements: Sequence[str]) -> str:
+    return ", ".join(f"`{p}`" for p in placements)
+
+
 def table(result: dict[str, Any]) -> str:
-    fixed, best = result["fixed"], result["best"]
-    chosen, block_only = set(result["chosen"]), set(result["block_only"])
-    lines = ["| run | step (ms) | best / this | note |", "|---|---:|---:|---|"]
-    for placement, ms in fixed.items():
-        notes = [
-            note
-            for note, hit in (
-                ("fastest candidate", placement == best),
-                ("DynMo's choice", placement in chosen),
-                ("block-only optimum", placement in block_only),
-            )
-            if hit
-        ]
-        lines.append(f"| fixed `{placement}` | {ms:.1f} | {fixed[best] / ms:.3f} | {', '.join(notes)} |")
-    dyn = result["dynmo_ms"]
-    lines.append(
-        f"| {result['dynmo_label']} | {dyn:.1f} | {fixed[best] / dyn:.3f} | ended at "
-        f"{', '.join(f'`{p}`' for p in result['chosen'])} |"
-    )
+    """The paired table and verdict, then the callback's choice against the block-only optimum."""
+    comparison = result["comparison"]
+    ideals = [p.removeprefix("fixed `").removesuffix("`") for p in comparison.ideal]
+    verdict, _ = harness.verdict(comparison)
     head = ", ".join(f"{h:.2f}" for h in result["head_blocks"])
     emb = ", ".join(f"{e:.2f}" for e in result["embedding_blocks"])
-    picks = sorted(chosen)
-    verdict = (
-        "DynMo's choice is the fastest candidate."
-        if picks == [best]
-        else f"DynMo chose {picks}; the fastest candidate is `{best}`."
+    return "\n".join(
+        [
+            *harness.table(result["rows"], comparison),
+            "",
+            *verdict,
+            "Ideal per round (the fastest candidate of the other rounds; with one round, of that round): "
+            f"{_quoted(ideals)}. DynMo's choice per round: {_quoted(result['chosen'])}; the block-only "
+            f"optimum of the same measured costs: {_quoted(sorted(set(result['block_only'])))}.",
+            "",
+            f"Measured by the callback (per round): head + loss = {head} blocks, embedding = {emb} blocks.",
+            "",
+            "Decisions of the DynMo runs: " + ("; ".join(result["decisions"]) or "none") + ".",
+        ]
     )
-    lines += [
-        "",
-        f"Measured by the callback (per round): head + loss = {head} blocks, embedding = {emb} blocks. "
-        f"Block-only optimum of the same costs: {sorted(block_only)}. {verdict} "
-        f"Block-only optimum / fastest: "
-        + ", ".join(f"{fixed[best] / fixed[p]:.3f}" for p in sorted(block_only) if p in fixed)
-        + ".",
-        "",
-        "Decisions of the DynMo runs: " + ("; ".join(result["decisions"]) or "none") + ".",
-    ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run")
-    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
-    parser.add_argument(
-        "--vocab", type=int, nargs="+", default=None, help="vocabulary sizes, one section each (full mode)"
-    )
-    parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
+    parser = harness.argument_parser(__doc__, "tiny sizes and one round", "steps", "skip", "rounds")
+    parser.add_argument("--vocab", type=int, nargs="+", default=None, help="vocabulary sizes (full mode)")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     steps = args.steps or (18 if args.quick else 40)
@@ -236,15 +186,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--steps must leave at least 2 measured steps after --skip, and be >= 2")
     out = results_path("head_cost", args.out, args.force)
     started = time.perf_counter()
-    command = "python -m benchmarks.head_cost " + shlex.join(argv if argv is not None else sys.argv[1:])
     setup = (
         f"GPT: {sizes.num_layers} blocks, d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len "
         f"{sizes.seq_len}; batch {sizes.batch_size}, {sizes.microbatches} micro-batches, 1F1B on 2 CPU "
-        "ranks (gloo, one thread each). Real compute."
+        "ranks (gloo, one thread each)."
     )
     sections = [
-        f"## Head- and embedding-aware balancing ({dt.date.today().isoformat()})",
-        f"Command: `{command.strip()}`  ",
+        harness.header("Head- and embedding-aware balancing", "head_cost", argv, [harness.REAL]),
         setup,
     ]
     for vocab in vocabs:
@@ -254,9 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{steps} steps per run, medians of steps {skip}+)",
             table(result),
         ]
-    sections.append(f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.")
-    report = "\n\n".join(sections)
-    write_report(report, "head_cost", out)
+    harness.finish("head_cost", out, sections, started)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@
    runs interleaved over ``--rounds`` rounds: the static uniform split, ``DynMoCallback`` from it (slow
    worker: ``ProfilingConfig(measure_speed=True)`` with the emulated probe; slow link: the default link
    measurement), and every fixed contiguous split (the candidates: the best of them is the placement that
-   knows the slowdown, found by measuring). A run's figure is the median of its steps after ``--skip``; each
-   configuration's the median over rounds.
+   knows the slowdown, found by measuring). A run's figure is the median of its
+   steps after ``--skip``; ratios are taken within a round (:mod:`benchmarks.harness`), each round's
+   ideal being the candidate fastest in the other rounds.
 2. **Step time after a re-pack, with and without the re-tune.** The GPT of :mod:`lightning_dynmo.models`
    (real compute) trains on 2 ranks; ``DynMoCallback(repack=RepackConfig(target_num_stages=1, ...))``
    re-packs it onto rank 0 after its first window (rank 1 leaves), once with ``retune_microbatches=True`` (the
@@ -27,19 +28,15 @@ an existing dated file is kept unless ``--force``).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, benchmark_trainer, fit_demo_gpt, launch, results_path, write_report
+from benchmarks import harness
+from benchmarks.common import StepTimer, benchmark_trainer, fit_demo_gpt, results_path
 from lightning_dynmo.balancing.placement import Placement
 
 BLOCK_MS = 5.0  # forward sleep of every DemoGPT block per micro-batch (backward: twice that)
@@ -93,41 +90,25 @@ def candidates(num_layers: int) -> list[str]:
     return [str(Placement.from_sizes([n, num_layers - n])) for n in range(1, num_layers)]
 
 
-def compare_scenario(base: Job, skip: int, rounds: int) -> dict[str, Any]:
-    """Static, DynMo and every candidate of one scenario, interleaved; medians over rounds."""
-    # The static run is the uniform candidate: one job, reported on both rows.
-    jobs = [replace(base, label="DynMoCallback", dynmo=True)]
-    jobs += [replace(base, label=f"fixed {p}", placement=p) for p in candidates(base.num_layers)]
-    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
-    ended: dict[str, list[str]] = {j.label: [] for j in jobs}
-    for k in range(rounds):
-        for job in jobs:
-            print(f"[heterogeneous] {base.scenario} round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
-            report = launch(train_emulated, job, start_method="fork")
-            medians[job.label].append(statistics.median(report["step_s"][skip:]))
-            ended[job.label].append(report["placement"])
-    ms = {label: 1e3 * statistics.median(v) for label, v in medians.items()}
-    fixed = {j.placement: ms[j.label] for j in jobs[1:]}
-    best = min(fixed, key=lambda p: fixed[p])
-    static = f"fixed {base.placement}"
-    ms = {"static (uniform)": ms[static], **ms}
-    ended["static (uniform)"] = ended[static]
-    return {"ms": ms, "ended": ended, "best": best, "best_ms": fixed[best], "static": ms[static]}
-
-
-def scenario_table(result: dict[str, Any]) -> str:
-    ms, best_ms, static = result["ms"], result["best_ms"], result["static"]
-    lines = [
-        "| run | step (ms) | static / this | best / this | placement at the end |",
-        "|---|---:|---:|---:|---|",
-    ]
-    for label, value in ms.items():
-        mark = " (best candidate)" if label == f"fixed {result['best']}" else ""
-        ended = ", ".join(f"`{p}`" for p in sorted(set(result["ended"][label])))
-        lines.append(
-            f"| {label}{mark} | {value:.1f} | {static / value:.3f}x | {best_ms / value:.3f} | {ended} |"
-        )
-    return "\n".join(lines)
+def compare_scenario(base: Job, skip: int, rounds: int) -> str:
+    """Static, DynMo and every candidate of one scenario in rounds (:mod:`benchmarks.harness`), compared."""
+    static = "static (uniform)"
+    jobs = {
+        static: replace(base, label=static),
+        "DynMoCallback": replace(base, label="DynMoCallback", dynmo=True),
+    }
+    jobs |= {
+        f"fixed {p}": replace(base, label=f"fixed {p}", placement=p)
+        for p in candidates(base.num_layers)
+        if p != base.placement
+    }
+    runs = harness.run_rounds(
+        jobs, train_emulated, rounds, f"heterogeneous {base.scenario}", start_method="fork"
+    )
+    per_round = {name: harness.step_ms(reports, skip) for name, reports in runs.items()}
+    fixed = [name for name, job in jobs.items() if not job.dynmo]
+    comparison = harness.compare_runs(per_round, [static], ["DynMoCallback"], fixed)
+    return harness.comparison_section(runs, per_round, comparison)
 
 
 # -- 2. re-tune after a re-pack ---------------------------------------------------------------------
@@ -176,24 +157,23 @@ def train_repacked(job: RetuneJob) -> dict[str, Any]:
 
 
 def compare_retune(base: RetuneJob, skip: int, rounds: int) -> list[dict[str, Any]]:
-    jobs = [
-        replace(base, label="re-pack, micro-batches kept"),
-        replace(base, label="re-pack + re-tune", retune=True),
+    """The re-pack with and without the re-tune, in rounds; ratios to the kept count taken within a round."""
+    jobs = {
+        "re-pack, micro-batches kept": replace(base, label="re-pack, micro-batches kept"),
+        "re-pack + re-tune": replace(base, label="re-pack + re-tune", retune=True),
+    }
+    runs = harness.run_rounds(jobs, train_repacked, rounds, "heterogeneous re-tune", start_method="fork")
+    per_round = {name: harness.step_ms(reports, skip) for name, reports in runs.items()}
+    kept = per_round["re-pack, micro-batches kept"]
+    return [
+        {
+            **runs[name][-1],
+            "label": name,
+            "ms": statistics.median(per_round[name]),
+            "vs_kept": statistics.median(k / t for k, t in zip(kept, per_round[name], strict=True)),
+        }
+        for name in jobs
     ]
-    medians: dict[str, list[float]] = {j.label: [] for j in jobs}
-    last: dict[str, dict[str, Any]] = {}
-    for k in range(rounds):
-        for job in jobs:
-            print(f"[heterogeneous] re-tune round {k + 1}/{rounds}: {job.label} ...", file=sys.stderr)
-            report = launch(train_repacked, job, start_method="fork")
-            medians[job.label].append(statistics.median(report["step_s"][skip:]))
-            last[job.label] = report
-    kept = 1e3 * statistics.median(medians[jobs[0].label])
-    rows = []
-    for job in jobs:
-        value = 1e3 * statistics.median(medians[job.label])
-        rows.append({"label": job.label, "ms": value, "vs_kept": kept / value, **last[job.label]})
-    return rows
 
 
 def retune_table(rows: list[dict[str, Any]]) -> str:
@@ -211,17 +191,9 @@ def retune_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run")
-    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser = harness.argument_parser(__doc__, "tiny sizes and one round", "steps", "skip", "rounds")
     parser.add_argument("--slowdown", type=float, default=3.0, help="part 1: the slow worker's factor")
     parser.add_argument("--link-ms", type=float, default=30.0, help="part 1: delay of each slow-link send")
-    parser.add_argument("--out", type=Path, default=None, help="report path (default: dated results file)")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing dated results file")
     args = parser.parse_args(argv)
     quick = args.quick
     steps = args.steps or (15 if quick else 40)
@@ -237,8 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     uniform = str(Placement.from_sizes([num_layers // 2, num_layers - num_layers // 2]))
     base = Job("", "slow_worker", num_layers, steps, uniform, args.slowdown, args.link_ms, window_at)
-    worker = scenario_table(compare_scenario(base, skip, rounds))
-    link = scenario_table(compare_scenario(replace(base, scenario="slow_link"), skip, rounds))
+    worker = compare_scenario(base, skip, rounds)
+    link = compare_scenario(replace(base, scenario="slow_link"), skip, rounds)
     retune_base = RetuneJob(
         "",
         steps,
@@ -249,12 +221,17 @@ def main(argv: list[str] | None = None) -> None:
         retune=False,
     )
     retune = retune_table(compare_retune(retune_base, skip, rounds))
-    command = "python -m benchmarks.heterogeneous " + shlex.join(argv if argv is not None else sys.argv[1:])
-    measured = f"{rounds} interleaved rounds, {steps} steps per run, medians of steps {skip}+"
-    report = "\n\n".join(
+    measured = harness.rounds_note(rounds, steps, skip)
+    harness.finish(
+        "heterogeneous",
+        out,
         [
-            f"## Heterogeneous workers and links; re-tune after a re-pack ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
+            harness.header(
+                "Heterogeneous workers and links; re-tune after a re-pack",
+                "heterogeneous",
+                argv,
+                [harness.EMULATED, harness.REAL],
+            ),
             f"DemoGPT: {num_layers} blocks sleeping {BLOCK_MS:g} ms forward / {2 * BLOCK_MS:g} ms backward "
             f"per micro-batch; batches of 8, {MICROBATCHES} micro-batches, 1F1B on 2 CPU ranks.",
             f"### 1a. Rank 1 an emulated worker {args.slowdown:g}x slower ({measured})",
@@ -265,10 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             f"re-packed from 2 ranks onto 1 after the first window, {MICROBATCHES} micro-batches before "
             f"({measured})",
             retune,
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "heterogeneous", out)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ Three parts, all with the ``"moe"`` block of :mod:`lightning_dynmo.dynamism.moe`
    standard-library corpus trains on 2 gloo ranks (1F1B), each run one job started by torch's elastic
    launcher: the static uniform split, ``DynMoCallback(every_step=True)`` from the uniform split, and every
    fixed contiguous split within ``--spread`` layers of uniform (the candidates). Runs are interleaved
-   over ``--rounds`` rounds; a run's step time is the median of its steps after ``--skip``; each
-   configuration's figure is the median over rounds. ``ideal`` is the fastest measured candidate.
+   over ``--rounds`` rounds (:mod:`benchmarks.harness`); a run's step time is the median of its steps
+   after ``--skip``; ratios are taken within a round, each round's ideal being the candidate fastest in
+   the other rounds.
 3. **Projection to 8 stages.** A deeper MoE GPT trains in one process while the repo's layer timer
    (:class:`~lightning_dynmo.profiling.layer_timer.LayerTimer`) records every layer's forward and
    backward time at every step. The pipeline simulator
@@ -31,44 +32,34 @@ Each part prints a table; the report goes to ``benchmarks/results/moe-<date>.md`
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
-from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition
+from benchmarks import harness
+from benchmarks.common import block_fwd_bwd_s, corpus_data, results_path
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, partition, uniform
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
 from lightning_dynmo.dynamism.moe import MoEBlock, MoEOptions, moe_gpt_config
-from lightning_dynmo.models import GPT, GPTConfig
+from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
 from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.profiling.layer_timer import LayerTimer
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """Model and batch sizes of one benchmark mode."""
+class Sizes(harness.ModelSizes):
+    """Model and batch sizes of one benchmark mode (``num_layers``: the 2-stage pipeline's)."""
 
-    d_model: int
-    num_heads: int
-    seq_len: int
-    batch_size: int
     num_experts: int
     top_k: int
     expert_width: int
-    layers_pipeline: int
     layers_projection: int
-    microbatches: int
 
     def options(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -79,38 +70,14 @@ class Sizes:
         }
 
     def gpt(self, num_layers: int) -> GPTConfig:
-        return moe_gpt_config(
-            num_layers=num_layers,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            seq_len=self.seq_len,
-            **self.options(),
-        )
+        return moe_gpt_config(**{**self.shape, "num_layers": num_layers}, **self.options())
 
 
-FULL = Sizes(
-    d_model=128,
-    num_heads=4,
-    seq_len=128,
-    batch_size=8,
-    num_experts=8,
-    top_k=2,
-    expert_width=256,
-    layers_pipeline=8,
-    layers_projection=32,
-    microbatches=4,
+FULL = Sizes.extend(
+    harness.FULL_SIZES, seq_len=128, num_experts=8, top_k=2, expert_width=256, layers_projection=32
 )
-QUICK = Sizes(
-    d_model=32,
-    num_heads=2,
-    seq_len=32,
-    batch_size=8,
-    num_experts=4,
-    top_k=2,
-    expert_width=64,
-    layers_pipeline=4,
-    layers_projection=8,
-    microbatches=2,
+QUICK = Sizes.extend(
+    harness.QUICK_SIZES, batch_size=8, num_experts=4, top_k=2, expert_width=64, layers_projection=8
 )
 PROJECTED_STAGES = 8
 
@@ -135,10 +102,7 @@ def layer_time_vs_load(sizes: Sizes, repeats: int) -> list[dict[str, float]]:
         for skew in skews:
             block.expert_bias.zero_()
             block.expert_bias[0] = skew
-            start = time.perf_counter()
-            block(x.requires_grad_(True)).sum().backward()
-            elapsed = time.perf_counter() - start
-            block.zero_grad(set_to_none=True)
+            elapsed = block_fwd_bwd_s(block, x)
             if rep:
                 times[skew].append(elapsed)
             rows[skew] = block.rows_computed
@@ -182,100 +146,22 @@ def load_table(rows: list[dict[str, float]]) -> str:
 # -- 2. static vs DynMo on a real 2-stage pipeline ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PipelineRun:
-    """One 2-rank training job."""
-
-    label: str
-    sizes: Sizes
-    steps: int
-    cache_dir: str
-    placement: str = "uniform"
-    dynmo: bool = False
-
-
-def train_pipeline(run: PipelineRun) -> dict[str, Any]:
-    """Body of one rank (started by the elastic launcher): fit, report rank 0's step times."""
-    import lightning.pytorch as pl
-
-    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
-    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
-
-    torch.set_num_threads(1)
-    sizes = run.sizes
-    timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
-    dynmo = DynMoCallback(every_step=True) if run.dynmo else None
-    callbacks += [dynmo] if dynmo is not None else []
-    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=run.placement)
-    trainer = benchmark_trainer(strategy, callbacks, run.steps)
-    data = corpus_data(sizes.seq_len, sizes.batch_size, run.cache_dir)
-    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), data)
-    return job_report(timer, strategy, dynmo)
-
-
-def candidates(num_layers: int, spread: int) -> list[str]:
-    """The fixed 2-stage splits whose first stage holds ``num_layers / 2 +- spread`` layers."""
-    half = num_layers // 2
-    sizes = range(max(1, half - spread), min(num_layers - 1, half + spread) + 1)
-    return [str(Placement.from_sizes([n, num_layers - n])) for n in sizes]
-
-
-def compare_pipeline(sizes: Sizes, steps: int, skip: int, rounds: int, spread: int) -> list[dict[str, Any]]:
-    """Interleaved rounds of every configuration; per configuration the median over rounds."""
+def compare_pipeline(sizes: Sizes, steps: int, skip: int, rounds: int, spread: int) -> str:
+    """Static uniform split, DynMo every step and every candidate, in rounds (:mod:`benchmarks.harness`)."""
     cache = tempfile.mkdtemp(prefix="dynmo-moe-bench-")
-    # The ranks then start from a warm token cache.
-    corpus_data(sizes.seq_len, sizes.batch_size, cache).prepare_data()
-    uniform = str(
-        Placement.from_sizes([sizes.layers_pipeline // 2, sizes.layers_pipeline - sizes.layers_pipeline // 2])
+    corpus_data(sizes.seq_len, sizes.batch_size, cache).prepare_data()  # the ranks share a warm cache
+    layers = sizes.num_layers
+    base = harness.fixed_job(sizes, sizes.gpt(layers), steps, OptimizerConfig(), corpus_cache=cache)
+    return harness.compare_placements(
+        base,
+        str(uniform(layers, 2)),
+        harness.two_stage_splits(layers, spread),
+        {"DynMo every_step": {"every_step": True}},
+        rounds,
+        skip,
+        "moe",
+        static_label="static (uniform)",
     )
-    base = PipelineRun("static (uniform)", sizes, steps, cache, placement=uniform)
-    runs = [base, replace(base, label="DynMo every_step", dynmo=True)]
-    runs += [
-        replace(base, label=f"fixed {p}", placement=p)
-        for p in candidates(sizes.layers_pipeline, spread)
-        if p != uniform
-    ]
-    medians: dict[str, list[float]] = {r.label: [] for r in runs}
-    last: dict[str, dict[str, Any]] = {}
-    for k in range(rounds):
-        for run in runs:
-            print(f"[moe] round {k + 1}/{rounds}: {run.label} ...", file=sys.stderr, flush=True)
-            report = launch(train_pipeline, run)
-            medians[run.label].append(statistics.median(report["step_s"][skip:]))
-            last[run.label] = report
-    rows = [
-        {
-            "label": r.label,
-            "ms": 1e3 * statistics.median(medians[r.label]),
-            "placement": last[r.label]["placement"],
-            "rebalances": last[r.label]["rebalances"],
-            "overhead_s": last[r.label]["overhead_s"],
-            "candidate": not r.dynmo,
-        }
-        for r in runs
-    ]
-    ideal = min((row for row in rows if row["candidate"]), key=lambda row: row["ms"])
-    static = rows[0]["ms"]
-    for row in rows:
-        row["speedup"] = static / row["ms"]
-        row["vs_ideal"] = ideal["ms"] / row["ms"]
-        row["ideal"] = row is ideal
-    return rows
-
-
-def pipeline_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| run | step (ms) | static / this | ideal / this | final placement | rebalances | DynMo cost (s) |",
-        "|---|---:|---:|---:|---|---:|---:|",
-    ]
-    for r in rows:
-        mark = " (ideal)" if r["ideal"] else ""
-        lines.append(
-            f"| {r['label']}{mark} | {r['ms']:.1f} | {r['speedup']:.3f}x | {r['vs_ideal']:.3f} "
-            f"| `{r['placement']}` | {r['rebalances']} | {r['overhead_s']:.2f} |"
-        )
-    return "\n".join(lines)
 
 
 # -- 3. measured per-layer times, replayed on 8 stages ------------------------------------------
@@ -386,20 +272,12 @@ def projection_table(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="part 1: timed repeats per skew")
-    parser.add_argument("--steps", type=int, default=None, help="part 2: steps per pipeline run")
-    parser.add_argument("--skip", type=int, default=None, help="part 2: first steps of a run not measured")
-    parser.add_argument("--rounds", type=int, default=None, help="part 2: interleaved rounds")
-    parser.add_argument(
-        "--spread", type=int, default=None, help="part 2: candidate splits within this of uniform"
+    parser = harness.argument_parser(
+        __doc__, "tiny sizes and one round", "repeats", "steps", "skip", "rounds", "spread"
     )
     parser.add_argument("--projection-steps", type=int, default=None, help="part 3: measured training steps")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    out = results_path("moe", args.out, args.force)
     quick = args.quick
     torch.set_num_threads(1)  # as each pipeline rank: parts 1 and 3 time what one rank's core does
     sizes = QUICK if quick else FULL
@@ -412,35 +290,36 @@ def main(argv: list[str] | None = None) -> None:
     if skip + 3 > steps or projection_steps < 2:
         parser.error("--steps must leave at least 3 measured steps after --skip; --projection-steps >= 2")
     started = time.perf_counter()
+    labels = [harness.REAL, harness.PROJECTED]
+    opening = harness.header("MoE: layer time, static vs DynMo, projection", "moe", argv, labels)
     load = load_table(layer_time_vs_load(sizes, repeats))
-    pipeline = pipeline_table(compare_pipeline(sizes, steps, skip, rounds, spread))
+    pipeline = compare_pipeline(sizes, steps, skip, rounds, spread)
     projection_skip = min(skip, projection_steps // 2)
     costs, rows = measure_layer_costs(sizes, projection_steps)
     sim = project(costs, min(PROJECTED_STAGES, sizes.layers_projection), sizes.microbatches, projection_skip)
     projection = projection_table(sim, costs, rows, projection_skip)
-    command = "python -m benchmarks.moe " + shlex.join(argv if argv is not None else sys.argv[1:])
     setup = (
         f"MoE GPT: d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len {sizes.seq_len}, batch "
         f"{sizes.batch_size}, {sizes.num_experts} experts top-{sizes.top_k} of width {sizes.expert_width}, "
         f"dropless, softmax scores, every block MoE; {sizes.microbatches} micro-batches, 1F1B."
     )
-    report = "\n\n".join(
+    harness.finish(
+        "moe",
+        out,
         [
-            f"## MoE: layer time, static vs DynMo, projection ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
+            opening,
             setup,
             f"### 1. One MoE block: time follows the busiest expert ({repeats} repeats, medians)",
             load,
-            f"### 2. {sizes.layers_pipeline} MoE blocks on a real 2-stage CPU pipeline ({rounds} interleaved "
-            f"rounds, {steps} steps per run, medians of steps {skip}+)",
+            f"### 2. {sizes.num_layers} MoE blocks on a real 2-stage CPU pipeline "
+            f"({harness.rounds_note(rounds, steps, skip)})",
             pipeline,
             f"### 3. {sizes.layers_projection} MoE blocks, measured per layer in one process over "
             f"{projection_steps} steps, replayed on {min(PROJECTED_STAGES, sizes.layers_projection)} stages",
             projection,
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "moe", args.out)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,16 @@ as it reports them in ``dynmo/overhead_s``) over the wall time of ``fit``, and w
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from benchmarks.common import fit_demo_gpt, launch, write_report
+from benchmarks import harness
+from benchmarks.common import fit_demo_gpt, launch, results_path, write_report
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos.dynamics import RoutingNoise
 from lightning_dynmo.strategy import DynMoStrategy
@@ -84,13 +81,9 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="120 steps, every_n_steps=40")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--out", type=Path, default=None)
+    parser = harness.argument_parser(__doc__, "120 steps, every_n_steps=40", "steps")
     args = parser.parse_args(argv)
+    out = results_path("overhead", args.out, args.force)
     steps = args.steps or (120 if args.quick else 300)
     period = 40 if args.quick else 100
     # Eight blocks, the last four with a tenth of the work (an early exit): uniform is imbalanced.
@@ -112,12 +105,12 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['overhead_s']:.3f} | {100 * frac:.2f} % | {100 * targets[spec.label]:.0f} % "
             f"| {r['fit_s'] / static['fit_s']:.3f} | `{r['placement']}` |"
         )
-    command = "python -m benchmarks.overhead " + shlex.join(argv if argv is not None else sys.argv[1:])
     report = "\n".join(
         [
-            f"## DynMo overhead on a 2-process CPU pipeline ({dt.date.today().isoformat()})",
+            harness.header(
+                "DynMo overhead on a 2-process CPU pipeline", "overhead", argv, [harness.EMULATED]
+            ),
             "",
-            f"Command: `{command.strip()}`  ",
             "Setup: DemoGPT, 8 blocks with emulated cost (1 ms forward, 2 ms backward per block and "
             "micro-batch; the every_n_steps run has the last 4 blocks at a tenth), 1F1B, 4 micro-batches, "
             "2 gloo ranks. Overhead = the seconds DynMoCallback reports for profiling + decision + "
@@ -132,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             *rows,
         ]
     )
-    write_report(report, "overhead", args.out)
+    write_report(report, "overhead", out)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,7 +58,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from benchmarks.common import launch, write_report
+from benchmarks import harness
+from benchmarks.common import launch, results_path, write_report
 from lightning_dynmo.profiling import LayerProfiler
 
 WIDTH, TOKENS, MICROBATCH_ROWS = 128, 64, 4
@@ -307,9 +307,12 @@ def _merged(run: dict[str, Any]) -> dict[int, dict[str, float]]:
 def report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> str:
     spec = runs[0]["spec"]
     lines = [
-        f"# Profiling accuracy: in a pipeline step vs the layer alone ({time.strftime('%Y-%m-%d')})",
-        "",
-        f"Command: `{' '.join(['python -m benchmarks.profiling', *args.argv])}`",
+        harness.header(
+            "Profiling accuracy: in a pipeline step vs the layer alone",
+            "profiling",
+            args.argv,
+            [harness.REAL],
+        ),
         "",
         f"Setup: 2 ranks (gloo, elastic launcher, 1 torch thread each), schedule {spec.schedule}, "
         f"{spec.microbatches} micro-batches of {MICROBATCH_ROWS}x{TOKENS}x{WIDTH} float32 per step, "
@@ -381,16 +384,15 @@ def _layer_table(run: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--allocator", choices=(*ALLOCATORS, "both"), default="both")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per allocator setting")
+    parser = harness.argument_parser(__doc__, "the steady allocator, 1 run of 2 steps", "repeats", "steps")
+    parser.add_argument("--allocator", choices=(*ALLOCATORS, "both"), default=None, help="default: both")
     parser.add_argument("--schedule", default="1F1B")
-    parser.add_argument("--steps", type=int, default=20, help="profiled steps per run")
     parser.add_argument("--idle-ms", type=float, default=5.0, help="sleep before each after-idle call")
-    parser.add_argument("--out", type=Path, default=None, help="report file (default: benchmarks/results)")
     args = parser.parse_args(argv)
+    out = results_path("profiling", args.out, args.force)
+    args.repeats = args.repeats or (1 if args.quick else 3)  # runs per allocator setting
+    args.steps = args.steps or (2 if args.quick else 20)  # profiled steps per run
+    args.allocator = args.allocator or ("steady" if args.quick else "both")
     args.argv = sys.argv[1:] if argv is None else argv
     args.load_before = os.getloadavg()[0]
     allocators = ALLOCATORS if args.allocator == "both" else (args.allocator,)
@@ -406,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
                     "single": launch(single_process, spec, nproc=1),
                 }
             )
-    write_report(report(args, runs), "profiling", args.out)
+    write_report(report(args, runs), "profiling", out)
 
 
 if __name__ == "__main__":

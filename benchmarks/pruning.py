@@ -21,8 +21,9 @@ magnitudes differ as in a real run (a global threshold then prunes them unevenly
    pruning to 90% over ``--prune-steps`` steps: the static uniform split, ``DynMoCallback(partition,
    time)`` from the uniform split (it rebalances on the ``pruned`` events), and every fixed contiguous
    split within ``--spread`` layers of uniform (the candidates). Runs are interleaved over ``--rounds``
-   rounds; a run's step time is the median of its steps after the last pruning step plus ``--settle``;
-   a configuration's figure is the median over rounds. ``best fixed`` is the fastest measured candidate.
+   rounds (:mod:`benchmarks.harness`); a run's step time is the median of its steps after the last
+   pruning step plus ``--settle``; ratios are taken within a round, each round's ideal being the
+   candidate fastest in the other rounds.
 4. **Projection to 8 stages.** The pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`,
    1F1B) replays part 1's per-micro-batch costs (``auto`` and ``ideal``) at each level on
    ``min(8, layers)`` stages: the static uniform and parameter splits; DynMo re-partitioning after each
@@ -38,34 +39,29 @@ Each part prints a table; the report goes to ``benchmarks/results/pruning-<date>
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import shlex
-import statistics
+import functools
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from torch import Tensor
 
-from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
-from lightning_dynmo.balancing import (
-    BalanceProblem,
-    Hardware,
-    LayerCost,
-    Placement,
-    imbalance,
-    partition,
-    simulate_pipeline,
-    uniform,
+from benchmarks import harness
+from benchmarks.common import corpus_data, results_path
+from benchmarks.levels import (
+    LevelCosts,
+    end_parts,
+    fastest,
+    fastest_of,
+    fwd_bwd_s,
+    project,
+    projection_table,
+    stage_imbalance,
+    static_splits,
 )
-from lightning_dynmo.callback import DynMoCallback
+from lightning_dynmo.balancing import LayerCost, Placement, uniform
 from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.dynamism.pruning import (
     GlobalMagnitudePruner,
@@ -79,7 +75,6 @@ from lightning_dynmo.dynamism.sparse_linear import time_kernels
 from lightning_dynmo.dynamism_callbacks import PruningCallback
 from lightning_dynmo.events import EventBus
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
-from lightning_dynmo.strategy import DynMoStrategy
 
 LEVELS = (0.0, 0.5, 0.8, 0.9)
 SETTINGS = ("dense", "csr", "auto")
@@ -87,29 +82,15 @@ CORPUS_BYTES = 400_000
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """Model, batch and run sizes of one benchmark mode."""
-
-    num_layers: int
-    d_model: int
-    num_heads: int
-    seq_len: int
-    batch_size: int
-    microbatches: int
+class Sizes(harness.ModelSizes):
+    """Model and batch sizes of one benchmark mode: the ready pruning GPT."""
 
     def gpt(self) -> GPTConfig:
-        return pruning_gpt_config(
-            num_layers=self.num_layers, d_model=self.d_model, num_heads=self.num_heads, seq_len=self.seq_len
-        )
-
-    @property
-    def rows(self) -> int:
-        """Tokens of one micro-batch: what a Linear multiplies per call."""
-        return self.batch_size // self.microbatches * self.seq_len
+        return pruning_gpt_config(**self.shape)
 
 
-FULL = Sizes(num_layers=16, d_model=128, num_heads=4, seq_len=64, batch_size=8, microbatches=4)
-QUICK = Sizes(num_layers=4, d_model=32, num_heads=2, seq_len=16, batch_size=4, microbatches=2)
+FULL = Sizes.extend(harness.FULL_SIZES, num_layers=16)
+QUICK = Sizes.extend(harness.QUICK_SIZES, seq_len=16)
 
 
 def datamodule(sizes: Sizes, cache_dir: str) -> TextDataModule:
@@ -137,20 +118,6 @@ def train_briefly(sizes: Sizes, steps: int, cache_dir: str) -> GPT:
         model.pipeline_loss(model(inputs), target).backward()
         optimizer.step()
     return model
-
-
-def fwd_bwd_s(fn: Callable[[], Tensor], inputs: Sequence[Tensor]) -> tuple[float, float]:
-    """Seconds of one forward and of its backward (gradients w.r.t. ``inputs``, ``.grad`` untouched)."""
-    start = time.perf_counter()
-    out = fn()
-    mid = time.perf_counter()
-    torch.autograd.grad(out, list(inputs), torch.ones_like(out))
-    return mid - start, time.perf_counter() - mid
-
-
-def fastest(samples: list[tuple[float, float]]) -> tuple[float, float]:
-    """The least disturbed (forward, backward) pair: the repeat with the smallest total."""
-    return min(samples, key=sum)
 
 
 def block_times(model: GPT, sizes: Sizes, repeats: int) -> dict[str, list[tuple[float, float]]]:
@@ -206,22 +173,11 @@ def add_ideal_times(levels: list[Level], linear_s: list[list[float]]) -> None:
 
 def part_times(model: GPT, sizes: Sizes, repeats: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """(forward, backward) seconds of the first-stage parts and of the last-stage parts plus the loss."""
-    per_mb = sizes.batch_size // sizes.microbatches
-    idx = torch.randint(0, sizes.gpt().vocab_size, (per_mb, sizes.seq_len))
-    hidden = torch.randn(per_mb, sizes.seq_len, sizes.d_model, requires_grad=True)
-    first_params = [*model.tok_emb.parameters(), *model.pos_emb.parameters()]
-    last_params = [hidden, *model.ln_f.parameters(), *model.head.parameters()]
-
-    def first() -> Tensor:
-        out: Tensor = model.pipeline_first(idx)
-        return out
-
-    def last() -> Tensor:
-        return model.pipeline_loss(model.pipeline_last(hidden), idx)
-
-    first_s = [fwd_bwd_s(first, first_params) for _ in range(repeats + 1)][1:]
-    last_s = [fwd_bwd_s(last, last_params) for _ in range(repeats + 1)][1:]
-    return fastest(first_s), fastest(last_s)
+    vocab = sizes.gpt().vocab_size
+    parts = end_parts(model, vocab, sizes.batch_size // sizes.microbatches, sizes.seq_len, sizes.d_model)
+    return fastest_of(parts.first, parts.first_inputs, repeats), fastest_of(
+        parts.last, parts.last_inputs, repeats
+    )
 
 
 @dataclass(frozen=True)
@@ -283,41 +239,13 @@ def level_table(levels: list[Level]) -> str:
 # -- part 2: imbalance under static splits ----------------------------------------------------------
 
 
-def costs_of(level: Level, view: str) -> list[LayerCost]:
-    return [
+def at(level: Level, view: str) -> LevelCosts:
+    """The level's per-micro-batch costs on one view (``dense``, ``csr``, ``auto`` or ``ideal``)."""
+    costs = [
         LayerCost(fwd_time_s=f, bwd_time_s=b, num_params=p)
         for (f, b), p in zip(level.times[view], level.params, strict=True)
     ]
-
-
-def stage_loads(level: Level, view: str, placement: Placement) -> tuple[list[float], list[float]]:
-    """Per stage (forward, backward) seconds of one micro-batch: its blocks, plus the pinned parts."""
-    costs = costs_of(level, view)
-    fwd = [sum(costs[i].fwd_time_s for i in placement.layers_of(s)) for s in range(placement.num_stages)]
-    bwd = [sum(costs[i].bwd_time_s for i in placement.layers_of(s)) for s in range(placement.num_stages)]
-    fwd[0] += level.first[0]
-    bwd[0] += level.first[1]
-    fwd[-1] += level.last[0]
-    bwd[-1] += level.last[1]
-    return fwd, bwd
-
-
-def static_splits(
-    levels: list[Level], num_stages: int, embed_params: int, head_params: int
-) -> dict[str, Placement]:
-    dense = costs_of(levels[0], "dense")
-    by_params = partition(
-        BalanceProblem(
-            dense,
-            by="params",
-            hardware=Hardware(
-                first_stage_extra=LayerCost(num_params=embed_params),
-                last_stage_extra=LayerCost(num_params=head_params),
-            ),
-        ),
-        num_stages,
-    )
-    return {"uniform": uniform(len(dense), num_stages), "params": by_params}
+    return LevelCosts(f"{level.sparsity:.0%}", costs, level.first, level.last)
 
 
 def imbalance_table(
@@ -330,10 +258,7 @@ def imbalance_table(
     for n in stage_counts:
         for name, placement in splits[n].items():
             for view in ("auto", "ideal"):
-                values = []
-                for lv in levels:
-                    fwd, bwd = stage_loads(lv, view, placement)
-                    values.append(imbalance([f + b for f, b in zip(fwd, bwd, strict=True)]))
+                values = [stage_imbalance(at(lv, view), placement) for lv in levels]
                 cells = " | ".join(f"{v:.2f}" for v in values)
                 lines.append(f"| {n} | {name} | `{placement}` | {view} | {cells} |")
     return "\n".join(lines)
@@ -342,211 +267,56 @@ def imbalance_table(
 # -- part 3: real 2-stage pipeline ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PipelineRun:
-    """One 2-process training job."""
-
-    label: str
-    sizes: Sizes
-    weights: str
-    cache_dir: str
-    steps: int
-    prune_start: int
-    prune_every: int
-    placement: str
-    dynmo: bool = False
-
-    @property
-    def schedule(self) -> PruningSchedule:
-        return PruningSchedule(
-            final_sparsity=0.9, start_step=self.prune_start, frequency=self.prune_every, num_steps=3
-        )
+PRUNE_START = 2  # the pipeline runs' first pruning step (4 of them, to 90%)
 
 
-def train_pipeline(run: PipelineRun) -> dict[str, Any]:
-    """Body of one rank (started by the elastic launcher): fit and report rank 0's step times."""
-    torch.set_num_threads(1)
-    model = GPT(run.sizes.gpt(), optimizer_config())
-    model.load_state_dict(torch.load(run.weights, weights_only=True))
-    timer = StepTimer()
-    config = PruningConfig(schedule=run.schedule, kernel="auto", timing_rows=run.sizes.rows)
-    callbacks: list[pl.Callback] = [PruningCallback(config), timer]
-    dynmo = DynMoCallback(balancer="partition", cost="time") if run.dynmo else None
-    if dynmo is not None:
-        callbacks.append(dynmo)
-    strategy = DynMoStrategy(
-        num_microbatches=run.sizes.microbatches, schedule="1F1B", placement=run.placement
+def pruning_schedule(prune_every: int) -> PruningSchedule:
+    """The pipeline runs' schedule: 4 pruning steps from :data:`PRUNE_START`, ``prune_every`` apart."""
+    return PruningSchedule(final_sparsity=0.9, start_step=PRUNE_START, frequency=prune_every, num_steps=3)
+
+
+def compare_pipeline(
+    sizes: Sizes,
+    weights: str,
+    cache_dir: str,
+    steps: int,
+    prune_every: int,
+    rounds: int,
+    spread: int,
+    skip: int,
+) -> str:
+    """Static uniform split, DynMo partition/time and the candidates, from trained weights, in rounds."""
+    config = PruningConfig(schedule=pruning_schedule(prune_every), kernel="auto", timing_rows=sizes.rows)
+    base = harness.fixed_job(
+        sizes,
+        sizes.gpt(),
+        steps,
+        optimizer_config(),
+        callbacks=(functools.partial(PruningCallback, config),),
+        corpus_cache=cache_dir,
+        corpus_bytes=CORPUS_BYTES,
+        weights=weights,
     )
-    trainer = benchmark_trainer(strategy, callbacks, run.steps)
-    trainer.fit(model, datamodule(run.sizes, run.cache_dir))
-    return job_report(timer, strategy, dynmo)
-
-
-def candidates(num_layers: int, spread: int) -> list[str]:
-    half = num_layers // 2
-    return [
-        str(Placement.from_sizes([k, num_layers - k]))
-        for k in range(half - spread, half + spread + 1)
-        if 0 < k < num_layers
-    ]
-
-
-def compare_pipeline(base: PipelineRun, rounds: int, spread: int, skip: int) -> list[dict[str, Any]]:
-    static = str(uniform(base.sizes.num_layers, 2))
-    runs = [
-        replace(base, label="static uniform", placement=static),
-        replace(base, label="DynMo partition/time", placement=static, dynmo=True),
-    ]
-    runs += [
-        replace(base, label=f"fixed {p}", placement=p)
-        for p in candidates(base.sizes.num_layers, spread)
-        if p != static
-    ]
-    per_run: dict[str, list[dict[str, Any]]] = {r.label: [] for r in runs}
-    for round_index in range(rounds):
-        for run in runs:
-            print(f"[pipeline round {round_index + 1}/{rounds}] {run.label} ...", file=sys.stderr, flush=True)
-            report = launch(train_pipeline, run)
-            report["median_s"] = statistics.median(report["step_s"][skip:])
-            per_run[run.label].append(report)
-    rows = []
-    for run in runs:
-        reports = per_run[run.label]
-        rows.append(
-            {
-                "label": run.label,
-                "step_ms": 1e3 * statistics.median(r["median_s"] for r in reports),
-                "placement": reports[-1]["placement"],
-                "rebalances": reports[-1]["rebalances"],
-                "overhead_s": reports[-1]["overhead_s"],
-                "candidate": not run.dynmo,
-            }
-        )
-    static_ms = rows[0]["step_ms"]
-    best_ms = min(r["step_ms"] for r in rows if r["candidate"])
-    for row in rows:
-        row["speedup"] = static_ms / row["step_ms"]
-        row["best_vs_this"] = best_ms / row["step_ms"]
-    return rows
-
-
-def pipeline_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| run | step after pruning (ms) | static / this | best fixed / this | final placement | migrations "
-        "| DynMo overhead (s) |",
-        "|---|---:|---:|---:|---|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['label']} | {r['step_ms']:.1f} | {r['speedup']:.2f} | {r['best_vs_this']:.2f} "
-            f"| `{r['placement']}` | {r['rebalances']} | {r['overhead_s']:.2f} |"
-        )
-    return "\n".join(lines)
-
-
-# -- part 4: projection --------------------------------------------------------------------------------
-
-
-def simulated_ms(level: Level, view: str, placement: Placement, microbatches: int) -> float:
-    fwd, bwd = stage_loads(level, view, placement)
-    return 1e3 * simulate_pipeline(fwd, bwd, microbatches, "1f1b").step_time_s
-
-
-def dynmo_placement(level: Level, view: str, num_stages: int) -> Placement:
-    return partition(
-        BalanceProblem(
-            costs_of(level, view),
-            hardware=Hardware(
-                first_stage_extra=LayerCost(fwd_time_s=level.first[0], bwd_time_s=level.first[1]),
-                last_stage_extra=LayerCost(fwd_time_s=level.last[0], bwd_time_s=level.last[1]),
-            ),
-        ),
-        num_stages,
-    )
-
-
-def project(
-    levels: list[Level], view: str, num_stages: int, microbatches: int, statics: dict[str, Placement]
-) -> list[dict[str, Any]]:
-    dynmo = [dynmo_placement(lv, view, num_stages) for lv in levels]
-    pool = {**{str(p): p for p in dynmo}, **{str(p): p for p in statics.values()}}
-
-    def mean_ms(placement: Placement) -> float:
-        return statistics.mean(simulated_ms(lv, view, placement, microbatches) for lv in levels)
-
-    best = min(pool.values(), key=mean_ms)
-    rows = []
-    for name, placement in statics.items():
-        rows.append(
-            {
-                "label": f"static {name}",
-                "per_level": [simulated_ms(lv, view, placement, microbatches) for lv in levels],
-                "placement": str(placement),
-            }
-        )
-    rows.append(
-        {
-            "label": "DynMo (re-partition per level)",
-            "per_level": [
-                simulated_ms(lv, view, p, microbatches) for lv, p in zip(levels, dynmo, strict=True)
-            ],
-            "placement": " → ".join(dict.fromkeys(str(p) for p in dynmo)),
-        }
-    )
-    rows.append(
-        {
-            "label": "best fixed for the run",
-            "per_level": [simulated_ms(lv, view, best, microbatches) for lv in levels],
-            "placement": str(best),
-        }
-    )
-    dynmo_mean = statistics.mean(rows[-2]["per_level"])
-    for row in rows:
-        row["mean"] = statistics.mean(row["per_level"])
-        row["vs_dynmo"] = row["mean"] / dynmo_mean
-    return rows
-
-
-def projection_table(levels: list[Level], view: str, num_stages: int, rows: list[dict[str, Any]]) -> str:
-    head = " | ".join(f"{lv.sparsity:.0%} (ms)" for lv in levels)
-    lines = [
-        f"#### {num_stages} stages, {view} costs",
-        "",
-        f"| placement | {head} | mean (ms) | this / DynMo | placements |",
-        "|---|" + "---:|" * (len(levels) + 2) + "---|",
-    ]
-    for r in rows:
-        cells = " | ".join(f"{v:.2f}" for v in r["per_level"])
-        lines.append(
-            f"| {r['label']} | {cells} | {r['mean']:.2f} | {r['vs_dynmo']:.2f} | `{r['placement']}` |"
-        )
-    return "\n".join(lines)
+    static = str(uniform(sizes.num_layers, 2))
+    splits = harness.two_stage_splits(sizes.num_layers, spread)
+    dynmo = {"DynMo partition/time": {"balancer": "partition", "cost": "time"}}
+    return harness.compare_placements(base, static, splits, dynmo, rounds, skip, "pruning")
 
 
 # -- main ------------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = harness.argument_parser(
+        __doc__, "tiny sizes, one round", "repeats", "rounds", "spread", "settle", "measure"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round: a smoke run")
     parser.add_argument("--train-steps", type=int, default=None, help="single-process steps before pruning")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per kernel and layer")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the pipeline runs")
-    parser.add_argument(
-        "--spread", type=int, default=None, help="fixed candidates within this many layers of uniform"
-    )
     parser.add_argument(
         "--prune-every", type=int, default=None, help="steps between pruning steps (4 of them)"
     )
-    parser.add_argument(
-        "--settle", type=int, default=None, help="steps after the last pruning step not measured"
-    )
-    parser.add_argument("--measure", type=int, default=None, help="measured steps per pipeline run")
     parser.add_argument("--skip-pipeline", action="store_true", help="parts 1, 2 and 4 only")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    out = results_path("pruning", args.out, args.force)
     sizes = QUICK if args.quick else FULL
     train_steps = args.train_steps if args.train_steps is not None else (3 if args.quick else 150)
     repeats = args.repeats or (1 if args.quick else 5)
@@ -568,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         embed = sum(p.numel() for p in (*model.tok_emb.parameters(), *model.pos_emb.parameters()))
         head = sum(p.numel() for p in (*model.ln_f.parameters(), *model.head.parameters()))
         stage_counts = sorted({2, min(8, sizes.num_layers)})
-        splits = {n: static_splits(levels, n, embed, head) for n in stage_counts}
+        splits = {n: static_splits(at(levels[0], "dense").costs, n, embed, head) for n in stage_counts}
         sections = [
             "### 1. Per-layer forward + backward time of one micro-batch after global pruning",
             level_table(levels),
@@ -576,48 +346,42 @@ def main(argv: list[str] | None = None) -> None:
             imbalance_table(levels, stage_counts, splits),
         ]
         if not args.skip_pipeline:
-            prune_start = 2
-            last_prune = prune_start + 3 * prune_every
-            base = PipelineRun(
-                label="",
-                sizes=sizes,
-                weights=weights,
-                cache_dir=tmp,
-                steps=last_prune + 1 + settle + measure,
-                prune_start=prune_start,
-                prune_every=prune_every,
-                placement="",
-            )
-            rows = compare_pipeline(base, rounds, spread, skip=last_prune + 1 + settle)
+            skip = PRUNE_START + 3 * prune_every + 1 + settle
+            steps = list(pruning_schedule(prune_every).steps)
             sections += [
                 "### 3. Static vs DynMo on a real 2-stage CPU pipeline (pruning at steps "
-                f"{list(base.schedule.steps)} to 90%, measured from step {last_prune + 1 + settle}, "
-                f"median of {rounds} round(s))",
-                pipeline_table(rows),
+                f"{steps} to 90%, measured from step {skip}, median of {rounds} round(s))",
+                compare_pipeline(sizes, weights, tmp, skip + measure, prune_every, rounds, spread, skip),
             ]
         n = max(stage_counts)
         sections.append(
             f"### 4. Projection to {n} stages (simulated 1F1B, {sizes.microbatches} micro-batches)"
         )
         for view in ("auto", "ideal"):
+            viewed = [at(lv, view) for lv in levels]
+            rows = project(viewed, n, sizes.microbatches, splits[n])
             sections.append(
-                projection_table(levels, view, n, project(levels, view, n, sizes.microbatches, splits[n]))
+                "\n".join([f"#### {n} stages, {view} costs", "", *projection_table(viewed, rows)])
             )
-    command = "python -m benchmarks.pruning " + shlex.join(argv if argv is not None else sys.argv[1:])
-    report = "\n\n".join(
+    harness.finish(
+        "pruning",
+        out,
         [
-            f"## Gradual global pruning: layer times and DynMo ({dt.date.today().isoformat()})",
-            f"Command: `{command.strip()}`  ",
+            harness.header(
+                "Gradual global pruning: layer times and DynMo",
+                "pruning",
+                argv,
+                [harness.REAL, harness.EMULATED, harness.PROJECTED],
+            ),
             f"Setup: pruning_gpt_config(num_layers={sizes.num_layers}, d_model={sizes.d_model}, "
             f"num_heads={sizes.num_heads}, seq_len={sizes.seq_len}), batch {sizes.batch_size} in "
             f"{sizes.microbatches} micro-batches ({sizes.rows} rows per Linear call), trained {train_steps} "
             f"steps on the stdlib corpus before pruning; one torch thread per process; times are the fastest "
             f"of {repeats} repeat(s). 'ideal' is emulated (module docstring), everything else is measured.",
             *sections,
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "pruning", args.out)
 
 
 if __name__ == "__main__":

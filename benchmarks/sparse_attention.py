@@ -26,9 +26,9 @@ Four parts, all with the ``"sparse_attention"`` block of :mod:`lightning_dynmo.d
    (:func:`sparse_attention_gpt_config`) trains on 2 gloo ranks (1F1B), each run one job started by
    torch's elastic launcher: the static uniform split, DynMo periodic (``every_n_steps=--period``), DynMo
    every step, and every fixed contiguous split within ``--spread`` layers of uniform (the candidates).
-   Runs are interleaved over ``--rounds`` rounds; a run's step time is the median of its steps after
-   ``--skip``; each configuration's figure is the median over rounds. ``ideal`` is the fastest measured
-   candidate.
+   Runs are interleaved over ``--rounds`` rounds (:mod:`benchmarks.harness`); a run's step time is the
+   median of its steps after ``--skip``; ratios are taken within a round, each round's ideal being the
+   candidate fastest in the other rounds.
 
     python -m benchmarks.sparse_attention            # ~30 minutes on 2 quiet cores
     python -m benchmarks.sparse_attention --quick    # a smoke run (tiny sizes, one round): not figures
@@ -39,82 +39,56 @@ command.
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import itertools
-import shlex
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from benchmarks.common import StepTimer, benchmark_trainer, corpus_data, job_report, launch, write_report
-from benchmarks.moe import candidates, linear_fit
+from benchmarks import harness
+from benchmarks.common import block_fwd_bwd_s, corpus_data, results_path
+from benchmarks.moe import linear_fit
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, by_parameters, imbalance, partition, uniform
-from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict, smooth_costs
 from lightning_dynmo.dynamism.sparse_attention import (
     SparseAttentionBlock,
     SparseAttentionOptions,
     sparse_attention_gpt_config,
 )
-from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
+from lightning_dynmo.models import GPT, DenseBlock, GPTConfig, OptimizerConfig
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.profiling.layer_timer import LayerTimer
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """Model and batch sizes of one benchmark mode."""
+class Sizes(harness.ModelSizes):
+    """Model and batch sizes of one benchmark mode (``num_layers``: the 2-stage pipeline's)."""
 
-    d_model: int
-    num_heads: int
-    seq_len: int
-    batch_size: int
     num_buckets: int
     block_size: int
-    layers_pipeline: int
     layers_projection: int
-    microbatches: int
 
     def gpt(self, num_layers: int) -> GPTConfig:
         return sparse_attention_gpt_config(
-            num_layers=num_layers,
-            d_model=self.d_model,
-            num_heads=self.num_heads,
-            seq_len=self.seq_len,
+            **{**self.shape, "num_layers": num_layers},
             num_buckets=self.num_buckets,
             block_size=self.block_size,
         )
 
 
-FULL = Sizes(
+FULL = Sizes.extend(
+    harness.FULL_SIZES,
     d_model=64,
     num_heads=2,
     seq_len=512,
-    batch_size=8,
     num_buckets=8,
     block_size=16,
-    layers_pipeline=8,
     layers_projection=16,
-    microbatches=4,
 )
-QUICK = Sizes(
-    d_model=32,
-    num_heads=2,
-    seq_len=64,
-    batch_size=4,
-    num_buckets=4,
-    block_size=8,
-    layers_pipeline=4,
-    layers_projection=4,
-    microbatches=2,
-)
+QUICK = Sizes.extend(harness.QUICK_SIZES, seq_len=64, num_buckets=4, block_size=8, layers_projection=4)
 PROJECTED_STAGES = 8
 PERIODIC_WINDOW = 3  # steps a periodic profiling window measures (DynMoCallback's default)
 
@@ -142,10 +116,7 @@ def layer_time_vs_tiles(sizes: Sizes, repeats: int) -> list[dict[str, Any]]:
     active: dict[Any, list[float]] = {key: [] for key in counts}
     for rep in range(repeats + 1):  # the first round warms up
         for key, block in blocks.items():
-            start = time.perf_counter()
-            block(x.requires_grad_(True)).sum().backward()
-            elapsed = time.perf_counter() - start
-            block.zero_grad(set_to_none=True)
+            elapsed = block_fwd_bwd_s(block, x)
             if rep:
                 times[key].append(elapsed)
                 if key != "dense":
@@ -374,120 +345,34 @@ def projection_table(sim: dict[str, Any], period: int) -> str:
 # -- 4. static vs DynMo on a real 2-stage pipeline ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PipelineRun:
-    """One 2-rank training job."""
-
-    label: str
-    sizes: Sizes
-    steps: int
-    cache_dir: str
-    placement: str = "uniform"
-    dynmo: str | None = None  # None, "periodic" or "every_step"
-    period: int = 10
-
-
-def train_pipeline(run: PipelineRun) -> dict[str, Any]:
-    """Body of one rank (started by the elastic launcher): fit, report rank 0's step times."""
-    import lightning.pytorch as pl
-
-    from lightning_dynmo.callback.dynmo_callback import DynMoCallback
-    from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
-
-    torch.set_num_threads(1)
-    sizes = run.sizes
-    timer = StepTimer()
-    callbacks: list[pl.Callback] = [timer]
-    dynmo = None
-    if run.dynmo == "periodic":
-        dynmo = DynMoCallback(every_n_steps=run.period)
-    elif run.dynmo == "every_step":
-        dynmo = DynMoCallback(every_step=True)
-    callbacks += [dynmo] if dynmo is not None else []
-    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=run.placement)
-    trainer = benchmark_trainer(strategy, callbacks, run.steps)
-    data = corpus_data(sizes.seq_len, sizes.batch_size, run.cache_dir)
-    trainer.fit(GPT(sizes.gpt(sizes.layers_pipeline)), data)
-    return job_report(timer, strategy, dynmo)
-
-
 def compare_pipeline(
     sizes: Sizes, steps: int, skip: int, rounds: int, spread: int, period: int, cache: str
-) -> list[dict[str, Any]]:
-    """Interleaved rounds of every configuration; per configuration the median over rounds."""
-    half = sizes.layers_pipeline // 2
-    static = str(Placement.from_sizes([half, sizes.layers_pipeline - half]))
-    base = PipelineRun("static (uniform)", sizes, steps, cache, placement=static, period=period)
-    runs = [
-        base,
-        replace(base, label=f"DynMo every_n_steps={period}", dynmo="periodic"),
-        replace(base, label="DynMo every_step", dynmo="every_step"),
-    ]
-    runs += [
-        replace(base, label=f"fixed {p}", placement=p)
-        for p in candidates(sizes.layers_pipeline, spread)
-        if p != static
-    ]
-    medians: dict[str, list[float]] = {r.label: [] for r in runs}
-    last: dict[str, dict[str, Any]] = {}
-    for k in range(rounds):
-        for run in runs:
-            print(f"[sparse_attention] round {k + 1}/{rounds}: {run.label} ...", file=sys.stderr, flush=True)
-            report = launch(train_pipeline, run)
-            medians[run.label].append(statistics.median(report["step_s"][skip:]))
-            last[run.label] = report
-    rows = [
-        {
-            "label": r.label,
-            "ms": 1e3 * statistics.median(medians[r.label]),
-            "placement": last[r.label]["placement"],
-            "rebalances": last[r.label]["rebalances"],
-            "overhead_s": last[r.label]["overhead_s"],
-            "candidate": r.dynmo is None,
-        }
-        for r in runs
-    ]
-    ideal = min((row for row in rows if row["candidate"]), key=lambda row: row["ms"])
-    for row in rows:
-        row["speedup"] = rows[0]["ms"] / row["ms"]
-        row["vs_ideal"] = ideal["ms"] / row["ms"]
-        row["ideal"] = row is ideal
-    return rows
-
-
-def pipeline_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| run | step (ms) | static / this | ideal / this | final placement | rebalances | DynMo cost (s) |",
-        "|---|---:|---:|---:|---|---:|---:|",
-    ]
-    for r in rows:
-        mark = " (ideal)" if r["ideal"] else ""
-        lines.append(
-            f"| {r['label']}{mark} | {r['ms']:.1f} | {r['speedup']:.3f}x | {r['vs_ideal']:.3f} "
-            f"| `{r['placement']}` | {r['rebalances']} | {r['overhead_s']:.2f} |"
-        )
-    return "\n".join(lines)
+) -> str:
+    """Static uniform split, DynMo (periodic, every step), every candidate, in rounds (the harness)."""
+    layers = sizes.num_layers
+    base = harness.fixed_job(sizes, sizes.gpt(layers), steps, OptimizerConfig(), corpus_cache=cache)
+    dynmo = {
+        f"DynMo every_n_steps={period}": {"every_n_steps": period},
+        "DynMo every_step": {"every_step": True},
+    }
+    static = str(uniform(layers, 2))
+    splits = harness.two_stage_splits(layers, spread)
+    return harness.compare_placements(
+        base, static, splits, dynmo, rounds, skip, "sparse_attention", static_label="static (uniform)"
+    )
 
 
 # -- the report -----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = harness.argument_parser(
+        __doc__, "tiny sizes and one round", "repeats", "steps", "skip", "rounds", "spread"
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes and one round: a smoke run")
-    parser.add_argument("--repeats", type=int, default=None, help="part 1: timed repeats per bucket count")
     parser.add_argument("--measure-steps", type=int, default=None, help="parts 2-3: measured training steps")
     parser.add_argument("--period", type=int, default=None, help="parts 3-4: DynMo's every_n_steps")
-    parser.add_argument("--steps", type=int, default=None, help="part 4: steps per pipeline run")
-    parser.add_argument("--skip", type=int, default=None, help="first steps of a run not measured")
-    parser.add_argument("--rounds", type=int, default=None, help="part 4: interleaved rounds")
-    parser.add_argument(
-        "--spread", type=int, default=None, help="part 4: candidate splits within this of uniform"
-    )
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    out = results_path("sparse_attention", args.out, args.force)
     quick = args.quick
     torch.set_num_threads(1)  # as each pipeline rank: parts 1-2 time what one rank's core does
     sizes = QUICK if quick else FULL
@@ -508,19 +393,22 @@ def main(argv: list[str] | None = None) -> None:
     static = static_imbalance_table(measured, skip)
     stages = min(PROJECTED_STAGES, sizes.layers_projection)
     projection = projection_table(project(measured.costs, stages, sizes.microbatches, skip, period), period)
-    pipeline = pipeline_table(compare_pipeline(sizes, steps, skip, rounds, spread, period, cache))
-    command = "python -m benchmarks.sparse_attention " + shlex.join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    pipeline = compare_pipeline(sizes, steps, skip, rounds, spread, period, cache)
     setup = (
         f"Sparse-attention GPT: d_model {sizes.d_model}, {sizes.num_heads} heads, seq_len {sizes.seq_len}, "
         f"batch {sizes.batch_size}, {sizes.num_buckets} buckets, tiles of {sizes.block_size}, every block "
         f"sparse; {sizes.microbatches} micro-batches, 1F1B; byte tokens of the standard library's sources."
     )
-    report = "\n\n".join(
+    harness.finish(
+        "sparse_attention",
+        out,
         [
-            f"## Sparse attention: layer time, imbalance, projection, static vs DynMo ({dt.date.today()})",
-            f"Command: `{command.strip()}`  ",
+            harness.header(
+                "Sparse attention: layer time, imbalance, projection, static vs DynMo",
+                "sparse_attention",
+                argv,
+                [harness.REAL, harness.PROJECTED],
+            ),
             setup,
             f"### 1. One block: time follows the active tiles ({repeats} repeats, medians)",
             tiles,
@@ -530,13 +418,12 @@ def main(argv: list[str] | None = None) -> None:
             static,
             f"### 3. The measured steps replayed on {stages} stages",
             projection,
-            f"### 4. {sizes.layers_pipeline} blocks on a real 2-stage CPU pipeline ({rounds} interleaved "
-            f"rounds, {steps} steps per run, medians of steps {skip}+)",
+            f"### 4. {sizes.num_layers} blocks on a real 2-stage CPU pipeline "
+            f"({harness.rounds_note(rounds, steps, skip)})",
             pipeline,
-            f"Wall time of the whole benchmark: {time.perf_counter() - started:.0f} s.",
-        ]
+        ],
+        started,
     )
-    write_report(report, "sparse_attention", args.out)
 
 
 if __name__ == "__main__":

@@ -52,10 +52,17 @@ def test_overhead_benchmark_runs(tmp_path: Path) -> None:
 def test_profiling_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import profiling
 
-    text = run_benchmark("profiling", tmp_path, "--repeats", "1", "--steps", "2", "--allocator", "steady")
+    text = run_benchmark("profiling", tmp_path, "--quick")  # the steady allocator, 1 run of 2 steps
     assert "| steady | 1 | " in text
     assert text.count("| fwd |") == text.count("| bwd |") == len(profiling.HIDDEN)
-    assert "python -m benchmarks.profiling --repeats 1" in text
+    assert "python -m benchmarks.profiling --quick" in text and "Figures: **real compute**." in text
+
+
+def test_migration_benchmark_runs() -> None:
+    from benchmarks import bench_migration
+
+    (line,) = bench_migration.main(["--quick"])
+    assert line.startswith("dim=64: ") and " MB per move, median " in line and line.endswith(" MB/s")
 
 
 def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
@@ -70,10 +77,12 @@ def test_moe_benchmark_runs(tmp_path: Path) -> None:
     text = run_benchmark("moe", tmp_path, *argv)
     assert_contains(
         text,
-        "| static (uniform) (ideal) |",
+        "| static (uniform) |",
         "| DynMo every_step |",
         "| static uniform split |",
         "Linear fit",
+        "Figures: **real compute**, **projected**.",
+        "of the ideal (medians over 1 round(s)",
     )
     assert text.count("| per-step min-max partition") == 1
     assert "python -m benchmarks.moe --quick --spread 0" in text
@@ -88,8 +97,10 @@ def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
         "| lag-1 autocorrelation |",
         "| 2 | parameters |",
         "| DynMo every 2 steps (",
-        "| static (uniform) (ideal) |",
+        "| static (uniform) |",
         "| DynMo every_n_steps=2 |",
+        "Figures: **real compute**, **projected**.",
+        "of the ideal (medians over 1 round(s)",
         "| DynMo every_step |",
     ):
         assert label in text
@@ -105,11 +116,13 @@ def test_pruning_benchmark_runs(tmp_path: Path) -> None:
     )
     assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
     assert "python -m benchmarks.pruning --quick" in text
+    assert "Figures: **real compute**, **emulated**, **projected**." in text
 
 
 def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
     text = run_benchmark("e2e", tmp_path, "--quick")
     assert "python -m benchmarks.e2e --quick" in text and "load average at start" in text
+    assert "Figures: **real compute**, **emulated**, **projected**." in text
     assert "**Real compute**, 2 stages (the `ideal` row" in text
     assert "**Emulated cost**, 8 blocks on 2 stages" in text
     assert text.count("| 24 x 8 |") == text.count("| 48 x 16 |") == text.count("| 48 x 24 |") == 1
@@ -124,6 +137,7 @@ def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert "head + loss = nan" not in text  # the callback profiled a window and reported the parts
     assert text.count("fastest candidate") >= 1 and "DynMo's choice" in text and "block-only optimum" in text
+    assert "Figures: **real compute**." in text and "of the ideal (medians over 1 round(s)" in text
     assert "python -m benchmarks.head_cost --quick" in text
 
 
@@ -132,7 +146,8 @@ def test_heterogeneous_benchmark_runs(tmp_path: Path) -> None:
     text = run_benchmark("heterogeneous", tmp_path, "--quick")
     assert_contains(text, "### 1a. Rank 1 an emulated worker", "### 1b. Rank 0 -> rank 1", "### 2. GPT")
     assert text.count("| static (uniform) |") == 2 and text.count("| DynMoCallback |") == 2
-    assert text.count("(best candidate)") == 2
+    assert text.count("of the ideal (medians over 1 round(s)") == 2  # each scenario's paired comparison
+    assert "Figures: **emulated**, **real compute**." in text
     assert "| re-pack, micro-batches kept |" in text and "| re-pack + re-tune |" in text
     assert "python -m benchmarks.heterogeneous --quick" in text
 
@@ -163,6 +178,7 @@ def test_freezing_benchmark_runs(tmp_path: Path) -> None:
     )
     assert text.count("| 2 | uniform |") == 1 and "75% frozen" in text
     assert "python -m benchmarks.freezing --quick --spread 0" in text
+    assert "Figures: **real compute**, **projected**." in text
 
 
 def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
@@ -170,3 +186,4 @@ def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
     for label in ("no callback", "DynMo idle", "DynMo every step", "DynMo every step, no skipping"):
         assert f"| {label} |" in text
     assert "python -m benchmarks.callback_cost --quick" in text
+    assert "Figures: **real compute**." in text

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import e2e, paired
+from benchmarks import common, e2e, harness, paired
 from lightning_dynmo.balancing import LayerCost, Placement
 
 
@@ -55,18 +55,18 @@ def _comparison(uniform: float, params: float, dynmo: float, ideal: float, round
 
 
 def test_the_verdict_passes_a_balanced_run_and_fails_a_slow_one() -> None:
-    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=120.0, dynmo=85.0, ideal=80.0))
+    lines, ok = harness.verdict(_comparison(uniform=100.0, params=120.0, dynmo=85.0, ideal=80.0))
     assert ok is True and "**1.18x** the better static split" in lines[0]
     assert lines[1].startswith("Per round: better static / ideal 1.25, 1.25, 1.25")
-    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=120.0, dynmo=95.0, ideal=80.0))
+    lines, ok = harness.verdict(_comparison(uniform=100.0, params=120.0, dynmo=95.0, ideal=80.0))
     assert ok is False and "**NO**." in lines[-1]  # 1.05x static but only 84% of the ideal
 
 
 def test_the_verdict_says_when_a_case_is_not_imbalanced() -> None:
-    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=100.0, dynmo=101.0, ideal=98.0))
+    lines, ok = harness.verdict(_comparison(uniform=100.0, params=100.0, dynmo=101.0, ideal=98.0))
     assert ok is None and lines[-1].startswith("Not imbalanced here")
     assert "slower beyond noise" not in lines[-1]  # 3 rounds are too few to call it
-    lines, ok = e2e.verdict(_comparison(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0, rounds=4))
+    lines, ok = harness.verdict(_comparison(uniform=100.0, params=100.0, dynmo=110.0, ideal=98.0, rounds=4))
     assert ok is None and lines[-1].endswith("**slower beyond noise**.")
 
 
@@ -84,7 +84,7 @@ def test_the_table_pairs_rounds_and_the_summary_marks_the_verdict() -> None:
         candidates={"0-1|2-3": [100.0, 200.0, 100.0], "0-2|3-3": [80.0, 160.0, 80.0]},
         gap=e2e.IMBALANCE_GAP,
     )
-    line = next(line for line in e2e.table(rows, c) if line.startswith("| DynMo"))
+    line = next(line for line in harness.table(rows, c) if line.startswith("| DynMo"))
     assert "| 80.0 | 1.25 | 100% |" in line
     summary = e2e.summary_table([{"case": "moe", "real": c}])[-1]
     assert summary.startswith("| moe | 1.25x | 100% | - | - |")
@@ -96,10 +96,10 @@ def test_the_table_pairs_rounds_and_the_summary_marks_the_verdict() -> None:
 def test_a_committed_results_file_is_not_overwritten(tmp_path: Path) -> None:
     out = tmp_path / "e2e.md"
     out.write_text("kept")
-    with pytest.raises(SystemExit, match=r"e2e\.md exists: pass --force to overwrite it"):
+    with pytest.raises(SystemExit, match=r"e2e\.md exists; pass --out PATH to write elsewhere or --force"):
         e2e.main(["--mode", "projection", "--out", str(out)])
     assert out.read_text() == "kept"
-    assert e2e.output_path(out, force=True) == out
+    assert common.results_path("e2e", out, force=True) == out
 
 
 def test_bad_options_are_rejected(capsys: pytest.CaptureFixture[str]) -> None:
