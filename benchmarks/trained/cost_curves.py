@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import statistics
 import sys
@@ -105,7 +106,7 @@ def time_fwd_bwd(
     for i in range(shape.warmup + shape.repeats):
         loss = forward().float().sum()
         start = time.perf_counter()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         if i >= shape.warmup:
             bwd_times.append(time.perf_counter() - start)
     return fwd, statistics.median(bwd_times)
@@ -148,7 +149,6 @@ class _Llama:
             head_dim=shape.hidden // shape.heads,
             max_position_embeddings=max(4096, shape.attn_seq),
             tie_word_embeddings=True,
-            attn_implementation="sdpa",
         )
         torch.manual_seed(0)
         self.model: Any = LlamaForCausalLM(config)
@@ -339,7 +339,7 @@ def sparse_attention_case(llama: _Llama, shares: Sequence[float] = TILE_SHARES) 
     points: list[Point] = []
     for share in shares:
         plan = _causal_plan(1, heads, tiles, shape.tile, share)
-        core = time_fwd_bwd(lambda plan=plan: block_sparse_attention(q, k, v, plan), shape)
+        core = time_fwd_bwd(functools.partial(block_sparse_attention, q, k, v, plan), shape)
         cores[f"sparse {share:.2f}"] = core
         best = min(core, dense_core, key=sum)
         points.append(
@@ -379,7 +379,7 @@ def moe_case(llama: _Llama, ratios: Sequence[float] = LOAD_RATIOS) -> dict[str, 
     points: list[Point] = []
     for ratio in ratios:
         rows = torch.randn(max(1, round(ratio * mean)), shape.hidden, requires_grad=True)
-        expert = time_fwd_bwd(lambda rows=rows: moe.expert(0, rows), shape)
+        expert = time_fwd_bwd(functools.partial(moe.expert, 0, rows), shape)
         e = options.num_experts
         points.append(
             (
@@ -499,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     args = parser.parse_args(args_list)
     shape = QUICK if args.quick else SMOLLM2
     date = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
-    path = args.out / f"cost_curves-{date}.json"
+    path: Path = args.out / f"cost_curves-{date}.json"
     if path.exists() and not args.force:
         raise SystemExit(f"{path} exists; pass --force to overwrite it or --out to write elsewhere.")
     result = {
