@@ -24,11 +24,13 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostCurve, CostTrace, StatisticTrace
 
-TRACES = Path(__file__).resolve().parent / "results" / "traces"
+RESULTS = Path(__file__).resolve().parent / "results"
+TRACES = RESULTS / "traces"
 DENSE_FWD = 1.0  # a dense block's forward, the unit of every cost here (backward: twice)
 
 
@@ -131,6 +133,31 @@ CASES: dict[str, TraceCase] = {
 }
 
 
+def newest_cost_curves(folder: Path = RESULTS) -> dict[str, Any] | None:
+    """The newest ``cost_curves-<date>.json`` in ``folder`` (from :mod:`benchmarks.trained.cost_curves`)."""
+    paths = sorted(folder.glob("cost_curves-*.json"))  # dates sort as text: the last one is the newest
+    if not paths:
+        return None
+    data: dict[str, Any] = json.loads(paths[-1].read_text())
+    data["file"] = paths[-1].name
+    return data
+
+
+def case_curve(case: str, measured: dict[str, Any] | None) -> CostCurve:
+    """``case``'s measured curve where ``measured`` has it (in units of its dense block's forward, the label
+    naming the file), its stand-in from :data:`CASES` otherwise (the label saying so)."""
+    found = (measured or {}).get("cases", {}).get(case)
+    if found is None:
+        standin = CASES[case].curve()
+        return dataclasses.replace(standin, label=f"{standin.label} (stand-in: no measured curve)")
+    unit = found["dense_block_s"][0]
+    points = tuple((x, f / unit, b / unit) for x, f, b in found["points"])
+    error = found["fit"].get("max_relative_error", 0.0)
+    return CostCurve(
+        points, f"measured ({measured and measured['file']}): {found['label']}; linear fit error {error:.0%}"
+    )
+
+
 def load_traces(folder: Path = TRACES) -> list[StatisticTrace]:
     """The newest trace file of each known case in ``folder`` (``<case>-<date>.json``), by case name."""
     newest: dict[str, Path] = {}
@@ -165,23 +192,34 @@ def dense_trace(num_layers: int) -> StatisticTrace:
     return StatisticTrace("dense", "no dynamism", "-", (0,), ((1.0,) * num_layers,), "SmolLM2 shape")
 
 
-def cost_trace(stats: StatisticTrace, head: bool = True, dense: bool = False) -> CostTrace:
+def cost_trace(
+    stats: StatisticTrace, head: bool = True, dense: bool = False, curves: Path | None = RESULTS
+) -> CostTrace:
     """Per-step costs of ``stats``'s case: layers through its curve, the embedding and head + loss.
 
     Args:
         stats: The recorded statistics.
         head: Cost the parts (``False``: free embedding and head, the old projection's assumption).
         dense: The model without the dynamism (every value its case's ``dense_statistic``).
+        curves: The folder of measured cost-curve files (:func:`newest_cost_curves`): the case's curve
+            and the parts from the newest one where it has them; ``None``: stand-ins only.
     """
     case = CASES[stats.case]
     if dense:
         if case.dense_statistic is None:
             raise ValueError(f"case {stats.case!r} has no model without its dynamism to compare with.")
         stats = stats.uniform(case.dense_statistic)
+    measured = newest_cost_curves(curves) if curves is not None else None
     first = LayerCost(fwd_time_s=0.01 * DENSE_FWD, bwd_time_s=0.02 * DENSE_FWD)  # a lookup, a scatter
     blocks = head_blocks()
     last = LayerCost(fwd_time_s=blocks * DENSE_FWD, bwd_time_s=2 * blocks * DENSE_FWD)
-    return CostTrace.build(stats, case.curve(), first if head else None, last if head else None)
+    if measured is not None and "parts" in measured:
+        unit = measured["parts"]["dense_block"][0]
+        (ef, eb), (hf, hb) = measured["parts"]["embedding"], measured["parts"]["head_and_loss"]
+        first = LayerCost(fwd_time_s=ef / unit, bwd_time_s=eb / unit)
+        last = LayerCost(fwd_time_s=hf / unit, bwd_time_s=hb / unit)
+    curve = case_curve(stats.case, measured)
+    return CostTrace.build(stats, curve, first if head else None, last if head else None)
 
 
 def trace_parser(prog: str, description: str, quick: str) -> argparse.ArgumentParser:
