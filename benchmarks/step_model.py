@@ -46,8 +46,7 @@ from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path
 from benchmarks.gpt_pipeline import PlacementSweep, visit_schedule
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
-from lightning_dynmo.balancing.schedule_model import StageTimes, simulate_step
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, per_action_s, predict_step, refine
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
@@ -158,10 +157,7 @@ def run_job(job: StepModelJob) -> dict[str, Any]:
 
 def per_op_overhead(job: StepModelJob, zero_sleep_step_s: float) -> float:
     """Seconds per action: the zero-sleep step over the simulated step of the same actions at 1 s each."""
-    placement = Placement.from_string(job.candidates[0])
-    actions = _order(job.schedule).actions(placement.num_stages, job.microbatches)
-    unit = [StageTimes(1.0, 1.0, input_grad_s=1.0, weight_grad_s=1.0)] * placement.num_stages
-    return zero_sleep_step_s / simulate_step(actions, unit).step_time_s
+    return per_action_s(_order(job.schedule), job.num_stages, job.microbatches, zero_sleep_step_s)
 
 
 def predicted_ms(job: StepModelJob, placement: str, per_op_s: float) -> float:

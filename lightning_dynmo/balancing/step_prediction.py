@@ -145,6 +145,18 @@ def predict_step(
     return StepPrediction(step, bubble, loads)
 
 
+def per_action_s(order: ScheduleOrder, num_stages: int, num_microbatches: int, overhead_s: float) -> float:
+    """``overhead_s`` of a step spread over its schedule's actions: a ``per_op_s`` for :func:`predict_step`.
+
+    ``overhead_s`` is what a step took beyond its layers' work (a step with no work, or a measured step
+    minus its prediction without overhead); it is divided by the step of the same action lists with
+    every action lasting 1 s (the actions on the step's longest chain, waits included).
+    """
+    actions = order.actions(num_stages, num_microbatches)
+    unit = [StageTimes(1.0, 1.0, input_grad_s=1.0, weight_grad_s=1.0)] * num_stages
+    return max(0.0, overhead_s) / simulate_step(actions, unit).step_time_s
+
+
 @dataclass(frozen=True)
 class Refinement:
     """What :func:`refine` found.

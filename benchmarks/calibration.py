@@ -1,0 +1,246 @@
+"""Calibration on real compute: the step DynMo predicts for each fixed placement against the step it measures.
+
+Issue 19's first check. Two models whose head and loss cost several blocks (what makes the first
+placement DynMo trusts matter): our GPT with a large vocabulary (``gpt``) and a Hugging Face GPT-2 with an
+untied head (``gpt2``), 8 blocks each, on a real 2-rank gloo CPU pipeline, one torch thread per rank.
+Two schedules: ``1F1B`` (2 stages: every split of the blocks) and ``ZBVZeroBubble`` (4 stages, two per
+rank: the uniform split and every split one boundary-move from it).
+
+Per (model, schedule), interleaved rounds (:func:`benchmarks.harness.run_rounds`, the job order rotated):
+
+- a **profile** job at the uniform split: ``DynMoCallback(balancer="static")`` profiles one window (its
+  blocks, first and last parts, links) and moves nothing; its costs give each placement's prediction
+  (:func:`lightning_dynmo.balancing.step_prediction.predict_step` on torch's action lists). The runtime's
+  own cost per action (``per_op_s``) is what the profile job's steps before its window took beyond their
+  prediction, spread over the actions (:func:`~lightning_dynmo.balancing.step_prediction.per_action_s`):
+  fitted on the profile job's own run of the uniform split, never on the compared jobs. A fresh profile
+  in each round: the prediction is a median over rounds, as the measurement is;
+- one **fixed** job per candidate placement: its median step after ``--skip``.
+
+The report prints per placement the predicted and measured steps and the error, then the median and the
+worst |error|, and which placement each ranks first (the measured best held out of the round it judges,
+:func:`benchmarks.paired.held_out_best`). **Real compute.**
+
+    python -m benchmarks.calibration                  # both models x both schedules: ~40 min, 2 quiet cores
+    python -m benchmarks.calibration --model gpt --schedule 1F1B
+    python -m benchmarks.calibration --quick          # smoke run (tiny, one round): not figures
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from benchmarks import harness, paired
+from benchmarks.common import StepTimer, benchmark_trainer, results_path
+from lightning_dynmo.balancing import BalanceProblem, Placement, uniform
+from lightning_dynmo.balancing.step_prediction import per_action_s, predict_step
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
+from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
+from lightning_dynmo.pipeline import schedule_order
+from lightning_dynmo.pipeline.step.schedule import resolve_schedule
+from lightning_dynmo.strategy import DynMoStrategy
+
+MODELS = ("gpt", "gpt2")
+PROFILE_FROM = 4  # a profile job's steps 1-3 (no hooks yet) measure the runtime's own cost per action
+SCHEDULES = ("1F1B", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A mode's sizes: the models' shape, the batches and how long jobs run."""
+
+    num_layers: int = 8
+    d_model: int = 128
+    num_heads: int = 4
+    seq_len: int = 64
+    vocab_size: int = 8192
+    batch_size: int = 8
+    microbatches: int = 4
+    steps: int = 14
+    skip: int = 4
+    rounds: int = 3
+
+
+FULL = Sizes()
+QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=6, skip=2, rounds=1)
+
+
+@dataclass(frozen=True)
+class CalibrationJob:
+    """One 2-rank job: ``model`` under ``schedule`` at ``placement``; ``profile`` runs the static callback."""
+
+    model: str
+    schedule: str
+    placement: str
+    sizes: Sizes
+    profile: bool = False
+    lr: float = 1e-3  # a rate that learns; the times should not depend on it
+    seed: int = 0
+
+
+def build_model(job: CalibrationJob) -> pl.LightningModule:
+    """The job's model, fresh weights from ``job.seed``."""
+    s = job.sizes
+    if job.model == "gpt":
+        torch.manual_seed(job.seed)
+        config = GPTConfig(
+            vocab_size=s.vocab_size,
+            seq_len=s.seq_len,
+            num_layers=s.num_layers,
+            d_model=s.d_model,
+            num_heads=s.num_heads,
+        )
+        return GPT(config, OptimizerConfig(lr=job.lr))
+    # The Hugging Face adapter is an optional extra: imported only for this model.
+    from transformers import GPT2Config
+
+    from lightning_dynmo.models.huggingface import HuggingFaceCausalLM
+
+    config = GPT2Config(
+        vocab_size=s.vocab_size,
+        n_positions=s.seq_len,
+        n_embd=s.d_model,
+        n_layer=s.num_layers,
+        n_head=s.num_heads,
+        tie_word_embeddings=False,
+    )
+    return HuggingFaceCausalLM(config, attn_implementation="sdpa", seed=job.seed, lr=job.lr)
+
+
+def _batches(job: CalibrationJob, steps: int) -> DataLoader[Any]:
+    s = job.sizes
+    gen = torch.Generator().manual_seed(job.seed)
+    rows = torch.randint(0, s.vocab_size, (steps * s.batch_size, s.seq_len + 1), generator=gen)
+    if job.model == "gpt":
+        return DataLoader(list(rows), batch_size=s.batch_size)
+    items = [{"input_ids": r[:-1], "labels": r[1:]} for r in rows]
+    return DataLoader(items, batch_size=s.batch_size)  # type: ignore[arg-type]
+
+
+def run_calibration_job(job: CalibrationJob) -> dict[str, Any]:
+    """Body of one rank (started by :func:`benchmarks.harness.run_rounds`)."""
+    torch.set_num_threads(1)
+    timer = StepTimer()
+    callbacks: list[pl.Callback] = [timer]
+    dynmo = None
+    if job.profile:  # one window after PROFILE_FROM steps; static: it decides, never moves
+        window = ProfilingConfig(steps=job.sizes.steps - PROFILE_FROM - 1, measure_comm=True)
+        dynmo = DynMoCallback(balancer="static", every_n_steps=job.sizes.steps - 1, profiling=window)
+        callbacks.append(dynmo)
+    strategy = DynMoStrategy(
+        num_microbatches=job.sizes.microbatches, schedule=job.schedule, placement=job.placement
+    )
+    trainer = benchmark_trainer(strategy, callbacks, job.sizes.steps)
+    trainer.fit(build_model(job), _batches(job, job.sizes.steps))
+    report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
+    if dynmo is not None:
+        report["costs"], report["hardware"] = dynmo.last_costs, dynmo.last_hardware
+    return report
+
+
+def candidates(schedule: str, num_layers: int) -> list[str]:
+    """Every 2-stage split under a one-stage-per-rank schedule; else uniform and its one-move neighbours."""
+    stages = 2 * resolve_schedule(schedule).stages_per_rank
+    base = uniform(num_layers, stages)
+    if stages == 2:
+        return [str(Placement((0, k, num_layers))) for k in range(1, num_layers)]
+    out = [str(base)]
+    bounds = base.boundaries
+    for i in range(1, stages):
+        for delta in (-1, 1):
+            moved = (*bounds[:i], bounds[i] + delta, *bounds[i + 1 :])
+            if moved[i - 1] < moved[i] < moved[i + 1]:
+                out.append(str(Placement(moved)))
+    return out
+
+
+def predicted_ms(report: dict[str, Any], schedule: str, placement: str, microbatches: int) -> float:
+    """The step a profile job's costs predict for ``placement``, ms."""
+    problem, order = BalanceProblem(report["costs"], hardware=report["hardware"]), schedule_order(schedule)
+    profiled = Placement.from_string(report["placement"])
+    bare = predict_step(problem, profiled, order, microbatches).step_s
+    before_window = statistics.median(report["step_s"][1:PROFILE_FROM])  # the first step builds the pipeline
+    per_op = per_action_s(order, profiled.num_stages, microbatches, before_window - bare)
+    step = predict_step(problem, Placement.from_string(placement), order, microbatches, per_op_s=per_op)
+    return 1e3 * step.step_s
+
+
+def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], bool]:
+    """Run one (model, schedule) and write its table; also its |errors| and whether the best agree."""
+    names = candidates(schedule, sizes.num_layers)
+    stages = 2 * resolve_schedule(schedule).stages_per_rank
+    base = CalibrationJob(model, schedule, str(uniform(sizes.num_layers, stages)), sizes)
+    jobs = {"profile": replace(base, profile=True), **{p: replace(base, placement=p) for p in names}}
+    runs = harness.run_rounds(
+        jobs, run_calibration_job, sizes.rounds, f"calibration {model} {schedule}", start_method="fork"
+    )
+    measured = {p: harness.step_ms(runs[p], sizes.skip) for p in names}
+    predicted = {
+        p: [predicted_ms(r, schedule, p, sizes.microbatches) for r in runs["profile"]] for p in names
+    }
+    lines = [
+        f"### {model}, {schedule} ({sizes.rounds} rounds, medians of steps {sizes.skip}+)",
+        "",
+        "| placement | predicted (ms) | measured (ms) | error |",
+        "|---|---|---|---|",
+    ]
+    errors = []
+    for p in names:
+        pred, meas = statistics.median(predicted[p]), statistics.median(measured[p])
+        errors.append(abs(pred - meas) / meas)
+        lines.append(f"| `{p}` | {pred:.1f} | {meas:.1f} | {(pred - meas) / meas:+.1%} |")
+    best_predicted = min(names, key=lambda p: statistics.median(predicted[p]))
+    held_out = (
+        paired.held_out_best(measured) if sizes.rounds > 1 else [min(names, key=lambda p: measured[p][0])]
+    )
+    of_best = [measured[best_predicted][r] / measured[held_out[r]][r] for r in range(sizes.rounds)]
+    agree = statistics.median(of_best) <= 1.05
+    lines += [
+        "",
+        f"Median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}. Predicted best "
+        f"`{best_predicted}`; measured best (held out per round) {', '.join(f'`{p}`' for p in held_out)}; "
+        f"the predicted best measures {statistics.median(of_best):.2f}x the measured best "
+        f"({'within' if agree else 'NOT within'} 5%).",
+    ]
+    return "\n".join(lines), errors, agree
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the calibration, print and write the report; return it."""
+    parser = harness.argument_parser(__doc__, "tiny models, one round", "rounds")
+    parser.add_argument("--model", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--schedule", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        sizes = replace(sizes, rounds=args.rounds)
+    out = results_path("calibration", args.out, args.force)
+    started = time.perf_counter()
+    sections = [harness.header("Step model calibration", "calibration", argv, [harness.REAL])]
+    all_errors: list[float] = []
+    agreements = []
+    for model in args.model:
+        for schedule in args.schedule:
+            text, errors, agree = section(model, schedule, sizes)
+            sections.append(text)
+            all_errors += errors
+            agreements.append(agree)
+    sections.append(
+        f"Over all {len(all_errors)} placements: median |error| {statistics.median(all_errors):.1%}, worst "
+        f"{max(all_errors):.1%}; the predicted best within 5% of the measured best in "
+        f"{sum(agreements)} of {len(agreements)} (model, schedule) pairs."
+    )
+    report = "\n\n".join(sections)
+    harness.finish("calibration", out, sections, started)
+    return report
+
+
+if __name__ == "__main__":
+    main()
