@@ -8,19 +8,23 @@ inputs are exact and only the model, and what it leaves out, can miss.
 
 Per (ranks, schedule), one job of that many gloo ranks:
 
-1. ``--overhead-steps`` steps with every sleep set to zero at the first placement: what the runtime
-   costs besides the layers' work (the tiny real blocks, embedding and head, sends, the schedule's
-   bookkeeping). Its median step over the simulated step of the same actions at one unit each gives a
-   per-action overhead (``per_op_s``), measured in the run and never fitted to the compared steps.
+1. ``--overhead-steps`` steps with every sleep set to (almost) zero at the first placement: what the
+   runtime costs besides the layers' sleeps. Less the blocks' own compute (timed alone in this process,
+   :func:`block_compute_ms`), spread over the actions' longest chain (the simulated step at 1 s an action),
+   it gives a cost per action (``per_op_s``): sends, receives, the schedule's bookkeeping, mostly latency
+   rather than CPU the ranks queue for. Measured in the run, never fitted to the compared steps.
 2. ``--rounds`` rounds visiting each candidate placement (``--warm`` untimed steps after the migration,
    ``--measure`` timed): the uniform split, the exact min-max partition of the true costs, the schedule
    model's best (:func:`~lightning_dynmo.balancing.step_prediction.refine`) and a skewed split.
 
-For each candidate it prints the predicted step with and without the measured overhead, the measured
-median and the error, and which candidate each ranks first. ZBVZeroBubble splits backward into input and
-weight gradients: an emulated block sleeps in its input gradient only (its sleep sits on the input's
-path), so the jobs predict with ``weight_grad_share=0``. **Emulated cost**; more ranks than cores, so
-the runtime's own overhead is inflated by sharing 2 cores (that is what the overhead column measures).
+For each candidate it prints the predicted step from the sleeps as asked (no overhead), the predicted
+step with what the run measured (each layer's sleep as it took, a sleep waking late on a busy machine,
+:data:`~lightning_dynmo.demos.cost.SLEEPS` per rank as that worker's slowdown; plus its block's own
+compute; plus ``per_op_s`` an action), the measured median and the error, and which candidate each
+ranks first. ZBVZeroBubble splits backward into input and weight gradients: an emulated block sleeps in
+its input gradient only (its sleep sits on the input's path), so the jobs predict with
+``weight_grad_share=0``. Sleeps are ``--scale`` times a fixed pattern (2-8 ms forward per micro-batch
+at 1.0), so the runtime's own cost is a small part of a step. **Emulated cost.**
 
     python -m benchmarks.step_model            # 4 and 8 ranks x 3 schedules: ~15 minutes on 2 cores
     python -m benchmarks.step_model --quick    # smoke run (2 ranks, 1F1B, one round): not figures
@@ -34,6 +38,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,17 +46,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
 from benchmarks.gpt_pipeline import PlacementSweep, visit_schedule
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
+from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.step_prediction import ScheduleOrder, per_action_s, predict_step, refine
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
+from lightning_dynmo.demos.cost import SLEEPS
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+#: The zero-sleep phase's sleep: not 0, so a block runs the same code (an autograd function and a
+#: sleep call) as with its cost, and only the cost is missing.
+TINY_MS = 1e-6
 #: Forward sleep of each block per micro-batch, ms, cycled over the layers (backward sleeps twice).
 PATTERN_MS = (2.0, 3.0, 5.0, 8.0, 3.0, 2.0, 6.0, 4.0)
 
@@ -64,6 +75,7 @@ class Options:
     warm: int = 2
     measure: int = 4
     rounds: int = 2
+    scale: float = 3.0  # sleeps are this many times PATTERN_MS
 
 
 @dataclass(frozen=True)
@@ -84,17 +96,44 @@ class StepModelJob:
     def num_stages(self) -> int:
         return self.ranks * resolve_schedule(self.schedule).stages_per_rank
 
-    def costs(self) -> list[LayerCost]:
-        """Per layer, one step's true sleep (all micro-batches), seconds."""
-        m = self.microbatches
-        return [LayerCost(fwd_time_s=m * f / 1e3, bwd_time_s=m * 2 * f / 1e3) for f in self.fwd_ms]
+    def costs(self, block_ms: tuple[float, float] = (0.0, 0.0)) -> list[LayerCost]:
+        """Per layer, one step's sleep (all micro-batches) plus the block's own compute, seconds."""
+        m, (fwd, bwd) = self.microbatches, block_ms
+        return [
+            LayerCost(fwd_time_s=m * (f + fwd) / 1e3, bwd_time_s=m * (2 * f + bwd) / 1e3) for f in self.fwd_ms
+        ]
+
+    def model(self) -> DemoGPT:
+        """The job's DemoGPT (tiny real blocks, each followed by its sleep)."""
+        return DemoGPT(
+            num_layers=len(self.fwd_ms), sleep_ms=list(self.fwd_ms), d_model=16, vocab_size=32, seq_len=8
+        )
+
+
+def block_compute_ms(job: StepModelJob, repeats: int = 200) -> tuple[float, float]:
+    """One block's own forward and backward on one micro-batch, ms (medians, in this process): its compute
+    and its sleep's code (an autograd function, a sleep call), with the sleep itself set aside."""
+    torch.set_num_threads(1)
+    block = job.model().layers["0"]
+    block.cost.fwd_ms = block.cost.bwd_ms = TINY_MS  # type: ignore[union-attr]  # its sleep's code, no sleep
+    x = torch.randn(1, 8, 16, requires_grad=True)
+    fwd, both = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = block(x)
+        middle = time.perf_counter()
+        out.sum().backward()
+        fwd.append(middle - start)
+        both.append(time.perf_counter() - start)
+    f, t = statistics.median(fwd), statistics.median(both)
+    return 1e3 * f, 1e3 * (t - f)
 
 
 def job_for(schedule: str, ranks: int, options: Options, layers_per_stage: int = 2) -> StepModelJob:
     """The job of ``ranks`` ranks under ``schedule``, candidates: uniform, min-max, model, skewed."""
     stages = ranks * resolve_schedule(schedule).stages_per_rank
     num_layers = layers_per_stage * stages
-    fwd = tuple(PATTERN_MS[i % len(PATTERN_MS)] for i in range(num_layers))
+    fwd = tuple(options.scale * PATTERN_MS[i % len(PATTERN_MS)] for i in range(num_layers))
     job = StepModelJob(schedule, ranks, fwd, (), options)
     problem, order = BalanceProblem(job.costs()), _order(schedule)
     minmax = partition(problem, stages)
@@ -112,7 +151,7 @@ def _order(schedule: str) -> ScheduleOrder:
 
 
 class _ZeroSleepFirst(pl.Callback):
-    """Every local block sleeps nothing for the first ``steps`` steps, then its own cost again."""
+    """Every local block sleeps (almost) nothing for the first ``steps`` steps, then its own cost again."""
 
     def __init__(self, steps: int, fwd_ms: Sequence[float]) -> None:
         self.steps, self.fwd_ms = steps, list(fwd_ms)
@@ -122,10 +161,25 @@ class _ZeroSleepFirst(pl.Callback):
             return
         strategy = trainer.strategy
         assert isinstance(strategy, DynMoStrategy)
+        if batch_idx == self.steps:
+            SLEEPS.requested_s = SLEEPS.slept_s = 0.0  # count the measured phase's sleeps only
         for index, block in strategy.local_layers.items():
             cost: Any = block.cost  # type: ignore[union-attr]
             on = batch_idx == self.steps
-            cost.fwd_ms, cost.bwd_ms = (self.fwd_ms[index], 2 * self.fwd_ms[index]) if on else (0.0, 0.0)
+            fwd = self.fwd_ms[index] if on else TINY_MS
+            cost.fwd_ms, cost.bwd_ms = fwd, 2 * fwd
+
+
+class _SleepsOfEveryRank(pl.Callback):
+    """At the end of training, every rank's sleep overshoot, by global rank (the group is still up)."""
+
+    def __init__(self) -> None:
+        self.overshoot: list[float] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, SLEEPS.overshoot)
+        self.overshoot = [float(v) for v in gathered]
 
 
 def run_job(job: StepModelJob) -> dict[str, Any]:
@@ -138,11 +192,10 @@ def run_job(job: StepModelJob) -> dict[str, Any]:
     strategy = DynMoStrategy(
         num_microbatches=job.microbatches, schedule=job.schedule, placement=job.candidates[0]
     )
-    callbacks = [timer, _ZeroSleepFirst(o.overhead_steps, job.fwd_ms), PlacementSweep(schedule)]
+    sleeps = _SleepsOfEveryRank()
+    callbacks = [timer, _ZeroSleepFirst(o.overhead_steps, job.fwd_ms), PlacementSweep(schedule), sleeps]
     trainer = benchmark_trainer(strategy, callbacks, len(schedule), devices=job.ranks)
-    model = DemoGPT(
-        num_layers=len(job.fwd_ms), sleep_ms=list(job.fwd_ms), d_model=16, vocab_size=32, seq_len=8
-    )
+    model = job.model()
     m = job.microbatches
     trainer.fit(
         model, RandomTokenDataModule(batch_size=m, num_samples=m * len(schedule), seq_len=8, vocab_size=32)
@@ -152,38 +205,64 @@ def run_job(job: StepModelJob) -> dict[str, Any]:
     for (placement, is_timed), step_s in zip(sweep, timer.step_s[o.overhead_steps :], strict=True):
         if is_timed:
             timed.setdefault(placement, []).append(step_s)
-    return {"overhead_s": overhead, "timed_s": timed}
+    return {"overhead_s": overhead, "timed_s": timed, "overshoot": sleeps.overshoot}
 
 
-def per_op_overhead(job: StepModelJob, zero_sleep_step_s: float) -> float:
-    """Seconds per action: the zero-sleep step over the simulated step of the same actions at 1 s each."""
-    return per_action_s(_order(job.schedule), job.num_stages, job.microbatches, zero_sleep_step_s)
+def per_op_overhead(job: StepModelJob, zero_sleep_step_s: float, block_ms: tuple[float, float]) -> float:
+    """Seconds per action: the zero-sleep step beyond its blocks' own compute, over the actions' longest
+    chain (mostly latency: a send, a receive, the schedule's bookkeeping, not CPU the ranks queue for)."""
+    blocks_only = dataclasses.replace(job, fwd_ms=tuple(0.0 for _ in job.fwd_ms))
+    beyond = zero_sleep_step_s - predicted_ms(blocks_only, job.candidates[0], 0.0, None, block_ms) / 1e3
+    return per_action_s(_order(job.schedule), job.num_stages, job.microbatches, beyond)
 
 
-def predicted_ms(job: StepModelJob, placement: str, per_op_s: float) -> float:
-    """The schedule model's step of ``placement``, ms, with ``per_op_s`` added to every action."""
-    problem, p = BalanceProblem(job.costs()), Placement.from_string(placement)
-    return 1e3 * predict_step(problem, p, _order(job.schedule), job.microbatches, per_op_s=per_op_s).step_s
+def predicted_ms(
+    job: StepModelJob,
+    placement: str,
+    per_op_s: float,
+    overshoot: Sequence[float] | None = None,
+    block_ms: tuple[float, float] = (0.0, 0.0),
+) -> float:
+    """The schedule model's step of ``placement``, ms: each layer costs its sleep plus ``block_ms`` (its
+    block's own compute), rank ``r``'s time ``overshoot[r]`` times as long (its sleeps woke that late: a
+    worker slowdown), ``per_op_s`` added to every action."""
+    p, order = Placement.from_string(placement), _order(job.schedule)
+    actions = order.actions(p.num_stages, job.microbatches)
+    workers = [
+        next(r for r, acts in enumerate(actions) if any(a[0] == s for a in acts)) for s in range(p.num_stages)
+    ]
+    problem = BalanceProblem(
+        job.costs(block_ms), hardware=Hardware(worker_slowdown=list(overshoot) if overshoot else None)
+    )
+    step = predict_step(problem, p, order, job.microbatches, stage_workers=workers, per_op_s=per_op_s)
+    return 1e3 * step.step_s
 
 
 def job_section(job: StepModelJob, result: dict[str, Any]) -> tuple[list[str], list[float]]:
     """The table of one job and its errors (with the overhead), as fractions."""
-    zero = statistics.median(result["overhead_s"])
-    per_op = per_op_overhead(job, zero)
+    zero, overshoot, block_ms = (
+        statistics.median(result["overhead_s"]),
+        result["overshoot"],
+        result["block_ms"],
+    )
+    per_op = per_op_overhead(job, zero, block_ms)
     lines = [
         f"### {job.ranks} ranks, {job.schedule} ({job.num_stages} stages, {len(job.fwd_ms)} layers, "
         f"{job.microbatches} micro-batches)",
         "",
         f"Zero-sleep step {1e3 * zero:.1f} ms (median of {len(result['overhead_s'])}): "
-        f"{1e3 * per_op:.2f} ms per action.",
+        f"a block's own compute {block_ms[0]:.2f} + {block_ms[1]:.2f} ms a micro-batch, the rest "
+        f"{1e3 * per_op:.2f} ms per action. Sleeps took {min(overshoot):.3f}-{max(overshoot):.3f}x what "
+        "they asked (per rank, the measured phase).",
         "",
-        "| placement | predicted, no overhead (ms) | predicted (ms) | measured (ms) | error |",
+        "| placement | predicted from the asked sleeps, no overhead (ms) | predicted (ms) | measured (ms) "
+        "| error |",
         "|---|---|---|---|---|",
     ]
     errors, measured, predicted = [], {}, {}
     for name in job.candidates:
         measured[name] = 1e3 * statistics.median(result["timed_s"][name])
-        predicted[name] = predicted_ms(job, name, per_op)
+        predicted[name] = predicted_ms(job, name, per_op, overshoot, block_ms)
         error = (predicted[name] - measured[name]) / measured[name]
         errors.append(error)
         bare = predicted_ms(job, name, 0.0)
@@ -203,14 +282,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--rounds", type=int, default=Options.rounds)
+    parser.add_argument("--scale", type=float, default=Options.scale, help="sleep multiplier")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1F1B, 1 round: a smoke run")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
-    options = Options(rounds=args.rounds)
+    options = Options(rounds=args.rounds, scale=args.scale)
     shapes = [(s, r) for r in args.ranks for s in args.schedule]
     if args.quick:
-        options, shapes = Options(overhead_steps=3, warm=1, measure=1, rounds=1), [("1F1B", 2)]
+        options, shapes = Options(overhead_steps=3, warm=1, measure=1, rounds=1, scale=1.0), [("1F1B", 2)]
     out = results_path("step_model", args.out, args.force)
     torch.set_num_threads(1)
     command = "python -m benchmarks.step_model" + "".join(
@@ -220,7 +300,8 @@ def main(argv: list[str] | None = None) -> str:
     all_errors = []
     for schedule, ranks in shapes:
         job = job_for(schedule, ranks, options)
-        section, errors = job_section(job, launch(run_job, job, nproc=ranks, start_method="fork"))
+        result = {**launch(run_job, job, nproc=ranks, start_method="fork"), "block_ms": block_compute_ms(job)}
+        section, errors = job_section(job, result)
         lines += section
         all_errors += [abs(e) for e in errors]
         print("\n".join(section), flush=True)

@@ -1,12 +1,15 @@
 """Emulated layer cost: sleep in forward and backward, using no CPU.
 
 Sleeping keeps pipeline timings meaningful even with more processes than cores (measured in
-``shared/notes/feasibility.md`` section 6), so balance can be benchmarked on a small machine.
+``shared/notes/feasibility.md`` section 6), so balance can be benchmarked on a small machine. A sleep
+wakes late on a busy machine: :data:`SLEEPS` adds up, per process, what was asked and what was slept,
+so a benchmark can state the costs its layers really had.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,19 +17,43 @@ from torch import Tensor
 
 from lightning_dynmo.demos import hardware
 
-__all__ = ["EmulatedCost", "check_emulated_ms"]
+__all__ = ["SLEEPS", "EmulatedCost", "SleepAccount", "check_emulated_ms"]
+
+
+@dataclass
+class SleepAccount:
+    """What this process's emulated costs asked to sleep and how long they slept, seconds."""
+
+    requested_s: float = 0.0
+    slept_s: float = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep ``seconds`` and count it."""
+        start = time.perf_counter()
+        time.sleep(seconds)
+        self.requested_s += seconds
+        self.slept_s += time.perf_counter() - start
+
+    @property
+    def overshoot(self) -> float:
+        """Slept over requested (1.0 before any sleep)."""
+        return self.slept_s / self.requested_s if self.requested_s > 0 else 1.0
+
+
+#: This process's account of every emulated sleep.
+SLEEPS = SleepAccount()
 
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, fwd_s: float, bwd_s: float) -> Tensor:
         ctx.bwd_s = bwd_s
-        time.sleep(fwd_s)
+        SLEEPS.sleep(fwd_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        time.sleep(ctx.bwd_s)
+        SLEEPS.sleep(ctx.bwd_s)
         return grad, None, None
 
 

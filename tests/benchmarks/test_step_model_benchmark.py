@@ -9,7 +9,7 @@ def test_quick_step_model_benchmark_writes_predicted_against_measured(tmp_path):
     assert out.read_text() == report + "\n"
     assert f"`python -m benchmarks.step_model --quick --out {out}`" in report
     assert "### 2 ranks, 1F1B (2 stages, 4 layers, 4 micro-batches)" in report
-    assert "| placement | predicted, no overhead (ms) | predicted (ms) | measured (ms) | error |" in report
+    assert "| placement | predicted from the asked sleeps, no overhead (ms) | predicted (ms) | measured (ms) | error |" in report
     assert report.count("| `0-") == 3  # uniform, min-max (also the model's best here), skewed
     assert "Predicted best `" in report and "median |error|" in report
 
