@@ -8,7 +8,7 @@ rank: the uniform split and every split one boundary-move from it).
 
 Per (model, schedule), interleaved rounds (:func:`benchmarks.harness.run_rounds`, the job order rotated):
 
-- a **profile** job at the uniform split: ``DynMoCallback(balancer="static")`` profiles one window (its
+- a **profile** job at the uniform split: ``DynMoCallback(min_gain=0.99)`` profiles one window (its
   blocks, first and last parts, links) and moves nothing; its costs give each placement's prediction
   (:func:`lightning_dynmo.balancing.step_prediction.predict_step` on torch's action lists). The runtime's
   own cost per action (``per_op_s``) is what the profile job's steps before its window took beyond their
@@ -49,6 +49,7 @@ from lightning_dynmo.strategy import DynMoStrategy
 
 MODELS = ("gpt", "gpt2")
 PROFILE_FROM = 4  # a profile job's steps 1-3 (no hooks yet) measure the runtime's own cost per action
+PROFILE_STEPS = 3  # then one window of this many profiled steps
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
 
 
@@ -63,13 +64,13 @@ class Sizes:
     vocab_size: int = 8192
     batch_size: int = 8
     microbatches: int = 4
-    steps: int = 14
+    steps: int = 16
     skip: int = 4
     rounds: int = 3
 
 
 FULL = Sizes()
-QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=6, skip=2, rounds=1)
+QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=10, skip=2, rounds=1)
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,9 @@ def run_calibration_job(job: CalibrationJob) -> dict[str, Any]:
     callbacks: list[pl.Callback] = [timer]
     dynmo = None
     if job.profile:  # one window after PROFILE_FROM steps; static: it decides, never moves
-        window = ProfilingConfig(steps=job.sizes.steps - PROFILE_FROM - 1, measure_comm=True)
-        dynmo = DynMoCallback(balancer="static", every_n_steps=job.sizes.steps - 1, profiling=window)
+        window = ProfilingConfig(steps=PROFILE_STEPS, measure_comm=True)
+        # It profiles and decides; a 99% minimum gain keeps the placement (a static balancer never profiles).
+        dynmo = DynMoCallback(min_gain=0.99, every_n_steps=PROFILE_FROM, profiling=window)
         callbacks.append(dynmo)
     strategy = DynMoStrategy(
         num_microbatches=job.sizes.microbatches, schedule=job.schedule, placement=job.placement
