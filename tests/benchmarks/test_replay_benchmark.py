@@ -14,7 +14,7 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
     report = replay_main(["--quick", "--out", str(out)])
     assert out.read_text() == report + "\n"
     assert f"`python -m benchmarks.replay --quick --out {out}`" in report
-    assert "### synthetic, 2 ranks (4 layers, cost curve: proportional)" in report
+    assert "### synthetic, 2 ranks (4 layers, cost curve: proportional" in report
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
         assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
     assert "of the best fixed placement" in report and "slower than static beyond noise" in report
