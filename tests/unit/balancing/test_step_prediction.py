@@ -163,3 +163,8 @@ def test_a_measured_weight_gradient_sets_the_split_and_an_unmeasured_one_takes_t
     assert predict_step(unmeasured, placement, order, 1).step_s == pytest.approx(10.0)
     with pytest.raises(ValueError, match=r"bwd_weight_time_s=5\.0 exceeds bwd_time_s=4\.0"):
         dataclasses.replace(head, bwd_weight_time_s=5.0)
+
+
+def test_a_schedule_order_without_callable_actions_is_refused():
+    with pytest.raises(ValueError, match=r"actions=\[\] must be a callable \(num_stages, num_microbatches\)"):
+        ScheduleOrder("1F1B", [])  # type: ignore[arg-type]
