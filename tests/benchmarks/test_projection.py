@@ -28,8 +28,8 @@ def test_projection_keeps_interleaving_through_the_schedules_action_lists():
 
 
 def test_projection_costs_the_head():
-    stats = dense_trace(8)
-    with_head, free = cost_trace(stats), cost_trace(stats, head=False)
+    stats = dense_trace(8)  # stand-in costs (curves=None): the head's multiply-adds over a block's
+    with_head, free = cost_trace(stats, curves=None), cost_trace(stats, head=False, curves=None)
     assert with_head.rows[0].last.fwd_time_s == pytest.approx(head_blocks()) and head_blocks() > 5
     shape = Shape(4, "1F1B", 8)
     # A free head: equal layers are the best split; a costed head moves layers off the last stage.
