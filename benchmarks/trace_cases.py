@@ -204,7 +204,7 @@ def cost_trace(
         curves: The folder of measured cost-curve files (:func:`newest_cost_curves`): the case's curve
             and the parts from the newest one where it has them; ``None``: stand-ins only.
     """
-    case = CASES[stats.case]
+    name, case = stats.case, CASES[stats.case]
     if dense:
         if case.dense_statistic is None:
             raise ValueError(f"case {stats.case!r} has no model without its dynamism to compare with.")
@@ -218,7 +218,7 @@ def cost_trace(
         (ef, eb), (hf, hb) = measured["parts"]["embedding"], measured["parts"]["head_and_loss"]
         first = LayerCost(fwd_time_s=ef / unit, bwd_time_s=eb / unit)
         last = LayerCost(fwd_time_s=hf / unit, bwd_time_s=hb / unit)
-    curve = case_curve(stats.case, measured)
+    curve = case_curve(name, measured)  # the case's curve: ``stats.uniform`` renames the trace
     return CostTrace.build(stats, curve, first if head else None, last if head else None)
 
 

@@ -33,15 +33,21 @@ def test_quick_mode_writes_every_case_with_points_label_fit_and_hardware(quick_f
     assert set(data["parts"]) == {"dense_block", "embedding", "head_and_loss"}
 
 
-def test_pruning_reports_every_kernel_and_a_winner_per_density(quick_file):
+def test_pruning_reports_every_kernel_and_uses_the_fastest_unstructured_one(quick_file):
     pruning = json.loads(quick_file.read_text())["cases"]["pruning"]
     assert [p[0] for p in pruning["points"]] == list(cost_curves.DENSITIES)
-    for density, row in pruning["kernels_s"].items():
+    block_fwd, block_bwd = pruning["dense_block_s"]
+    for (density, row), (_, fwd, bwd) in zip(pruning["kernels_s"].items(), pruning["points"], strict=True):
         assert set(row) == set(cost_curves.KERNELS)
-        assert pruning["winners"][density] in {*cost_curves.KERNELS, "emulated"}
+        winner = pruning["winners"][density]
+        # Only a kernel that runs unstructured sparsity (never BSR's tiles), the faster of the two:
+        assert winner in cost_curves.UNSTRUCTURED
+        assert sum(row[winner]) == min(sum(row[k]) for k in cost_curves.UNSTRUCTURED)
+        dense, used = row["dense"], row[winner]
+        assert fwd == pytest.approx(block_fwd - dense[0] + used[0])
+        assert bwd == pytest.approx(block_bwd - dense[1] + used[1])
     assert pruning["semi_structured_2_4"]  # "supported" or why not
-    if any(w == "emulated" for w in pruning["winners"].values()):
-        assert "emulated" in pruning["label"]
+    assert "unstructured" in pruning["label"]
 
 
 def test_freezing_curve_is_forward_only_when_frozen(quick_file):
@@ -71,3 +77,13 @@ def test_trace_cases_uses_the_newest_measured_curve_and_stand_ins_otherwise(quic
     moe = StatisticTrace("moe", "ratio", "-", (0,), ((1.0, 2.0),), "test")
     assert "stand-in" in trace_cases.cost_trace(moe, curves=tmp_path).curve_label
     assert "stand-in" in trace_cases.cost_trace(stats, curves=None).curve_label
+
+
+def test_the_model_without_its_dynamism_uses_the_cases_measured_curve(quick_file, tmp_path):
+    (tmp_path / "cost_curves-2999-01-01.json").write_text(quick_file.read_text())
+    stats = StatisticTrace("pruning", "density", "fraction", (0,), ((0.1, 0.5),), "test")
+    dense = trace_cases.cost_trace(stats, dense=True, curves=tmp_path)  # renames the trace's case
+    assert dense.curve_label.startswith("measured (cost_curves-2999-01-01.json)")
+    sparse = trace_cases.cost_trace(stats, curves=tmp_path)
+    costs = [r.layers for r in (dense.rows[0], sparse.rows[0])]
+    assert costs[0][0] == costs[0][1] and costs[0][1] == costs[1][1]  # density 1.0 (dense) everywhere
