@@ -8,20 +8,28 @@ inputs are exact and only the model, and what it leaves out, can miss.
 
 Per (ranks, schedule), one job of that many gloo ranks:
 
-1. ``--overhead-steps`` steps with every sleep set to (almost) zero at the first placement: what the
-   runtime costs besides the layers' sleeps. Less the blocks' own compute (timed alone in this process,
-   :func:`block_compute_ms`), spread over the actions' longest chain (the simulated step at 1 s an action),
-   it gives a cost per action (``per_op_s``): sends, receives, the schedule's bookkeeping, mostly latency
-   rather than CPU the ranks queue for. Measured in the run, never fitted to the compared steps.
+1. ``--calibrate-steps`` steps at the first candidate (the uniform split) with every block sleeping its
+   cost: what the runtime costs besides the layers' sleeps and the blocks' own compute (timed alone in
+   this process, :func:`block_compute_ms`) is found as the cost per action (``per_op_s``) at which the
+   schedule model reproduces this phase's median step
+   (:func:`~lightning_dynmo.balancing.step_prediction.fit_per_op`): sends, receives, the schedule's
+   bookkeeping, as they cost where the runtime really runs the pipeline. These steps are never compared;
+   DynMo's policy can fit it the same way on the placement it runs.
 2. ``--rounds`` rounds visiting each candidate placement (``--warm`` untimed steps after the migration,
    ``--measure`` timed): the uniform split, the exact min-max partition of the true costs, the schedule
    model's best (:func:`~lightning_dynmo.balancing.step_prediction.refine`) and a skewed split.
+
+An earlier version took ``per_op_s`` from steps whose blocks slept nothing: every rank then computes at
+once and queues for the 2 cores, so it overstated what an action costs in a pipeline that mostly sleeps
+(errors up to +4.4% at 8 ranks, ``results/step_model-2026-11-26.md``).
 
 For each candidate it prints the predicted step from the sleeps as asked (no overhead), the predicted
 step with what the run measured (each layer's sleep as it took, a sleep waking late on a busy machine,
 :data:`~lightning_dynmo.demos.cost.SLEEPS` per rank as that worker's slowdown; plus its block's own
 compute; plus ``per_op_s`` an action), the measured median and the error, and which candidate each
-ranks first. ZBVZeroBubble splits backward into input and weight gradients: an emulated block sleeps in
+ranks first; the errors are summarised over every candidate and over the candidates other than the
+calibration's placement (whose compared steps are other steps than the calibration's, at the same
+placement). ZBVZeroBubble splits backward into input and weight gradients: an emulated block sleeps in
 its input gradient only (its sleep sits on the input's path), so the jobs predict with
 ``weight_grad_share=0``. Sleeps are ``--scale`` times a fixed pattern (2-8 ms forward per micro-batch
 at 1.0), so the runtime's own cost is a small part of a step. **Emulated cost.**
@@ -53,15 +61,15 @@ from benchmarks.gpt_pipeline import PlacementSweep, visit_schedule
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
 from lightning_dynmo.balancing.hardware import Hardware
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, per_action_s, predict_step, refine
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, fit_per_op, predict_step, refine
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.cost import SLEEPS
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
-#: The zero-sleep phase's sleep: not 0, so a block runs the same code (an autograd function and a
-#: sleep call) as with its cost, and only the cost is missing.
+#: A block timed alone sleeps this: not 0, so it runs the same code (an autograd function and a sleep
+#: call) as with its cost, and only the cost is missing.
 TINY_MS = 1e-6
 #: Forward sleep of each block per micro-batch, ms, cycled over the layers (backward sleeps twice).
 PATTERN_MS = (2.0, 3.0, 5.0, 8.0, 3.0, 2.0, 6.0, 4.0)
@@ -71,7 +79,7 @@ PATTERN_MS = (2.0, 3.0, 5.0, 8.0, 3.0, 2.0, 6.0, 4.0)
 class Options:
     """How long each part of a job runs."""
 
-    overhead_steps: int = 5
+    calibrate_steps: int = 5
     warm: int = 2
     measure: int = 4
     rounds: int = 2
@@ -150,26 +158,6 @@ def _order(schedule: str) -> ScheduleOrder:
     return dataclasses.replace(order, weight_grad_share=0.0)
 
 
-class _ZeroSleepFirst(pl.Callback):
-    """Every local block sleeps (almost) nothing for the first ``steps`` steps, then its own cost again."""
-
-    def __init__(self, steps: int, fwd_ms: Sequence[float]) -> None:
-        self.steps, self.fwd_ms = steps, list(fwd_ms)
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx not in (0, self.steps):
-            return
-        strategy = trainer.strategy
-        assert isinstance(strategy, DynMoStrategy)
-        if batch_idx == self.steps:
-            SLEEPS.requested_s = SLEEPS.slept_s = 0.0  # count the measured phase's sleeps only
-        for index, block in strategy.local_layers.items():
-            cost: Any = block.cost  # type: ignore[union-attr]
-            on = batch_idx == self.steps
-            fwd = self.fwd_ms[index] if on else TINY_MS
-            cost.fwd_ms, cost.bwd_ms = fwd, 2 * fwd
-
-
 class _SleepsOfEveryRank(pl.Callback):
     """At the end of training, every rank's sleep overshoot, by global rank (the group is still up)."""
 
@@ -187,33 +175,51 @@ def run_job(job: StepModelJob) -> dict[str, Any]:
     torch.set_num_threads(1)
     o = job.options
     sweep = visit_schedule(job.candidates, o.warm, o.measure, o.rounds, lead_steps=1)
-    schedule = [(job.candidates[0], False)] * o.overhead_steps + sweep
+    schedule = [(job.candidates[0], False)] * o.calibrate_steps + sweep
     timer = StepTimer()
     strategy = DynMoStrategy(
         num_microbatches=job.microbatches, schedule=job.schedule, placement=job.candidates[0]
     )
     sleeps = _SleepsOfEveryRank()
-    callbacks = [timer, _ZeroSleepFirst(o.overhead_steps, job.fwd_ms), PlacementSweep(schedule), sleeps]
+    callbacks = [timer, PlacementSweep(schedule), sleeps]
     trainer = benchmark_trainer(strategy, callbacks, len(schedule), devices=job.ranks)
     model = job.model()
     m = job.microbatches
     trainer.fit(
         model, RandomTokenDataModule(batch_size=m, num_samples=m * len(schedule), seq_len=8, vocab_size=32)
     )
-    overhead = timer.step_s[1 : o.overhead_steps]  # the first step builds the pipeline
+    calibration = timer.step_s[1 : o.calibrate_steps]  # the first step builds the pipeline
     timed: dict[str, list[float]] = {}
-    for (placement, is_timed), step_s in zip(sweep, timer.step_s[o.overhead_steps :], strict=True):
+    for (placement, is_timed), step_s in zip(sweep, timer.step_s[o.calibrate_steps :], strict=True):
         if is_timed:
             timed.setdefault(placement, []).append(step_s)
-    return {"overhead_s": overhead, "timed_s": timed, "overshoot": sleeps.overshoot}
+    return {"calibration_s": calibration, "timed_s": timed, "overshoot": sleeps.overshoot}
 
 
-def per_op_overhead(job: StepModelJob, zero_sleep_step_s: float, block_ms: tuple[float, float]) -> float:
-    """Seconds per action: the zero-sleep step beyond its blocks' own compute, over the actions' longest
-    chain (mostly latency: a send, a receive, the schedule's bookkeeping, not CPU the ranks queue for)."""
-    blocks_only = dataclasses.replace(job, fwd_ms=tuple(0.0 for _ in job.fwd_ms))
-    beyond = zero_sleep_step_s - predicted_ms(blocks_only, job.candidates[0], 0.0, None, block_ms) / 1e3
-    return per_action_s(_order(job.schedule), job.num_stages, job.microbatches, beyond)
+def per_op_overhead(
+    job: StepModelJob, calibration_step_s: float, overshoot: Sequence[float], block_ms: tuple[float, float]
+) -> float:
+    """Seconds per action: the one at which the schedule model reproduces the calibration's median step
+    at the first candidate (its sleeps as they took, its blocks' own compute)."""
+    problem, placement, order, workers = _prediction_inputs(job, job.candidates[0], overshoot, block_ms)
+    return fit_per_op(problem, placement, order, job.microbatches, calibration_step_s, workers)
+
+
+def _prediction_inputs(
+    job: StepModelJob,
+    placement: str,
+    overshoot: Sequence[float] | None,
+    block_ms: tuple[float, float],
+) -> tuple[BalanceProblem, Placement, ScheduleOrder, list[int]]:
+    p, order = Placement.from_string(placement), _order(job.schedule)
+    actions = order.actions(p.num_stages, job.microbatches)
+    workers = [
+        next(r for r, acts in enumerate(actions) if any(a[0] == s for a in acts)) for s in range(p.num_stages)
+    ]
+    problem = BalanceProblem(
+        job.costs(block_ms), hardware=Hardware(worker_slowdown=list(overshoot) if overshoot else None)
+    )
+    return problem, p, order, workers
 
 
 def predicted_ms(
@@ -226,52 +232,49 @@ def predicted_ms(
     """The schedule model's step of ``placement``, ms: each layer costs its sleep plus ``block_ms`` (its
     block's own compute), rank ``r``'s time ``overshoot[r]`` times as long (its sleeps woke that late: a
     worker slowdown), ``per_op_s`` added to every action."""
-    p, order = Placement.from_string(placement), _order(job.schedule)
-    actions = order.actions(p.num_stages, job.microbatches)
-    workers = [
-        next(r for r, acts in enumerate(actions) if any(a[0] == s for a in acts)) for s in range(p.num_stages)
-    ]
-    problem = BalanceProblem(
-        job.costs(block_ms), hardware=Hardware(worker_slowdown=list(overshoot) if overshoot else None)
-    )
+    problem, p, order, workers = _prediction_inputs(job, placement, overshoot, block_ms)
     step = predict_step(problem, p, order, job.microbatches, stage_workers=workers, per_op_s=per_op_s)
     return 1e3 * step.step_s
 
 
-def job_section(job: StepModelJob, result: dict[str, Any]) -> tuple[list[str], list[float]]:
-    """The table of one job and its errors (with the overhead), as fractions."""
-    zero, overshoot, block_ms = (
-        statistics.median(result["overhead_s"]),
+def job_section(job: StepModelJob, result: dict[str, Any]) -> tuple[list[str], list[float], list[float]]:
+    """The table of one job; its errors (fractions) over every candidate and over the candidates other
+    than the calibration's placement."""
+    calibration, overshoot, block_ms = (
+        statistics.median(result["calibration_s"]),
         result["overshoot"],
         result["block_ms"],
     )
-    per_op = per_op_overhead(job, zero, block_ms)
+    per_op = per_op_overhead(job, calibration, overshoot, block_ms)
     lines = [
         f"### {job.ranks} ranks, {job.schedule} ({job.num_stages} stages, {len(job.fwd_ms)} layers, "
         f"{job.microbatches} micro-batches)",
         "",
-        f"Zero-sleep step {1e3 * zero:.1f} ms (median of {len(result['overhead_s'])}): "
-        f"a block's own compute {block_ms[0]:.2f} + {block_ms[1]:.2f} ms a micro-batch, the rest "
-        f"{1e3 * per_op:.2f} ms per action. Sleeps took {min(overshoot):.3f}-{max(overshoot):.3f}x what "
-        "they asked (per rank, the measured phase).",
+        f"Calibration: `{job.candidates[0]}` stepped {1e3 * calibration:.1f} ms (median of "
+        f"{len(result['calibration_s'])}); a block's own compute {block_ms[0]:.2f} + {block_ms[1]:.2f} ms "
+        f"a micro-batch; the model matches that step at {1e3 * per_op:.3f} ms per action. Sleeps took "
+        f"{min(overshoot):.3f}-{max(overshoot):.3f}x what they asked (per rank).",
         "",
         "| placement | predicted from the asked sleeps, no overhead (ms) | predicted (ms) | measured (ms) "
         "| error |",
         "|---|---|---|---|---|",
     ]
-    errors, measured, predicted = [], {}, {}
+    errors, others, measured, predicted = [], [], {}, {}
     for name in job.candidates:
         measured[name] = 1e3 * statistics.median(result["timed_s"][name])
         predicted[name] = predicted_ms(job, name, per_op, overshoot, block_ms)
         error = (predicted[name] - measured[name]) / measured[name]
         errors.append(error)
+        if name != job.candidates[0]:
+            others.append(error)
         bare = predicted_ms(job, name, 0.0)
+        mark = " (calibration's placement)" if name == job.candidates[0] else ""
         lines.append(
-            f"| `{name}` | {bare:.1f} | {predicted[name]:.1f} | {measured[name]:.1f} | {error:+.1%} |"
+            f"| `{name}`{mark} | {bare:.1f} | {predicted[name]:.1f} | {measured[name]:.1f} | {error:+.1%} |"
         )
     best_p, best_m = min(predicted, key=predicted.__getitem__), min(measured, key=measured.__getitem__)
     lines += ["", f"Predicted best `{best_p}`, measured best `{best_m}`.", ""]
-    return lines, errors
+    return lines, errors, others
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -290,24 +293,31 @@ def main(argv: list[str] | None = None) -> str:
     options = Options(rounds=args.rounds, scale=args.scale)
     shapes = [(s, r) for r in args.ranks for s in args.schedule]
     if args.quick:
-        options, shapes = Options(overhead_steps=3, warm=1, measure=1, rounds=1, scale=1.0), [("1F1B", 2)]
+        options, shapes = Options(calibrate_steps=3, warm=1, measure=1, rounds=1, scale=1.0), [("1F1B", 2)]
     out = results_path("step_model", args.out, args.force)
     torch.set_num_threads(1)
     command = "python -m benchmarks.step_model" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
     lines = ["# The step model against measured steps (emulated cost)", "", f"Command: `{command}`", ""]
-    all_errors = []
+    all_errors, other_errors = [], []
     for schedule, ranks in shapes:
         job = job_for(schedule, ranks, options)
         result = {**launch(run_job, job, nproc=ranks, start_method="fork"), "block_ms": block_compute_ms(job)}
-        section, errors = job_section(job, result)
+        section, errors, others = job_section(job, result)
         lines += section
         all_errors += [abs(e) for e in errors]
+        other_errors += [abs(e) for e in others]
         print("\n".join(section), flush=True)
     lines += [
         f"Over all {len(all_errors)} placements: median |error| {statistics.median(all_errors):.1%}, "
-        f"worst {max(all_errors):.1%}.",
+        f"worst {max(all_errors):.1%}"
+        + (
+            f"; over the {len(other_errors)} other than the calibration's: median "
+            f"{statistics.median(other_errors):.1%}, worst {max(other_errors):.1%}."
+            if other_errors
+            else "."
+        ),
         "",
     ]
     report = "\n".join(lines)

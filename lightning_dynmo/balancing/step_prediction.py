@@ -157,6 +157,41 @@ def per_action_s(order: ScheduleOrder, num_stages: int, num_microbatches: int, o
     return max(0.0, overhead_s) / simulate_step(actions, unit).step_time_s
 
 
+def fit_per_op(
+    problem: BalanceProblem,
+    placement: Placement,
+    order: ScheduleOrder,
+    num_microbatches: int,
+    measured_step_s: float,
+    stage_workers: Sequence[int] | None = None,
+    tolerance_s: float = 1e-9,
+) -> float:
+    """The ``per_op_s`` at which :func:`predict_step` of ``placement`` equals its measured step.
+
+    What a step took beyond its layers' work, found where the runtime really ran it (the current
+    placement, with its sleeps, its waits and the machine's load as they were), rather than on a step
+    with no work, whose overhead differs (every rank busy at once, so the ranks queue for the cores).
+    0 when the prediction without overhead already reaches the measured step. The step is
+    non-decreasing in ``per_op_s``, so a bisection finds it to ``tolerance_s``.
+
+    Raises:
+        ValueError: if ``measured_step_s`` is not a finite positive number of seconds.
+    """
+    if isinstance(measured_step_s, bool) or not 0 < measured_step_s < math.inf:
+        raise ValueError(f"measured_step_s={measured_step_s!r} must be a finite number of seconds > 0.")
+
+    def step(per_op: float) -> float:
+        return predict_step(problem, placement, order, num_microbatches, stage_workers, per_op).step_s
+
+    if step(0.0) >= measured_step_s:
+        return 0.0
+    low, high = 0.0, per_action_s(order, placement.num_stages, num_microbatches, measured_step_s)
+    while high - low > tolerance_s:  # step(high) >= measured: the actions' longest chain alone takes it
+        middle = (low + high) / 2
+        low, high = (middle, high) if step(middle) < measured_step_s else (low, middle)
+    return (low + high) / 2
+
+
 @dataclass(frozen=True)
 class Refinement:
     """What :func:`refine` found.

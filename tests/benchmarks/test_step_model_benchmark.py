@@ -24,15 +24,16 @@ def test_candidates_and_overhead_follow_the_schedule():
     assert job.num_stages == 8 and len(job.fwd_ms) == 16 and job.microbatches == 8
     assert job.candidates[0] == "0-1|2-3|4-5|6-7|8-9|10-11|12-13|14-15"  # uniform first
     assert len(set(job.candidates)) == len(job.candidates) >= 3
-    # A near-zero-sleep step of 1 s, less its blocks' own compute, spread over the actions' chain: it adds
-    # to every prediction, as the blocks' compute and each rank's sleep overshoot do.
-    block_ms = (0.5, 1.0)
-    per_op = per_op_overhead(job, 1.0, block_ms)
-    assert 0 < per_op < 1.0
+    # The cost per action is the one at which the model reproduces the calibration's measured step (its
+    # sleeps as they took, its blocks' own compute); it adds to every prediction, as those do.
+    block_ms, overshoot = (0.5, 1.0), [1.01] * 4
     bare = predicted_ms(job, job.candidates[0], 0.0)
-    assert (
-        bare
-        < predicted_ms(job, job.candidates[0], per_op)
-        < predicted_ms(job, job.candidates[0], per_op, None, block_ms)
-    )
+    calibration_s = 1.2 * bare / 1e3
+    per_op = per_op_overhead(job, calibration_s, overshoot, block_ms)
+    assert 0 < per_op < calibration_s
+    fitted = predicted_ms(job, job.candidates[0], per_op, overshoot, block_ms)
+    assert fitted == pytest.approx(1e3 * calibration_s, rel=1e-6)
+    assert bare < predicted_ms(job, job.candidates[0], per_op) < fitted
     assert predicted_ms(job, job.candidates[0], 0.0, [1.1] * 4) == pytest.approx(1.1 * bare)
+    # A calibration already slower in the model than measured leaves nothing per action.
+    assert per_op_overhead(job, 0.5 * bare / 1e3, overshoot, block_ms) == 0.0

@@ -7,7 +7,7 @@ import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, predict
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, fit_per_op, predict_step, refine
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
@@ -168,3 +168,19 @@ def test_a_measured_weight_gradient_sets_the_split_and_an_unmeasured_one_takes_t
 def test_a_schedule_order_without_callable_actions_is_refused():
     with pytest.raises(ValueError, match=r"actions=\[\] must be a callable \(num_stages, num_microbatches\)"):
         ScheduleOrder("1F1B", [])  # type: ignore[arg-type]
+
+
+def test_the_cost_per_action_fitted_on_a_measured_step_reproduces_it():
+    problem, placement = BalanceProblem(COSTS), Placement.from_string("0-1|2-3")
+    # Worked on the timeline above, each action +x: the step's chain is rank 0's F0, rank 1's F0 B0 F1
+    # B1, rank 0's B1 (6 actions; rank 1's F1 waits for its own B0, 16 + 3x, not rank 0's F1, 10 + 2x),
+    # so the step is 31 + 6x and a measured 34 s gives x = 0.5.
+    per_op = fit_per_op(problem, placement, ORDER, 2, 34.0)
+    assert per_op == pytest.approx(0.5, abs=1e-6)
+    assert predict_step(problem, placement, ORDER, 2, per_op_s=per_op).step_s == pytest.approx(34.0, abs=1e-6)
+    # Negative control: another per-action cost misses the measurement.
+    assert predict_step(problem, placement, ORDER, 2, per_op_s=0.25).step_s != pytest.approx(34.0, abs=1e-3)
+    # A step already slower than measured has nothing left to spread.
+    assert fit_per_op(problem, placement, ORDER, 2, 30.0) == 0.0
+    with pytest.raises(ValueError, match=r"measured_step_s=0\.0 must be a finite number of seconds > 0"):
+        fit_per_op(problem, placement, ORDER, 2, 0.0)
