@@ -20,7 +20,9 @@ the model is not trained first):
    the front makes the first stage light, so the good splits give it more layers): the measured
    candidates. Runs are interleaved over ``--rounds`` rounds (:mod:`benchmarks.harness`); a run's step
    time is the median of its steps after the freeze plus ``--settle``; ratios are taken within a round,
-   each round's ideal being the candidate fastest in the other rounds.
+   each round's ideal being the candidate fastest in the other rounds. Every fixed split also runs with
+   ``DynMoCallback(balancer="static")`` attached (measuring only), so the report can say whether DynMo's
+   steps after its move match the same placement run fixed (:func:`benchmarks.harness.after_move_lines`).
 4. **Projection to 8 stages.** The pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`,
    1F1B) replays part 1's per-micro-batch costs at each frozen fraction on ``min(8, layers)`` stages:
    the static uniform and parameter splits; DynMo re-partitioning after each freeze (the exact min-max
@@ -189,8 +191,9 @@ def compare_pipeline(sizes: Sizes, steps: int, freeze_at: int, rounds: int, spre
     static = str(uniform(sizes.num_layers, 2))
     # Freezing the front makes the first stage light: the good splits give it more layers.
     splits = harness.two_stage_splits(sizes.num_layers, spread, below=1)
-    dynmo = {"DynMo partition/time": {"balancer": "partition", "cost": "time"}}
-    return harness.compare_placements(base, static, splits, dynmo, rounds, skip, "freezing")
+    return harness.compare_placements(  # after_move: does DynMo's move deliver its placement's speed?
+        base, static, splits, harness.PARTITION_TIME, rounds, skip, "freezing", after_move=True
+    )
 
 
 # -- main ------------------------------------------------------------------------------------------------

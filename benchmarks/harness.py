@@ -166,8 +166,8 @@ def rows_of(
     return rows
 
 
-def _ratios(values: Sequence[float]) -> str:
-    return ", ".join(f"{v:.2f}" for v in values)
+def _ratios(values: Sequence[float], digits: int = 2) -> str:
+    return ", ".join(f"{v:.{digits}f}" for v in values)
 
 
 def table(
@@ -306,6 +306,7 @@ def compare_placements(
     skip: int,
     tag: str,
     static_label: str = "static uniform",
+    after_move: bool = False,
 ) -> str:
     """A real-compute 2-stage comparison as a report section: fixed splits and DynMo variants, in rounds.
 
@@ -322,14 +323,73 @@ def compare_placements(
         skip: Steps of each job not measured (start-up, the dynamism settling).
         tag: Prefix of the progress lines.
         static_label: The static split's row.
+        after_move: Also run every fixed split with ``DynMoCallback(balancer="static")`` attached (it
+            profiles and measures as DynMo does, never moves; not a candidate of the ideal), and report
+            whether a move delivers its placement's speed: per DynMo variant, its steps against the
+            same placement run fixed, with and without the callback (:func:`after_move_lines`).
     """
     fixed = {static_label: static, **{f"fixed {p}": p for p in candidates if p != static}}
     jobs = {name: replace(base, kind="fixed", placement=p) for name, p in fixed.items()}
     jobs |= {name: replace(base, kind="dynmo", placement=static, callback=kw) for name, kw in dynmo.items()}
+    if after_move:
+        jobs |= {
+            f"{MEASURING}{p}": replace(base, kind="dynmo", placement=p, callback={"balancer": "static"})
+            for p in fixed.values()
+        }
     runs = run_rounds(jobs, run_job, rounds, tag, start_method="fork")
     per_round = {name: step_ms(reports, skip) for name, reports in runs.items()}
     comparison = compare_runs(per_round, [static_label], list(dynmo), list(fixed))
-    return comparison_section(runs, per_round, comparison)
+    section = comparison_section(runs, per_round, comparison)
+    if not after_move:
+        return section
+    return "\n".join([section, "", *after_move_lines(runs, per_round, fixed, list(dynmo))])
+
+
+#: The DynMo variant most comparisons run: ``DynMoCallback(balancer="partition", cost="time")``.
+PARTITION_TIME: dict[str, dict[str, Any]] = {
+    "DynMo partition/time": {"balancer": "partition", "cost": "time"}
+}
+
+#: Prefix of the jobs that run a fixed split with the callback attached, measuring only.
+MEASURING = "measuring only, at "
+
+
+def after_move_lines(
+    runs: Mapping[str, Sequence[dict[str, Any]]],
+    per_round: Mapping[str, Sequence[float]],
+    fixed: Mapping[str, str],
+    dynmo: Sequence[str],
+) -> list[str]:
+    """Whether a move delivers its placement's speed: each DynMo variant's measured steps over those of
+    the placement it ended at, run fixed (no callback) and run with the callback measuring only, in the
+    same round; medians of the per-round ratios (a round where DynMo ended elsewhere is left out)."""
+    by_placement = {p: name for name, p in fixed.items()}
+    lines = [
+        "**After the move** (issue 19: a move must deliver its placement's speed): DynMo's step / the same "
+        "placement's step in the same round, fixed without a callback and fixed with "
+        '`DynMoCallback(balancer="static")` measuring only (what the callback costs by itself).',
+        "",
+        "| DynMo variant | rounds at one placement | / fixed, per round | median "
+        "| / measuring only, per round | median |",
+        "|---|---|---|---:|---|---:|",
+    ]
+    for name in dynmo:
+        plain, measured = [], []
+        for i, report in enumerate(runs[name]):
+            placement = str(report["placement"])
+            if placement not in by_placement:
+                continue
+            plain.append(per_round[name][i] / per_round[by_placement[placement]][i])
+            measured.append(per_round[name][i] / per_round[f"{MEASURING}{placement}"][i])
+        ends = ", ".join(dict.fromkeys(f"`{r['placement']}`" for r in runs[name]))
+        if not plain:
+            lines.append(f"| {name} | none (ended at {ends}, not a fixed split here) | - | - | - | - |")
+            continue
+        lines.append(
+            f"| {name} ({ends}) | {len(plain)} of {len(runs[name])} | {_ratios(plain, 3)} "
+            f"| {statistics.median(plain):.3f} | {_ratios(measured, 3)} | {statistics.median(measured):.3f} |"
+        )
+    return lines
 
 
 OPTIONS = {  # the options several benchmarks share (default None: the mode's, --quick or full)

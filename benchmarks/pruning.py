@@ -23,7 +23,9 @@ magnitudes differ as in a real run (a global threshold then prunes them unevenly
    split within ``--spread`` layers of uniform (the candidates). Runs are interleaved over ``--rounds``
    rounds (:mod:`benchmarks.harness`); a run's step time is the median of its steps after the last
    pruning step plus ``--settle``; ratios are taken within a round, each round's ideal being the
-   candidate fastest in the other rounds.
+   candidate fastest in the other rounds. Every fixed split also runs with
+   ``DynMoCallback(balancer="static")`` attached (measuring only): whether DynMo's steps after its
+   moves match the same placement run fixed (:func:`benchmarks.harness.after_move_lines`).
 4. **Projection to 8 stages.** The pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`,
    1F1B) replays part 1's per-micro-batch costs (``auto`` and ``ideal``) at each level on
    ``min(8, layers)`` stages: the static uniform and parameter splits; DynMo re-partitioning after each
@@ -299,8 +301,9 @@ def compare_pipeline(
     )
     static = str(uniform(sizes.num_layers, 2))
     splits = harness.two_stage_splits(sizes.num_layers, spread)
-    dynmo = {"DynMo partition/time": {"balancer": "partition", "cost": "time"}}
-    return harness.compare_placements(base, static, splits, dynmo, rounds, skip, "pruning")
+    return harness.compare_placements(  # after_move: does DynMo's move deliver its placement's speed?
+        base, static, splits, harness.PARTITION_TIME, rounds, skip, "pruning", after_move=True
+    )
 
 
 # -- main ------------------------------------------------------------------------------------------------

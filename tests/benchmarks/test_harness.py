@@ -69,3 +69,24 @@ def test_the_shared_options_parse_and_an_unknown_one_is_refused() -> None:
     assert args.quick and args.rounds == 3 and args.skip is None and args.force and args.out is None
     with pytest.raises(ValueError, match=r"options \['laps'\] are not shared ones"):
         harness.argument_parser("doc", "tiny", "laps")
+
+
+def test_after_move_compares_dynmo_with_the_placement_it_ended_at_in_the_same_round() -> None:
+    fixed = {"static uniform": "0-1|2-3", "fixed 0-2|3-3": "0-2|3-3"}
+    measuring = {f"{harness.MEASURING}{p}": p for p in fixed.values()}
+    per_round = {
+        "static uniform": [100.0, 110.0, 90.0],
+        "fixed 0-2|3-3": [80.0, 90.0, 70.0],
+        f"{harness.MEASURING}0-1|2-3": [101.0, 111.0, 91.0],
+        f"{harness.MEASURING}0-2|3-3": [82.0, 92.0, 72.0],
+        "DynMo": [84.0, 90.0, 95.0],  # round 3 ended elsewhere: left out
+    }
+    runs = {name: [{"placement": p} for _ in range(3)] for name, p in {**fixed, **measuring}.items()}
+    runs["DynMo"] = [{"placement": "0-2|3-3"}, {"placement": "0-2|3-3"}, {"placement": "0-0|1-3"}]
+    lines = harness.after_move_lines(runs, per_round, fixed, ["DynMo"])
+    row = lines[-1]
+    assert "2 of 3" in row and "1.050, 1.000" in row  # 84/80, 90/90: the round's own fixed run
+    assert "| 1.025 |" in row and "1.024, 0.978" in row  # the median; 84/82 and 90/92
+    # A DynMo run that never ends at a fixed split is said to, not compared with anything.
+    runs["DynMo"] = [{"placement": "0-0|1-3"}] * 3
+    assert "none (ended at `0-0|1-3`" in harness.after_move_lines(runs, per_round, fixed, ["DynMo"])[-1]
