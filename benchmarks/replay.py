@@ -114,6 +114,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "placement": str(strategy.placement),
         "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
         "parts_s": parts,
+        "stages": strategy.placement.num_stages,
     }
 
 
@@ -138,12 +139,19 @@ def idle_shares(job: ReplayJob, placement: str, step_s: float) -> tuple[float, f
     return simulated, max(0.0, 1.0 - work / (job.ranks * step_s))
 
 
-def replay_case(trace: CostTrace, ranks: int, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
-    """Every fixed placement and DynMo on ``ranks`` ranks, ``rounds`` interleaved rounds."""
+def replay_case(
+    trace: CostTrace, ranks: int, steps: int, warmup: int, rounds: int, repack: bool = False
+) -> dict[str, Any]:
+    """Every fixed placement and DynMo on ``ranks`` ranks, ``rounds`` interleaved rounds; with ``repack``,
+    also DynMo allowed to re-pack onto fewer ranks (``RepackConfig()``: at most 5% slower, predicted)."""
     fixed = fixed_placements(trace, ranks)
     base = ReplayJob(trace, ranks, steps, warmup, fixed["static uniform"])
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
     jobs["DynMo"] = replace(base, placement="uniform", dynmo=DYNMO)
+    if repack:
+        # memory_capacity_bytes: the sleeping blocks hold no memory worth a cap (a re-pack needs one).
+        repacking = {**DYNMO, "repack": True, "memory_capacity_bytes": 2**40}
+        jobs[REPACK] = replace(base, placement="uniform", dynmo=repacking)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for r in range(rounds):
         for name in list(jobs) if r % 2 == 0 else list(jobs)[::-1]:
@@ -167,7 +175,34 @@ def replay_case(trace: CostTrace, ranks: int, steps: int, warmup: int, rounds: i
         simulated, measured = idle_shares(base, last["placement"], step)
         rows[name] = {"ms": 1e3 * step, "placement": last["placement"], "idle": (simulated, measured)}
     rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
-    return {"rows": rows, "comparison": comparison, "parts": runs["DynMo"][-1]["parts_s"], "ranks": ranks}
+    result = {"rows": rows, "comparison": comparison, "parts": runs["DynMo"][-1]["parts_s"], "ranks": ranks}
+    if repack:
+        result["repack"] = {
+            "stages": [run["stages"] for run in runs[REPACK]],
+            # Per round, the throughput DynMo keeps on fewer ranks: DynMo's step / the re-packed job's.
+            "kept": [
+                d / statistics.median(run["step_s"])
+                for d, run in zip(per_round["DynMo"], runs[REPACK], strict=True)
+            ],
+            "placement": runs[REPACK][-1]["placement"],
+        }
+    return result
+
+
+#: The job allowed to re-pack (issue 21: re-packing measured where the work shrinks).
+REPACK = "DynMo + re-pack"
+
+
+def repack_line(ranks: int, repack: dict[str, Any]) -> str:
+    """What re-packing measured: ranks released, throughput kept, per-rank throughput before -> after."""
+    stages, kept = repack["stages"], statistics.median(repack["kept"])
+    fewest = statistics.median(stages)
+    return (
+        f"{REPACK}: ended on {', '.join(str(s) for s in stages)} of {ranks} ranks (per round; last "
+        f"`{repack['placement']}`), keeping **{kept:.0%}** of DynMo's throughput on all {ranks} (per round "
+        f"{', '.join(f'{k:.0%}' for k in repack['kept'])}); throughput per rank {kept * ranks / fewest:.2f}x "
+        "what it was on all of them."
+    )
 
 
 def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
@@ -202,6 +237,8 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
         f"{rows['DynMo']['rebalances']}. Parts as DynMo profiled them, per step: {profiled}.",
         "",
     ]
+    if "repack" in result:
+        lines += [repack_line(result["ranks"], result["repack"]), ""]
     return lines
 
 
@@ -215,9 +252,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block-ms", type=float, default=4.0, help="a dense block's forward per micro-batch")
+    parser.add_argument("--case", nargs="+", default=None, help="only these cases' traces (default: all)")
+    parser.add_argument(
+        "--repack", action="store_true", help="also run DynMo allowed to re-pack onto fewer ranks"
+    )
     args = parser.parse_args(argv)
     out = results_path("replay", args.out, args.force)
-    stats = load_traces(args.traces)
+    stats = [s for s in load_traces(args.traces) if args.case is None or s.case in args.case]
+    if not stats and not args.quick:
+        raise SystemExit(f"no trace of the cases {args.case} in {args.traces}")
     if args.quick:
         stats, args.ranks, args.steps, args.warmup, args.rounds = [synthetic_trace(4, 3)], [2], 6, 2, 1
         args.block_ms = 1.0
@@ -239,7 +282,7 @@ def main(argv: list[str] | None = None) -> str:
             trace = cost_trace(s).scaled(args.block_ms / 1e3 / DENSE_FWD * 2 * ranks)
             if trace.num_layers < ranks:
                 continue
-            result = replay_case(trace, ranks, args.steps, args.warmup, args.rounds)
+            result = replay_case(trace, ranks, args.steps, args.warmup, args.rounds, args.repack)
             section_lines = section(trace, result)
             print("\n".join(section_lines), flush=True)
             lines += section_lines

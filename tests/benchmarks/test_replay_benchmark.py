@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.replay import ReplayJob, fixed_placements
+from benchmarks.replay import ReplayJob, fixed_placements, repack_line
 from benchmarks.replay import main as replay_main
 from benchmarks.trace_cases import cost_trace, synthetic_trace
 
 
 def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
     out = tmp_path / "replay.md"
-    report = replay_main(["--quick", "--out", str(out)])
+    report = replay_main(["--quick", "--repack", "--out", str(out)])
     assert out.read_text() == report + "\n"
-    assert f"`python -m benchmarks.replay --quick --out {out}`" in report
+    assert f"`python -m benchmarks.replay --quick --repack --out {out}`" in report
+    assert re.search(r"DynMo \+ re-pack: ended on [12] of 2 ranks", report)
     assert "### synthetic, 2 ranks (4 layers, cost curve: proportional" in report
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
         assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
@@ -30,3 +31,11 @@ def test_best_fixed_is_the_partition_of_the_mean_costs_with_the_head():
     assert fixed["best fixed"] == "0-2|3-3"  # the head (about 7 blocks) sits on the last stage
     job = ReplayJob(trace, ranks=2, steps=7, warmup=1, placement="uniform")
     assert job.steps_per_row == 2 and job.replayed_rows() == [0, 1, 1, 2, 2, 2]
+
+
+def test_the_repack_line_says_ranks_released_and_throughput_kept():
+    line = repack_line(
+        8, {"stages": [4, 4, 5], "kept": [0.97, 1.0, 0.95], "placement": "0-9|10-19|20-29|30-30"}
+    )
+    assert "ended on 4, 4, 5 of 8 ranks" in line and "**97%**" in line
+    assert "throughput per rank 1.94x" in line  # 0.97 x 8 / 4
