@@ -295,6 +295,7 @@ def pipeline_comparison(config: GPTConfig, callback: dict[str, Any], setup: Setu
         batch_size=setup.batch_size,
         num_microbatches=setup.num_microbatches,
         callback={"balancer": "partition", "cost": "time", **callback},
+        lr=1e-8,  # the calibrated routing must not drift while it is timed (this script's micro-measurement)
     )
     sweep = replace(dynmo, kind="sweep", candidates=candidates, repeats=setup.sweep_repeats)
     runs = harness.run_rounds(

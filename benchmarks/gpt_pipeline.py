@@ -70,7 +70,8 @@ class JobSpec:
         warm_steps: Untimed steps at the start of each sweep visit.
         measure_steps: Timed steps of each sweep visit.
         repeats: Visits to each candidate.
-        lr: AdamW learning rate.
+        lr: AdamW learning rate (default one that learns; a job that must hold its routing still while
+            it is timed sets its own).
         weight_decay: AdamW decoupled weight decay.
         seed: Seed of the token stream.
         corpus_cache: Train on the standard-library corpus (its first ``corpus_bytes``) cached in this
@@ -92,7 +93,7 @@ class JobSpec:
     warm_steps: int = 1
     measure_steps: int = 2
     repeats: int = 2
-    lr: float = 1e-8
+    lr: float = 1e-3
     weight_decay: float = 0.0
     seed: int = 0
     corpus_cache: str | None = None
