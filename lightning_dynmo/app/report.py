@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_dynmo.callback.dynmo_callback import DynMoCallback
 
-__all__ = ["MIN_COMPARED_STEPS", "RunReport", "Segment", "build_summary", "format_summary"]
+__all__ = ["MIN_COMPARED_STEPS", "RunReport", "Segment", "build_summary", "format_summary", "within_noise"]
 
 #: Fewer steps than this on either side of the first rebalance: the comparison is within noise.
 MIN_COMPARED_STEPS = 3
@@ -295,12 +295,14 @@ def _static_vs_dynmo(
         "speedup": dynmo / static if static > 0 else None,
         "static_steps": len(before),
         "dynmo_steps": len(after),
-        "within_noise": _within_noise(static_rates, dynmo_rates),
+        "within_noise": within_noise(static_rates, dynmo_rates),
     }
 
 
-def _within_noise(static: list[float], dynmo: list[float]) -> bool:
-    """Whether two windows of per-step throughputs cannot be told apart (too few steps, or overlapping)."""
+def within_noise(static: list[float], dynmo: list[float]) -> bool:
+    """Whether two windows of per-step throughputs cannot be told apart: fewer than
+    :data:`MIN_COMPARED_STEPS` steps in either, or ranges that overlap (the slowest step of one is no
+    faster than the fastest of the other)."""
     if min(len(static), len(dynmo)) < MIN_COMPARED_STEPS:
         return True
     return min(dynmo) <= max(static) and min(static) <= max(dynmo)

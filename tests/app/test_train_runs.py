@@ -92,7 +92,7 @@ def test_torchrun_starts_the_ranks(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["dynamism"] == "early_exit"
+    assert summary["steps"] == 3 and summary["dynamism"] == "freezing"
     assert out.count("DynMo run summary") == 1  # rank 0 prints it
     # Hydra's job logging is the app's configuration: the strategy adds no console handler of its own.
     assert out.count("rank 0: placement 0-1|2-3,") == 1

@@ -19,6 +19,7 @@ BATCH_SIZE = 4
 NUM_MICROBATCHES = 2
 STEPS = 12
 REBALANCE_EVERY = 4
+FREEZE_EVERY = 3
 """
 
 
@@ -67,8 +68,9 @@ def test_the_notebook_executes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     text = "".join(
         out.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs
     )
-    assert "4 blocks: ['DenseBlock', 'EarlyExitBlock'" in text
+    assert "4 blocks: ['DenseBlock', 'DenseBlock'" in text
     assert "median tokens/s over the last 6 steps: static" in text and "final placement 0-" in text
+    assert "within noise" in text or "beyond noise" in text  # the comparison says which it is
     assert "DynMo decided" in text  # read back from the CSV logger's dynmo/stage*/num_layers
     images = [
         o
