@@ -242,6 +242,15 @@ def static_placements(params: Sequence[int], num_stages: int) -> dict[str, Place
     }
 
 
+@functools.cache
+def _corpus(seq_len: int, batch_size: int) -> str:
+    """A folder holding the standard-library corpus as token rows, prepared once per shape in this process
+    (every case and job of that shape reads it; the ranks share a warm cache)."""
+    cache = tempfile.mkdtemp(prefix="dynmo-e2e-")
+    corpus_data(seq_len, batch_size, cache).prepare_data()
+    return cache
+
+
 # -- mode 1: real compute on 2 stages --------------------------------------------------------------
 
 
@@ -255,8 +264,6 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
     lead = case.lead_steps(sizes)
     # A fixed placement is a job of its own with the DynMo jobs' structure (fresh ranks, the same untimed
     # start): timing placements one after the other inside one job favours the later ones (warm ranks).
-    cache = tempfile.mkdtemp(prefix="dynmo-e2e-")
-    corpus_data(config.seq_len, sizes.batch_size, cache).prepare_data()  # the ranks share a warm cache
     base = JobSpec(
         kind="dynmo",
         config=config,
@@ -265,7 +272,7 @@ def real_case(case: Case, sizes: Sizes, variants: Sequence[tuple[str, str]] = VA
         num_microbatches=sizes.microbatches,
         callbacks=case.callbacks(sizes),
         lr=1e-3,  # a rate that learns: routers, exit heads and predictors train as in a real run
-        corpus_cache=cache,
+        corpus_cache=_corpus(config.seq_len, sizes.batch_size),
     )
     measured = sizes.steps - sizes.settle
     jobs = {

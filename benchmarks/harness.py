@@ -297,6 +297,15 @@ def two_stage_splits(num_layers: int, spread: int, below: int | None = None) -> 
     ]
 
 
+#: The DynMo variant most comparisons run: ``DynMoCallback(balancer="partition", cost="time")``.
+PARTITION_TIME: dict[str, dict[str, Any]] = {
+    "DynMo partition/time": {"balancer": "partition", "cost": "time"}
+}
+
+#: Prefix of the jobs that run a fixed split with the callback attached, measuring only.
+MEASURING = "measuring only, at "
+
+
 def compare_placements(
     base: JobSpec,
     static: str,
@@ -343,15 +352,6 @@ def compare_placements(
     if not after_move:
         return section
     return "\n".join([section, "", *after_move_lines(runs, per_round, fixed, list(dynmo))])
-
-
-#: The DynMo variant most comparisons run: ``DynMoCallback(balancer="partition", cost="time")``.
-PARTITION_TIME: dict[str, dict[str, Any]] = {
-    "DynMo partition/time": {"balancer": "partition", "cost": "time"}
-}
-
-#: Prefix of the jobs that run a fixed split with the callback attached, measuring only.
-MEASURING = "measuring only, at "
 
 
 def after_move_lines(

@@ -54,6 +54,8 @@ from lightning_dynmo.strategy import DynMoStrategy
 GAP = 0.05  # a static split within 5% of the best fixed placement is "not imbalanced"
 DYNMO = {"balancer": "partition", "cost": "time", "every_step": True}
 REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placement
+#: The job allowed to re-pack (issue 21: re-packing measured where the work shrinks).
+REPACK = "DynMo + re-pack"
 
 
 @dataclass(frozen=True)
@@ -189,10 +191,6 @@ def replay_case(
     return result
 
 
-#: The job allowed to re-pack (issue 21: re-packing measured where the work shrinks).
-REPACK = "DynMo + re-pack"
-
-
 def repack_line(ranks: int, repack: dict[str, Any]) -> str:
     """What re-packing measured: ranks released, throughput kept, per-rank throughput before -> after."""
     stages, kept = repack["stages"], statistics.median(repack["kept"])
@@ -220,6 +218,7 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
         sim, meas = row["idle"]
         lines.append(f"| {name} | {row['ms']:.1f} | {sim:.0%} | {meas:.0%} | `{row['placement']}` |")
     mean = trace.mean_costs()
+    per_layer = sorted(1e3 * c.time_s for c in mean.layers)  # what makes the case uneven, or not
     parts = result["parts"]
     profiled = ", ".join(
         f"{name} {1e3 * parts[name]:.1f} ms (true {1e3 * true.time_s:.1f})"
@@ -234,7 +233,9 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
         f"**{of_best:.0%}** of the best fixed placement (medians over {c.rounds} round(s) of ratios within "
         f"a round); >= 95% of best fixed: {'yes' if of_best >= 0.95 else 'NO'}; slower than static beyond "
         f"noise: {'YES' if c.slower_beyond_noise() else 'no'}. DynMo rebalances per round: "
-        f"{rows['DynMo']['rebalances']}. Parts as DynMo profiled them, per step: {profiled}.",
+        f"{rows['DynMo']['rebalances']}. Parts as DynMo profiled them, per step: {profiled}. A layer's "
+        f"cost per step, averaged over the run: min {per_layer[0]:.1f} / median "
+        f"{statistics.median(per_layer):.1f} / max {per_layer[-1]:.1f} ms.",
         "",
     ]
     if "repack" in result:

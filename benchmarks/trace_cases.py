@@ -113,7 +113,7 @@ CASES: dict[str, TraceCase] = {
         TraceCase(
             "mod", _proportional(1.0), None, "1.17x over static splits", "~18% -> 4%", odd_layers_only=True
         ),
-        # Time proportional to the linear weights' non-zeros (emulated: no CPU kernel gets cheaper).
+        # Stand-in: time proportional to the linear weights' non-zeros (the measured curve replaces it).
         TraceCase(
             "pruning", _scaling_share(1 - _score_share(), "linear weights"), 1.0, "3.18x over dense Megatron"
         ),

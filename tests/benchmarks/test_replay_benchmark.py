@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from benchmarks.replay import ReplayJob, fixed_placements, repack_line
 from benchmarks.replay import main as replay_main
 from benchmarks.trace_cases import cost_trace, synthetic_trace
@@ -19,6 +21,7 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
         assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
     assert "of the best fixed placement" in report and "slower than static beyond noise" in report
+    assert re.search(r"averaged over the run: min [\d.]+ / median [\d.]+ / max [\d.]+ ms", report)
     # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).
     last = re.search(r"last ([\d.]+) ms \(true ([\d.]+)\)", report)
     assert last is not None and float(last.group(1)) > 0.5 * float(last.group(2)) > 0
@@ -39,3 +42,8 @@ def test_the_repack_line_says_ranks_released_and_throughput_kept():
     )
     assert "ended on 4, 4, 5 of 8 ranks" in line and "**97%**" in line
     assert "throughput per rank 1.94x" in line  # 0.97 x 8 / 4
+
+
+def test_a_case_without_a_trace_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match=r"no trace of the cases \['nope'\]"):
+        replay_main(["--case", "nope", "--traces", str(tmp_path), "--out", str(tmp_path / "r.md")])
