@@ -6,7 +6,11 @@ Per case (the newest trace of each case in ``benchmarks/results/traces/``, a syn
 the trace says its layer costs at that step (:class:`~lightning_dynmo.demos.TraceReplay`), and so do
 the embedding and the head + loss (the parts, costed from the model's shape: :mod:`benchmarks.trace_cases`).
 Sleeping uses no CPU, so 8-16 ranks run on 2 cores (``start_method="fork"``). The costs are scaled so a
-dense block sleeps ``--block-ms`` per micro-batch forward. Jobs, each ``--steps`` steps, the first
+dense block sleeps ``--block-ms`` per micro-batch forward, less what a call costs beyond its sleep (the
+block's compute, the sleep's wake-up: :func:`~lightning_dynmo.demos.measure_call_overhead`, measured
+before the ranks start), so a layer costs what the trace says; the few cheaper than that overhead cost the
+overhead, and every "true" cost below (best fixed, simulated idle) is the cost the pipeline really runs
+(:meth:`~lightning_dynmo.demos.CallOverhead.replayed`). Jobs, each ``--steps`` steps, the first
 ``--warmup`` untimed (the trace is spread over the run: each row lasts ``steps / rows`` steps):
 
 - **static uniform**, **static params**: fixed placements;
@@ -47,7 +51,13 @@ from lightning_dynmo.balancing import Placement, by_parameters, uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.balancing.trace import CostTrace
 from lightning_dynmo.callback import DynMoCallback
-from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule, TraceReplay
+from lightning_dynmo.demos import (
+    CallOverhead,
+    DemoGPT,
+    RandomTokenDataModule,
+    TraceReplay,
+    measure_call_overhead,
+)
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -56,6 +66,12 @@ DYNMO = {"balancer": "partition", "cost": "time", "every_step": True}
 REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placement
 #: The job allowed to re-pack (issue 21: re-packing measured where the work shrinks).
 REPACK = "DynMo + re-pack"
+SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sleeps
+
+
+def replay_model(num_layers: int) -> DemoGPT:
+    """The GPT every replay runs (one sample per micro-batch)."""
+    return DemoGPT(num_layers=num_layers, d_model=16, vocab_size=VOCAB, seq_len=SEQ)
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,7 @@ class ReplayJob:
         warmup: Untimed first steps.
         placement: The fixed placement, or where DynMo starts.
         dynmo: ``DynMoCallback`` keywords; ``None``: a fixed placement.
+        overhead: What a call costs beyond its sleep, subtracted from every sleep (``None``: nothing).
     """
 
     trace: CostTrace
@@ -77,6 +94,7 @@ class ReplayJob:
     warmup: int
     placement: str
     dynmo: dict[str, Any] | None = None
+    overhead: CallOverhead | None = None
 
     @property
     def microbatches(self) -> int:
@@ -85,6 +103,10 @@ class ReplayJob:
     @property
     def steps_per_row(self) -> int:
         return max(1, self.steps // self.trace.num_rows)
+
+    def true_trace(self) -> CostTrace:
+        """The costs this job's pipeline really runs (the trace, each call at least its overhead)."""
+        return self.trace if self.overhead is None else self.overhead.replayed(self.trace, self.microbatches)
 
     def replayed_rows(self) -> list[int]:
         """The trace row of every timed step."""
@@ -97,12 +119,13 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
     torch.set_num_threads(1)
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
-    callbacks = [timer, TraceReplay(job.trace, m, job.steps_per_row), *([dynmo] if dynmo else [])]
+    replay = TraceReplay(job.trace, m, job.steps_per_row, overhead=job.overhead)
+    callbacks = [timer, replay, *([dynmo] if dynmo else [])]
     strategy = DynMoStrategy(num_microbatches=m, schedule="1F1B", placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
-    model = DemoGPT(num_layers=job.trace.num_layers, d_model=16, vocab_size=32, seq_len=8)
+    model = replay_model(job.trace.num_layers)
     trainer.fit(
-        model, RandomTokenDataModule(batch_size=m, num_samples=m * job.steps, seq_len=8, vocab_size=32)
+        model, RandomTokenDataModule(batch_size=m, num_samples=m * job.steps, seq_len=SEQ, vocab_size=VOCAB)
     )
     hardware = dynmo.last_hardware if dynmo is not None else None
     parts = {}
@@ -132,22 +155,28 @@ def fixed_placements(trace: CostTrace, ranks: int) -> dict[str, str]:
 
 def idle_shares(job: ReplayJob, placement: str, step_s: float) -> tuple[float, float]:
     """Simulated (step model, true costs, per replayed step, mean) and measured idle share of a job."""
-    order, p = schedule_order("1F1B"), Placement.from_string(placement)
+    order, p, true = schedule_order("1F1B"), Placement.from_string(placement), job.true_trace()
     rows = job.replayed_rows()
     simulated = statistics.fmean(
-        predict_step(job.trace.rows[r].problem(), p, order, job.microbatches).bubble_ratio for r in rows
+        predict_step(true.rows[r].problem(), p, order, job.microbatches).bubble_ratio for r in rows
     )
-    work = statistics.fmean(job.trace.rows[r].total_s for r in rows)
+    work = statistics.fmean(true.rows[r].total_s for r in rows)
     return simulated, max(0.0, 1.0 - work / (job.ranks * step_s))
 
 
 def replay_case(
-    trace: CostTrace, ranks: int, steps: int, warmup: int, rounds: int, repack: bool = False
+    trace: CostTrace,
+    ranks: int,
+    steps: int,
+    warmup: int,
+    rounds: int,
+    repack: bool = False,
+    overhead: CallOverhead | None = None,
 ) -> dict[str, Any]:
     """Every fixed placement and DynMo on ``ranks`` ranks, ``rounds`` interleaved rounds; with ``repack``,
     also DynMo allowed to re-pack onto fewer ranks (``RepackConfig()``: at most 5% slower, predicted)."""
-    fixed = fixed_placements(trace, ranks)
-    base = ReplayJob(trace, ranks, steps, warmup, fixed["static uniform"])
+    base = ReplayJob(trace, ranks, steps, warmup, "uniform", overhead=overhead)
+    fixed = fixed_placements(base.true_trace(), ranks)
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
     jobs["DynMo"] = replace(base, placement="uniform", dynmo=DYNMO)
     if repack:
@@ -177,7 +206,13 @@ def replay_case(
         simulated, measured = idle_shares(base, last["placement"], step)
         rows[name] = {"ms": 1e3 * step, "placement": last["placement"], "idle": (simulated, measured)}
     rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
-    result = {"rows": rows, "comparison": comparison, "parts": runs["DynMo"][-1]["parts_s"], "ranks": ranks}
+    result = {
+        "rows": rows,
+        "comparison": comparison,
+        "parts": runs["DynMo"][-1]["parts_s"],
+        "ranks": ranks,
+        "true_trace": base.true_trace(),
+    }
     if repack:
         result["repack"] = {
             "stages": [run["stages"] for run in runs[REPACK]],
@@ -217,7 +252,7 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
     for name, row in rows.items():
         sim, meas = row["idle"]
         lines.append(f"| {name} | {row['ms']:.1f} | {sim:.0%} | {meas:.0%} | `{row['placement']}` |")
-    mean = trace.mean_costs()
+    mean = result["true_trace"].mean_costs()
     per_layer = sorted(1e3 * c.time_s for c in mean.layers)  # what makes the case uneven, or not
     parts = result["parts"]
     profiled = ", ".join(
@@ -266,6 +301,8 @@ def main(argv: list[str] | None = None) -> str:
         stats, args.ranks, args.steps, args.warmup, args.rounds = [synthetic_trace(4, 3)], [2], 6, 2, 1
         args.block_ms = 1.0
     torch.set_num_threads(1)  # before forking the ranks
+    # One sample per micro-batch; measured here, on the machine and threads the ranks inherit.
+    overhead = measure_call_overhead(replay_model(2), microbatch_size=1, seq_len=SEQ)
     lines = [
         "# Trace-driven pipelines: recorded costs replayed as sleeps (emulated cost)",
         "",
@@ -275,6 +312,9 @@ def main(argv: list[str] | None = None) -> str:
         f"Setup: 1F1B, 2 micro-batches per rank, {args.steps} steps ({args.warmup} untimed), {args.rounds} "
         f"round(s); a dense block sleeps {args.block_ms} ms forward per micro-batch (backward 2x). Simulated "
         "idle: predict_step (balancing.step_prediction) on the true costs of each replayed step.",
+        f"Sleeps compensated: measured before the ranks start, {overhead.describe()}; each sleep is the "
+        "trace's cost less that, and the true costs (best fixed, idle, per-layer spread) are what the "
+        "pipeline then runs: every call at least its overhead.",
         "",
     ]
     for s in stats:
@@ -283,7 +323,9 @@ def main(argv: list[str] | None = None) -> str:
             trace = cost_trace(s).scaled(args.block_ms / 1e3 / DENSE_FWD * 2 * ranks)
             if trace.num_layers < ranks:
                 continue
-            result = replay_case(trace, ranks, args.steps, args.warmup, args.rounds, args.repack)
+            result = replay_case(
+                trace, ranks, args.steps, args.warmup, args.rounds, args.repack, overhead=overhead
+            )
             section_lines = section(trace, result)
             print("\n".join(section_lines), flush=True)
             lines += section_lines

@@ -21,9 +21,10 @@ from lightning_dynmo.demos.data import RandomTokenDataModule, RandomTokenDataset
 from lightning_dynmo.demos.dynamics import RoutingNoise, ScheduledCostChange
 from lightning_dynmo.demos.emulated_block import EmulatedBlock, EmulatedBlockOptions
 from lightning_dynmo.demos.gpt import DemoConfig, DemoGPT
-from lightning_dynmo.demos.replay import TraceReplay
+from lightning_dynmo.demos.replay import CallOverhead, TraceReplay, measure_call_overhead
 
 __all__ = [
+    "CallOverhead",
     "DemoConfig",
     "DemoGPT",
     "EmulatedBlock",
@@ -34,4 +35,5 @@ __all__ = [
     "RoutingNoise",
     "ScheduledCostChange",
     "TraceReplay",
+    "measure_call_overhead",
 ]

@@ -7,20 +7,111 @@ the :class:`~lightning_dynmo.demos.DemoGPT`'s first and last parts. The sleep is
 block, so a block migrated by DynMo keeps being set by whichever rank owns it; DynMo itself stays live
 (it profiles the sleeps, decides and migrates for real). Trace seconds are per whole step; a block sleeps
 per micro-batch, so each is divided by the micro-batch count.
+
+A call costs more than its sleep: the block's own compute and the sleep's wake-up (about 0.1-0.4 ms a
+call on a CPU), which at a millisecond a block would flatten the trace's differences. Given the
+:class:`CallOverhead` that :func:`measure_call_overhead` measured on the model, TraceReplay sleeps the
+trace's cost less that overhead, so each call costs what the trace says; a cost below the overhead cannot
+be reached, and :meth:`CallOverhead.replayed` states the costs the pipeline really runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
-from lightning_dynmo.balancing.trace import CostTrace
+from lightning_dynmo.balancing.trace import CostTrace, StepCosts
+from lightning_dynmo.demos.gpt import DemoGPT
 
-__all__ = ["TraceReplay"]
+__all__ = ["CallOverhead", "TraceReplay", "measure_call_overhead"]
+
+
+@dataclass(frozen=True)
+class CallOverhead:
+    """What one call costs beyond its sleep, per micro-batch (seconds in ``fwd_time_s`` / ``bwd_time_s``).
+
+    Attributes:
+        block: A block's forward and backward call: its compute and the sleep's wake-up.
+        part: A part's (the first- or last-stage emulated cost): the sleep's wake-up.
+    """
+
+    block: LayerCost
+    part: LayerCost
+
+    def replayed(self, trace: CostTrace, num_microbatches: int) -> CostTrace:
+        """The costs a pipeline compensated for this overhead really runs: per call, at least the overhead."""
+
+        def floor(cost: LayerCost, least: LayerCost) -> LayerCost:
+            return dataclasses.replace(
+                cost,
+                fwd_time_s=max(cost.fwd_time_s, num_microbatches * least.fwd_time_s),
+                bwd_time_s=max(cost.bwd_time_s, num_microbatches * least.bwd_time_s),
+            )
+
+        rows = tuple(
+            StepCosts(
+                tuple(floor(c, self.block) for c in r.layers),
+                floor(r.first, self.part),
+                floor(r.last, self.part),
+            )
+            for r in trace.rows
+        )
+        return dataclasses.replace(trace, rows=rows)
+
+    def describe(self) -> str:
+        """One line: the overhead per call, microseconds."""
+        return (
+            f"a block call costs {1e6 * self.block.fwd_time_s:.0f} us forward / "
+            f"{1e6 * self.block.bwd_time_s:.0f} us backward beyond its sleep, a part "
+            f"{1e6 * self.part.fwd_time_s:.0f} / {1e6 * self.part.bwd_time_s:.0f} us"
+        )
+
+
+def _timed_calls(module: torch.nn.Module, cost: Any, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of ``module`` on ``x`` beyond what ``cost`` sleeps."""
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        inp = x.detach().requires_grad_()
+        start = time.perf_counter()
+        out = module(inp)
+        mid = time.perf_counter()
+        out.sum().backward()
+        fwd.append(mid - start - cost.fwd_ms / 1e3)
+        bwd.append(time.perf_counter() - mid - cost.bwd_ms / 1e3)
+    return max(0.0, statistics.median(fwd)), max(0.0, statistics.median(bwd))
+
+
+def measure_call_overhead(
+    model: DemoGPT, microbatch_size: int, seq_len: int, repeats: int = 50, sleep_ms: float = 1.0
+) -> CallOverhead:
+    """Time block ``"0"`` of ``model`` and its last part, each sleeping ``sleep_ms`` forward (2x backward).
+
+    Run it in the process that replays (same threads, same machine load) before the ranks start.
+    The model's costs are restored afterwards.
+    """
+    block = model.layers["0"]
+    d_model = model.config.d_model
+    x = torch.randn(microbatch_size, seq_len, d_model)
+    results = []
+    for module, cost in ((block, block.cost), (model.last_cost, model.last_cost)):
+        saved = (cost.fwd_ms, cost.bwd_ms)
+        cost.fwd_ms, cost.bwd_ms = sleep_ms, 2 * sleep_ms
+        try:
+            _timed_calls(module, cost, x, 3)  # warm up
+            f, b = _timed_calls(module, cost, x, repeats)
+        finally:
+            cost.fwd_ms, cost.bwd_ms = saved
+        results.append(LayerCost(fwd_time_s=f, bwd_time_s=b))
+    return CallOverhead(*results)
 
 
 class TraceReplay(Callback):
@@ -34,23 +125,34 @@ class TraceReplay(Callback):
             :meth:`~lightning_dynmo.balancing.trace.CostTrace.scaled`).
         num_microbatches: The pipeline's micro-batches per step (a block sleeps once per micro-batch).
         steps_per_row: Training steps each trace row lasts (>= 1).
+        overhead: What a call costs beyond its sleep (:func:`measure_call_overhead`): subtracted from
+            every sleep. ``None``: sleep the trace's costs as they are.
     """
 
-    def __init__(self, trace: CostTrace, num_microbatches: int, steps_per_row: int = 1) -> None:
+    def __init__(
+        self,
+        trace: CostTrace,
+        num_microbatches: int,
+        steps_per_row: int = 1,
+        overhead: CallOverhead | None = None,
+    ) -> None:
         for name, value in (("num_microbatches", num_microbatches), ("steps_per_row", steps_per_row)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TraceReplay({name}={value!r}) must be an integer >= 1.")
         self.trace = trace
         self.num_microbatches = num_microbatches
         self.steps_per_row = steps_per_row
+        self.overhead = overhead
 
     def row(self, step: int) -> int:
         """The trace row replayed at global step ``step``."""
         return min(step // self.steps_per_row, self.trace.num_rows - 1)
 
-    def _set(self, cost: Any, record: LayerCost) -> None:
-        cost.fwd_ms = 1e3 * record.fwd_time_s / self.num_microbatches
-        cost.bwd_ms = 1e3 * record.bwd_time_s / self.num_microbatches
+    def _set(self, cost: Any, record: LayerCost, overhead: LayerCost | None) -> None:
+        fwd_s, bwd_s = record.fwd_time_s / self.num_microbatches, record.bwd_time_s / self.num_microbatches
+        if overhead is not None:
+            fwd_s, bwd_s = max(0.0, fwd_s - overhead.fwd_time_s), max(0.0, bwd_s - overhead.bwd_time_s)
+        cost.fwd_ms, cost.bwd_ms = 1e3 * fwd_s, 1e3 * bwd_s
 
     @override
     def on_train_batch_start(
@@ -64,9 +166,10 @@ class TraceReplay(Callback):
                 f"the trace has {len(costs.layers)} layers but this rank holds layers {beyond}; replay a "
                 "trace of the model's own layer count."
             )
+        o = self.overhead
         for name, block in layers.items():  # the blocks this rank owns, by global index
-            self._set(block.cost, costs.layers[int(name)])
+            self._set(block.cost, costs.layers[int(name)], o.block if o else None)
         for attr, record in (("first_cost", costs.first), ("last_cost", costs.last)):
             part = getattr(pl_module, attr, None)
             if part is not None:
-                self._set(part, record)
+                self._set(part, record, o.part if o else None)

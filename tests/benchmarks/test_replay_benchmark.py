@@ -20,6 +20,7 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
     assert "### synthetic, 2 ranks (4 layers, cost curve: proportional" in report
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
         assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
+    assert re.search(r"Sleeps compensated: .* a block call costs \d+ us forward / \d+ us backward", report)
     assert "of the best fixed placement" in report and "slower than static beyond noise" in report
     assert re.search(r"averaged over the run: min [\d.]+ / median [\d.]+ / max [\d.]+ ms", report)
     # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).

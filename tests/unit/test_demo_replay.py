@@ -10,7 +10,7 @@ import torch
 
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostCurve, CostTrace, StatisticTrace
-from lightning_dynmo.demos import DemoConfig, DemoGPT, TraceReplay
+from lightning_dynmo.demos import CallOverhead, DemoConfig, DemoGPT, TraceReplay, measure_call_overhead
 
 
 def _trace() -> CostTrace:
@@ -30,6 +30,37 @@ def test_replay_sets_owned_blocks_by_global_index_and_the_parts_per_microbatch()
     replay.on_train_batch_start(SimpleNamespace(global_step=9), model, None, 0)  # past the end: row 1
     assert model.layers["1"].cost.fwd_ms == pytest.approx(2.0)
     assert [replay.row(s) for s in range(6)] == [0, 0, 1, 1, 1, 1]
+
+
+def test_replay_sleeps_the_trace_less_each_calls_overhead_and_states_what_it_really_runs():
+    overhead = CallOverhead(
+        block=LayerCost(fwd_time_s=0.0005, bwd_time_s=0.0005), part=LayerCost(fwd_time_s=0.0001)
+    )
+    model = DemoGPT(num_layers=3)
+    replay = TraceReplay(_trace(), num_microbatches=4, overhead=overhead)
+    replay.on_train_batch_start(SimpleNamespace(global_step=1), model, None, 0)  # row 1: block 0 at 0.25
+    # Block 1 (dense): 8 ms / 4 = 2 ms forward, 4 ms backward per call, less 0.5 ms each.
+    assert (model.layers["1"].cost.fwd_ms, model.layers["1"].cost.bwd_ms) == pytest.approx((1.5, 3.5))
+    # Block 0 costs 0.5 ms forward per call, no more than its overhead: it sleeps nothing there.
+    assert (model.layers["0"].cost.fwd_ms, model.layers["0"].cost.bwd_ms) == pytest.approx((0.0, 0.5))
+    assert (model.last_cost.fwd_ms, model.last_cost.bwd_ms) == pytest.approx((9.9, 20.0))
+    # What the pipeline then runs: every call at least its overhead (4 micro-batches a step).
+    runs = overhead.replayed(_trace(), num_microbatches=4)
+    assert runs.rows[1].layers[0].fwd_time_s == pytest.approx(0.002)  # 0.25 x 8 ms, already >= 4 x 0.5 ms
+    assert runs.rows[1].layers[0].bwd_time_s == pytest.approx(0.004)
+    assert runs.rows[0].first.fwd_time_s == pytest.approx(0.0004)  # free in the trace, 4 x 0.1 ms here
+    assert runs.rows[0].layers[1].fwd_time_s == pytest.approx(_trace().rows[0].layers[1].fwd_time_s)
+
+
+def test_call_overhead_is_measured_beyond_the_sleep_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = DemoGPT(num_layers=2)
+    overhead = measure_call_overhead(model, microbatch_size=1, seq_len=8, repeats=5, sleep_ms=2.0)
+    # A block computes, then sleeps 2 ms forward / 4 ms backward: what is left is well under a sleep.
+    assert 0 < overhead.block.fwd_time_s < 0.05 and 0 < overhead.block.bwd_time_s < 0.05
+    assert overhead.part.fwd_time_s < 0.05
+    assert (model.layers["0"].cost.fwd_ms, model.last_cost.fwd_ms) == (0.0, 0.0)
+    assert "a block call costs" in overhead.describe()
 
 
 def test_replay_refuses_a_trace_of_another_model():
