@@ -144,6 +144,8 @@ def run_calibration_job(job: CalibrationJob) -> dict[str, Any]:
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
         report["costs"], report["hardware"] = dynmo.last_costs, dynmo.last_hardware
+        decision = dynmo.rebalances[-1]  # decided from the uniform split, never applied (min_gain 0.99)
+        report["choice"], report["predicted_gain"] = decision.new, decision.predicted_gain
     return report
 
 
@@ -172,6 +174,43 @@ def predicted_ms(report: dict[str, Any], schedule: str, placement: str, microbat
     per_op = per_action_s(order, profiled.num_stages, microbatches, before_window - bare)
     step = predict_step(problem, Placement.from_string(placement), order, microbatches, per_op_s=per_op)
     return 1e3 * step.step_s
+
+
+def choice_lines(
+    profiles: list[dict[str, Any]], measured: dict[str, list[float]], uniform_split: str
+) -> list[str]:
+    """Per round, the callback's choice from the uniform split against the measured best and gain.
+
+    The measured gain is the uniform split's step over the choice's, fixed, in the same round; the
+    measured best is held out of the round it judges. A choice outside the measured candidates (a
+    schedule with more stages than rank pairs: only the uniform split's neighbours are measured) is said.
+    """
+    rounds = len(profiles)
+    best = paired.held_out_best(measured) if rounds > 1 else [min(measured, key=lambda p: measured[p][0])]
+    lines = [
+        "The callback's own choice from the uniform split (the profile job's decision, not applied):",
+        "",
+        "| round | choice | predicted gain | measured gain | choice / measured best |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    within = close = judged = 0
+    for r, report in enumerate(profiles):
+        choice, predicted = report["choice"], report["predicted_gain"]
+        if choice not in measured:
+            lines.append(f"| {r + 1} | `{choice}` | {predicted:+.1%} | not measured | - |")
+            continue
+        judged += 1
+        gain = 1 - measured[choice][r] / measured[uniform_split][r]
+        of_best = measured[choice][r] / measured[best[r]][r]
+        within += of_best <= 1.05
+        close += abs(predicted - gain) <= 0.05
+        lines.append(f"| {r + 1} | `{choice}` | {predicted:+.1%} | {gain:+.1%} | {of_best:.3f} |")
+    lines += [
+        "",
+        f"Choice within 5% of the measured best in {within} of {judged} measured round(s); predicted gain "
+        f"within 5 points of the measured in {close} of {judged}.",
+    ]
+    return lines
 
 
 def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], bool]:
@@ -210,6 +249,8 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
         f"`{best_predicted}`; measured best (held out per round) {', '.join(f'`{p}`' for p in held_out)}; "
         f"the predicted best measures {statistics.median(of_best):.2f}x the measured best "
         f"({'within' if agree else 'NOT within'} 5%).",
+        "",
+        *choice_lines(runs["profile"], measured, base.placement),
     ]
     return "\n".join(lines), errors, agree
 

@@ -11,7 +11,8 @@ block's compute, the sleep's wake-up: :func:`~lightning_dynmo.demos.measure_call
 before the ranks start), so a layer costs what the trace says; the few cheaper than that overhead cost the
 overhead, and every "true" cost below (best fixed, simulated idle) is the cost the pipeline really runs
 (:meth:`~lightning_dynmo.demos.CallOverhead.replayed`). Jobs, each ``--steps`` steps, the first
-``--warmup`` untimed (the trace is spread over the run: each row lasts ``steps / rows`` steps):
+``--warmup`` untimed (the trace is spread over the run: step ``s`` replays row ``s x rows // steps``, so
+a run shorter than the trace skips rows evenly):
 
 - **static uniform**, **static params**: fixed placements;
 - **best fixed**: the exact min-max partition of the true per-step costs averaged over the run, refined
@@ -100,9 +101,9 @@ class ReplayJob:
     def microbatches(self) -> int:
         return 2 * self.ranks
 
-    @property
-    def steps_per_row(self) -> int:
-        return max(1, self.steps // self.trace.num_rows)
+    def trace_replay(self) -> TraceReplay:
+        """The callback replaying this job's trace, spread evenly over its steps."""
+        return TraceReplay(self.trace, self.microbatches, overhead=self.overhead, spread_over=self.steps)
 
     def true_trace(self) -> CostTrace:
         """The costs this job's pipeline really runs (the trace, each call at least its overhead)."""
@@ -110,7 +111,7 @@ class ReplayJob:
 
     def replayed_rows(self) -> list[int]:
         """The trace row of every timed step."""
-        replay = TraceReplay(self.trace, self.microbatches, self.steps_per_row)
+        replay = self.trace_replay()
         return [replay.row(s) for s in range(self.warmup, self.steps)]
 
 
@@ -119,8 +120,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
     torch.set_num_threads(1)
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
-    replay = TraceReplay(job.trace, m, job.steps_per_row, overhead=job.overhead)
-    callbacks = [timer, replay, *([dynmo] if dynmo else [])]
+    callbacks = [timer, job.trace_replay(), *([dynmo] if dynmo else [])]
     strategy = DynMoStrategy(num_microbatches=m, schedule="1F1B", placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
     model = replay_model(job.trace.num_layers)
@@ -278,6 +278,26 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def summary(results: list[tuple[CostTrace, dict[str, Any]]]) -> list[str]:
+    """One row per case and pipeline size: the gain, the share of the best fixed, the idle, the verdict."""
+    lines = [
+        "### Summary",
+        "",
+        "| case | ranks | better static / DynMo | DynMo of best fixed | idle measured, better static -> "
+        "DynMo | >= 95% of best fixed, not slower than static |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for trace, result in results:
+        c: paired.PairedComparison = result["comparison"]
+        rows = result["rows"]
+        ok = c.median_of_ideal() >= 0.95 and not c.slower_beyond_noise()
+        lines.append(
+            f"| {trace.case} | {result['ranks']} | {c.median_speedup():.2f}x | {c.median_of_ideal():.0%} | "
+            f"{rows[c.static]['idle'][1]:.0%} -> {rows['DynMo']['idle'][1]:.0%} | {'yes' if ok else 'NO'} |"
+        )
+    return [*lines, ""]
+
+
 def main(argv: list[str] | None = None) -> str:
     """Replay every trace, print and write the report; return it."""
     parser = trace_parser(
@@ -317,6 +337,7 @@ def main(argv: list[str] | None = None) -> str:
         "pipeline then runs: every call at least its overhead.",
         "",
     ]
+    done: list[tuple[CostTrace, dict[str, Any]]] = []
     for s in stats:
         for ranks in args.ranks:
             # Costs are per step in dense-forward units; a block sleeps per micro-batch.
@@ -329,7 +350,8 @@ def main(argv: list[str] | None = None) -> str:
             section_lines = section(trace, result)
             print("\n".join(section_lines), flush=True)
             lines += section_lines
-    report = "\n".join(lines)
+            done.append((trace, result))
+    report = "\n".join([*lines, *summary(done)])
     write_report(report, "replay", out)
     return report
 

@@ -118,7 +118,8 @@ class TraceReplay(Callback):
     """Set every local block's and part's emulated cost from ``trace`` at each step.
 
     Step ``s`` replays row ``min(s // steps_per_row, last row)``: a trace shorter than the run holds
-    its last row.
+    its last row. With ``spread_over=n`` the trace is spread evenly over ``n`` steps instead (row
+    ``s * rows // n``): a run shorter than the trace skips rows evenly rather than stopping early.
 
     Args:
         trace: The costs to replay, in the emulated pipeline's seconds (scale them first with
@@ -127,6 +128,8 @@ class TraceReplay(Callback):
         steps_per_row: Training steps each trace row lasts (>= 1).
         overhead: What a call costs beyond its sleep (:func:`measure_call_overhead`): subtracted from
             every sleep. ``None``: sleep the trace's costs as they are.
+        spread_over: Spread the trace's rows evenly over this many steps (>= 1); ``None``: use
+            ``steps_per_row``.
     """
 
     def __init__(
@@ -135,17 +138,24 @@ class TraceReplay(Callback):
         num_microbatches: int,
         steps_per_row: int = 1,
         overhead: CallOverhead | None = None,
+        spread_over: int | None = None,
     ) -> None:
-        for name, value in (("num_microbatches", num_microbatches), ("steps_per_row", steps_per_row)):
+        checked = {"num_microbatches": num_microbatches, "steps_per_row": steps_per_row}
+        if spread_over is not None:
+            checked["spread_over"] = spread_over
+        for name, value in checked.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TraceReplay({name}={value!r}) must be an integer >= 1.")
         self.trace = trace
         self.num_microbatches = num_microbatches
         self.steps_per_row = steps_per_row
         self.overhead = overhead
+        self.spread_over = spread_over
 
     def row(self, step: int) -> int:
         """The trace row replayed at global step ``step``."""
+        if self.spread_over is not None:
+            return min(step * self.trace.num_rows // self.spread_over, self.trace.num_rows - 1)
         return min(step // self.steps_per_row, self.trace.num_rows - 1)
 
     def _set(self, cost: Any, record: LayerCost, overhead: LayerCost | None) -> None:

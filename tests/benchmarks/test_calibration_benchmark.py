@@ -1,6 +1,8 @@
 """The calibration benchmark's quick mode keeps running and reports what it must (no timing asserted)."""
 
-from benchmarks.calibration import candidates, main
+import re
+
+from benchmarks.calibration import candidates, choice_lines, main
 
 
 def test_candidates_are_every_2_stage_split_or_the_uniform_split_and_its_one_move_neighbours():
@@ -18,4 +20,20 @@ def test_quick_calibration_writes_predicted_against_measured(tmp_path):
     assert "| placement | predicted (ms) | measured (ms) | error |" in report
     assert report.count("| `0-") == 3
     assert "Median |error|" in report and "Predicted best `" in report
+    assert re.search(r"\| 1 \| `0-\d\|\d-3` \| [+-][\d.]+% \| [+-][\d.]+% \| [\d.]+ \|", report)
+    assert re.search(r"Choice within 5% of the measured best in [01] of 1 measured round", report)
     assert out.read_text().startswith(report.split("\n")[0])
+
+
+def test_the_choice_is_judged_against_the_held_out_best_and_a_choice_not_measured_is_said():
+    measured = {"0-3|4-7": [100.0, 102.0, 98.0], "0-4|5-7": [90.0, 91.0, 92.0], "0-5|6-7": [95.0, 96.0, 97.0]}
+    profiles = [
+        {"choice": "0-4|5-7", "predicted_gain": 0.08},  # measured 10%: within 5 points, the best
+        {"choice": "0-5|6-7", "predicted_gain": 0.16},  # measured 5.9%: 10 points off, 5.5% slower
+        {"choice": "0-6|7-7", "predicted_gain": 0.20},  # never run fixed
+    ]
+    lines = "\n".join(choice_lines(profiles, measured, "0-3|4-7"))
+    assert "| 1 | `0-4|5-7` | +8.0% | +10.0% | 1.000 |" in lines
+    assert "| 2 | `0-5|6-7` | +16.0% | +5.9% | 1.055 |" in lines
+    assert "| 3 | `0-6|7-7` | +20.0% | not measured | - |" in lines
+    assert "in 1 of 2 measured round(s); predicted gain within 5 points of the measured in 1 of 2" in lines

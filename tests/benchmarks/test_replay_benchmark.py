@@ -21,6 +21,9 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
         assert re.search(rf"\| {run} \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
     assert re.search(r"Sleeps compensated: .* a block call costs \d+ us forward / \d+ us backward", report)
+    assert re.search(
+        r"\| synthetic \| 2 \| [\d.]+x \| \d+% \| \d+% -> \d+% \| (yes|NO) \|", report
+    )  # summary
     assert "of the best fixed placement" in report and "slower than static beyond noise" in report
     assert re.search(r"averaged over the run: min [\d.]+ / median [\d.]+ / max [\d.]+ ms", report)
     # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).
@@ -34,7 +37,9 @@ def test_best_fixed_is_the_partition_of_the_mean_costs_with_the_head():
     assert fixed["static uniform"] == "0-1|2-3"
     assert fixed["best fixed"] == "0-2|3-3"  # the head (about 7 blocks) sits on the last stage
     job = ReplayJob(trace, ranks=2, steps=7, warmup=1, placement="uniform")
-    assert job.steps_per_row == 2 and job.replayed_rows() == [0, 1, 1, 2, 2, 2]
+    assert job.replayed_rows() == [0, 0, 1, 1, 2, 2]  # steps 1-6 of 7 over 3 rows: row s x 3 // 7
+    short = ReplayJob(trace, ranks=2, steps=2, warmup=0, placement="uniform")
+    assert short.replayed_rows() == [0, 1]  # shorter than the trace: rows skipped evenly
 
 
 def test_the_repack_line_says_ranks_released_and_throughput_kept():

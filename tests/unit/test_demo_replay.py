@@ -30,6 +30,8 @@ def test_replay_sets_owned_blocks_by_global_index_and_the_parts_per_microbatch()
     replay.on_train_batch_start(SimpleNamespace(global_step=9), model, None, 0)  # past the end: row 1
     assert model.layers["1"].cost.fwd_ms == pytest.approx(2.0)
     assert [replay.row(s) for s in range(6)] == [0, 0, 1, 1, 1, 1]
+    spread = TraceReplay(_trace(), num_microbatches=4, spread_over=3)  # 2 rows over 3 steps
+    assert [spread.row(s) for s in range(4)] == [0, 0, 1, 1]
 
 
 def test_replay_sleeps_the_trace_less_each_calls_overhead_and_states_what_it_really_runs():
@@ -69,6 +71,8 @@ def test_replay_refuses_a_trace_of_another_model():
         TraceReplay(_trace(), 2).on_train_batch_start(SimpleNamespace(global_step=0), model, None, 0)
     with pytest.raises(ValueError, match=r"num_microbatches=0\) must be an integer >= 1"):
         TraceReplay(_trace(), 0)
+    with pytest.raises(ValueError, match=r"spread_over=0\) must be an integer >= 1"):
+        TraceReplay(_trace(), 2, spread_over=0)
 
 
 def test_demo_parts_sleep_only_when_asked():
