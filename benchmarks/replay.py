@@ -1,6 +1,7 @@
 """Trace-driven pipelines: each case's recorded per-step costs replayed as sleeps in real gloo pipelines.
 
-Per case (the newest trace of each case in ``benchmarks/results/traces/``, a synthetic one with
+Per case (the newest trace of each case in ``benchmarks/results/traces/``, and ``dense``: the same
+model without dynamism, which shows the head's static imbalance alone; a synthetic trace with
 ``--quick``) and per pipeline size (``--ranks``, 8 and 16 by default; 1F1B), every block of a
 :class:`~lightning_dynmo.demos.DemoGPT` with the model's real layer count sleeps, at every step, what
 the trace says its layer costs at that step (:class:`~lightning_dynmo.demos.TraceReplay`), and so do
@@ -40,6 +41,7 @@ from __future__ import annotations
 import statistics
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,10 +49,17 @@ import torch
 from benchmarks import paired
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
 from benchmarks.projection import Shape, best_placement
-from benchmarks.trace_cases import DENSE_FWD, cost_trace, load_traces, synthetic_trace, trace_parser
+from benchmarks.trace_cases import (
+    DENSE_FWD,
+    cost_trace,
+    dense_trace,
+    load_traces,
+    synthetic_trace,
+    trace_parser,
+)
 from lightning_dynmo.balancing import Placement, by_parameters, uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
-from lightning_dynmo.balancing.trace import CostTrace
+from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos import (
     CallOverhead,
@@ -278,6 +287,14 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def select_traces(folder: Path, cases: list[str] | None) -> list[StatisticTrace]:
+    """The newest trace of each case in ``folder`` (only ``cases``, if given), then ``dense``: the model
+    without dynamism (one row, every block dense), which shows the head's static imbalance alone."""
+    loaded = load_traces(folder)
+    everything = [*loaded, dense_trace(loaded[0].num_layers)] if loaded else []
+    return [s for s in everything if cases is None or s.case in cases]
+
+
 def summary(results: list[tuple[CostTrace, dict[str, Any]]]) -> list[str]:
     """One row per case and pipeline size: the gain, the share of the best fixed, the idle, the verdict."""
     lines = [
@@ -314,7 +331,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     args = parser.parse_args(argv)
     out = results_path("replay", args.out, args.force)
-    stats = [s for s in load_traces(args.traces) if args.case is None or s.case in args.case]
+    stats = select_traces(args.traces, args.case)
     if not stats and not args.quick:
         raise SystemExit(f"no trace of the cases {args.case} in {args.traces}")
     if args.quick:

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from benchmarks.replay import ReplayJob, fixed_placements, repack_line
+from benchmarks.replay import ReplayJob, fixed_placements, repack_line, select_traces
 from benchmarks.replay import main as replay_main
-from benchmarks.trace_cases import cost_trace, synthetic_trace
+from benchmarks.trace_cases import TRACES, cost_trace, synthetic_trace
 
 
 def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
@@ -53,3 +53,13 @@ def test_the_repack_line_says_ranks_released_and_throughput_kept():
 def test_a_case_without_a_trace_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"no trace of the cases \['nope'\]"):
         replay_main(["--case", "nope", "--traces", str(tmp_path), "--out", str(tmp_path / "r.md")])
+
+
+def test_every_case_is_replayed_then_the_dense_model_and_a_selection_keeps_only_its_cases():
+    cases = [s.case for s in select_traces(TRACES, None)]
+    assert cases[-1] == "dense" and len(cases) == len(set(cases)) >= 2
+    picked = select_traces(TRACES, ["dense", "mod"])
+    assert [s.case for s in picked] == ["mod", "dense"]
+    dense = cost_trace(picked[1])
+    assert dense.num_rows == 1 and dense.num_layers == picked[0].num_layers  # the same model, no dynamism
+    assert len({c.time_s for c in dense.rows[0].layers}) == 1 and dense.rows[0].last.time_s > 0  # the head
