@@ -4,17 +4,20 @@ Issue 19's first check. Two models whose head and loss cost several blocks (what
 placement DynMo trusts matter): our GPT with a large vocabulary (``gpt``) and a Hugging Face GPT-2 with an
 untied head (``gpt2``), 8 blocks each, on a real 2-rank gloo CPU pipeline, one torch thread per rank.
 Two schedules: ``1F1B`` (2 stages: every split of the blocks) and ``ZBVZeroBubble`` (4 stages, two per
-rank: the uniform split and every split one boundary-move from it).
+rank: the uniform split, every split one boundary-move from it and the callback's own choice, found by
+one profile job before the rounds).
 
 Per (model, schedule), interleaved rounds (:func:`benchmarks.harness.run_rounds`, the job order rotated):
 
 - a **profile** job at the uniform split: ``DynMoCallback(min_gain=0.99)`` profiles one window (its
   blocks, first and last parts, links) and moves nothing; its costs give each placement's prediction
   (:func:`lightning_dynmo.balancing.step_prediction.predict_step` on torch's action lists). The runtime's
-  own cost per action (``per_op_s``) is what the profile job's steps before its window took beyond their
-  prediction, spread over the actions (:func:`~lightning_dynmo.balancing.step_prediction.per_action_s`):
-  fitted on the profile job's own run of the uniform split, never on the compared jobs. A fresh profile
-  in each round: the prediction is a median over rounds, as the measurement is;
+  own cost per action (``per_op_s``) is what the profile job's steady steps before its window (from
+  ``skip``: the first steps run slower, and the compared jobs are measured from ``skip`` too) took
+  beyond their prediction, spread over the actions
+  (:func:`~lightning_dynmo.balancing.step_prediction.per_action_s`): fitted on the profile job's own
+  run of the uniform split, never on the compared jobs. A fresh profile in each round: the prediction
+  is a median over rounds, as the measurement is;
 - one **fixed** job per candidate placement: its median step after ``--skip``.
 
 The report prints per placement the predicted and measured steps and the error, then the median and the
@@ -38,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks import harness, paired
-from benchmarks.common import StepTimer, benchmark_trainer, results_path
+from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path
 from lightning_dynmo.balancing import BalanceProblem, Placement, uniform
 from lightning_dynmo.balancing.step_prediction import per_action_s, predict_step
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
@@ -48,7 +51,7 @@ from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 from lightning_dynmo.strategy import DynMoStrategy
 
 MODELS = ("gpt", "gpt2")
-PROFILE_FROM = 4  # a profile job's steps 1-3 (no hooks yet) measure the runtime's own cost per action
+PROFILE_FROM = 8  # a profile job's steps from ``skip`` to 7 (no hooks yet) measure the runtime's own cost
 PROFILE_STEPS = 3  # then one window of this many profiled steps
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
 
@@ -65,12 +68,12 @@ class Sizes:
     batch_size: int = 8
     microbatches: int = 4
     steps: int = 16
-    skip: int = 4
+    skip: int = 4  # steps before the steady state (also before a profile job's per-action fit)
     rounds: int = 3
 
 
 FULL = Sizes()
-QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=10, skip=2, rounds=1)
+QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=14, skip=2, rounds=1)
 
 
 @dataclass(frozen=True)
@@ -165,12 +168,19 @@ def candidates(schedule: str, num_layers: int) -> list[str]:
     return out
 
 
-def predicted_ms(report: dict[str, Any], schedule: str, placement: str, microbatches: int) -> float:
-    """The step a profile job's costs predict for ``placement``, ms."""
+def predicted_ms(
+    report: dict[str, Any], schedule: str, placement: str, microbatches: int, skip: int
+) -> float:
+    """The step a profile job's costs predict for ``placement``, ms.
+
+    The runtime's own cost per action is fitted on the profile job's steady steps before its window
+    (``skip`` to ``PROFILE_FROM``): the first steps run slower (allocations, the optimizer's first
+    state), and the compared jobs are measured after ``skip`` too.
+    """
     problem, order = BalanceProblem(report["costs"], hardware=report["hardware"]), schedule_order(schedule)
     profiled = Placement.from_string(report["placement"])
     bare = predict_step(problem, profiled, order, microbatches).step_s
-    before_window = statistics.median(report["step_s"][1:PROFILE_FROM])  # the first step builds the pipeline
+    before_window = statistics.median(report["step_s"][skip:PROFILE_FROM])
     per_op = per_action_s(order, profiled.num_stages, microbatches, before_window - bare)
     step = predict_step(problem, Placement.from_string(placement), order, microbatches, per_op_s=per_op)
     return 1e3 * step.step_s
@@ -218,13 +228,17 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
     names = candidates(schedule, sizes.num_layers)
     stages = 2 * resolve_schedule(schedule).stages_per_rank
     base = CalibrationJob(model, schedule, str(uniform(sizes.num_layers, stages)), sizes)
+    if stages > 2:  # only the uniform split's neighbours are candidates: measure the callback's choice too
+        first = launch(run_calibration_job, replace(base, profile=True), nproc=2, start_method="fork")
+        names += [first["choice"]] if first["choice"] not in names else []
     jobs = {"profile": replace(base, profile=True), **{p: replace(base, placement=p) for p in names}}
     runs = harness.run_rounds(
         jobs, run_calibration_job, sizes.rounds, f"calibration {model} {schedule}", start_method="fork"
     )
     measured = {p: harness.step_ms(runs[p], sizes.skip) for p in names}
     predicted = {
-        p: [predicted_ms(r, schedule, p, sizes.microbatches) for r in runs["profile"]] for p in names
+        p: [predicted_ms(r, schedule, p, sizes.microbatches, sizes.skip) for r in runs["profile"]]
+        for p in names
     }
     lines = [
         f"### {model}, {schedule} ({sizes.rounds} rounds, medians of steps {sizes.skip}+)",
