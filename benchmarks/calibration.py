@@ -149,6 +149,7 @@ def run_calibration_job(job: CalibrationJob) -> dict[str, Any]:
         report["costs"], report["hardware"] = dynmo.last_costs, dynmo.last_hardware
         decision = dynmo.rebalances[-1]  # decided from the uniform split, never applied (min_gain 0.99)
         report["choice"], report["predicted_gain"] = decision.new, decision.predicted_gain
+        report["per_op_s"] = decision.per_op_s  # the runtime's cost per action the decision measured
     return report
 
 
@@ -179,7 +180,7 @@ def predicted_ms(
     """
     problem, order = BalanceProblem(report["costs"], hardware=report["hardware"]), schedule_order(schedule)
     profiled = Placement.from_string(report["placement"])
-    bare = predict_step(problem, profiled, order, microbatches).step_s
+    bare = predict_step(problem, profiled, order, microbatches, per_op_s=0.0).step_s  # not the callback's
     before_window = statistics.median(report["step_s"][skip:PROFILE_FROM])
     per_op = per_action_s(order, profiled.num_stages, microbatches, before_window - bare)
     step = predict_step(problem, Placement.from_string(placement), order, microbatches, per_op_s=per_op)
@@ -194,32 +195,46 @@ def choice_lines(
     The measured gain is the uniform split's step over the choice's, fixed, in the same round; the
     measured best is held out of the round it judges. A choice outside the measured candidates (a
     schedule with more stages than rank pairs: only the uniform split's neighbours are measured) is said.
+    A round's measured gain carries the round's noise; the medians over rounds compare what the
+    callback predicts with what the move gains on this machine.
     """
     rounds = len(profiles)
     best = paired.held_out_best(measured) if rounds > 1 else [min(measured, key=lambda p: measured[p][0])]
     lines = [
-        "The callback's own choice from the uniform split (the profile job's decision, not applied):",
+        "The callback's own choice from the uniform split (the profile job's decision, not applied; its "
+        "prediction includes the runtime's cost per action the callback measured):",
         "",
-        "| round | choice | predicted gain | measured gain | choice / measured best |",
-        "|---:|---|---:|---:|---:|",
+        "| round | choice | per action (ms) | predicted gain | measured gain | choice / measured best |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
-    within = close = judged = 0
+    within = close = 0
+    predicted_gains, measured_gains = [], []
     for r, report in enumerate(profiles):
         choice, predicted = report["choice"], report["predicted_gain"]
+        per_op = f"{1e3 * report.get('per_op_s', 0.0):.3f}"
         if choice not in measured:
-            lines.append(f"| {r + 1} | `{choice}` | {predicted:+.1%} | not measured | - |")
+            lines.append(f"| {r + 1} | `{choice}` | {per_op} | {predicted:+.1%} | not measured | - |")
             continue
-        judged += 1
         gain = 1 - measured[choice][r] / measured[uniform_split][r]
         of_best = measured[choice][r] / measured[best[r]][r]
         within += of_best <= 1.05
         close += abs(predicted - gain) <= 0.05
-        lines.append(f"| {r + 1} | `{choice}` | {predicted:+.1%} | {gain:+.1%} | {of_best:.3f} |")
+        predicted_gains.append(predicted)
+        measured_gains.append(gain)
+        lines.append(f"| {r + 1} | `{choice}` | {per_op} | {predicted:+.1%} | {gain:+.1%} | {of_best:.3f} |")
+    judged = len(measured_gains)
     lines += [
         "",
         f"Choice within 5% of the measured best in {within} of {judged} measured round(s); predicted gain "
         f"within 5 points of the measured in {close} of {judged}.",
     ]
+    if judged:
+        pred, meas = statistics.median(predicted_gains), statistics.median(measured_gains)
+        verdict = "within" if abs(pred - meas) <= 0.05 else "NOT within"
+        lines.append(
+            f"Median over those rounds: predicted gain {pred:+.1%}, measured {meas:+.1%} "
+            f"({verdict} 5 points)."
+        )
     return lines
 
 

@@ -46,6 +46,11 @@ class Hardware:
         memory_capacity_bytes: Memory caps in bytes: ``None`` (unlimited), one number for every stage,
             one per stage, or (for :func:`~lightning_dynmo.balancing.workers.partition_workers`) one
             per worker, indexed or keyed by worker id.
+        per_op_s: The runtime's own fixed seconds per forward or backward action (launching it, its
+            hooks, the schedule's bookkeeping), which every predicted step adds to every action
+            (:func:`~lightning_dynmo.balancing.step_prediction.predict_step`; only with ``by="time"``).
+            ``0``: bare work, which on a real runtime overstates what a move gains. The balancers'
+            stage loads leave it out: every placement runs the same actions.
     """
 
     first_stage_extra: LayerCost | None = None
@@ -53,10 +58,12 @@ class Hardware:
     worker_slowdown: PerWorker = None
     comm_time_s: CommTime = None
     memory_capacity_bytes: MemoryCapacity = None
+    per_op_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_extras(self.first_stage_extra, self.last_stage_extra)
         _check_factors(self.worker_slowdown)
+        check_per_op(self.per_op_s)
 
     def stage_slowdown(self, num_stages: int, stage_workers: Sequence[int] | None) -> list[float] | None:
         """Per stage, the slowdown of its worker (stage ``s`` on worker ``s`` unless ``stage_workers``)."""
@@ -90,6 +97,12 @@ class Hardware:
         if isinstance(comm, Sequence) and comm and isinstance(comm[0], Sequence):
             return comm_rows(comm[: num_stages - 1], num_layers, num_stages, by)
         return comm_rows(comm, num_layers, num_stages, by)
+
+
+def check_per_op(per_op_s: object) -> None:
+    """Raise unless ``per_op_s`` is a finite number of seconds >= 0."""
+    if isinstance(per_op_s, bool) or not isinstance(per_op_s, (int, float)) or not 0 <= per_op_s < math.inf:
+        raise ValueError(f"per_op_s={per_op_s!r} must be a finite number of seconds >= 0.")
 
 
 def _check_factors(factors: object) -> None:

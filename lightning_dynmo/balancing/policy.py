@@ -281,11 +281,13 @@ def _predict(
     schedule: str | ScheduleOrder,
     stage_workers: Sequence[int] | None,
 ) -> _Prediction:
+    # Both step models add the runtime's cost per action (Hardware.per_op_s) in the time view.
     if isinstance(schedule, ScheduleOrder):
         step = predict_step(problem, placement, schedule, num_microbatches, stage_workers)
         return _Prediction(step.step_s, step.bubble_ratio, imbalance(step.stage_loads))
     times = stage_times(problem, placement, stage_workers)
-    fwd, bwd = times.per_microbatch(num_microbatches)
+    per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
+    fwd, bwd = times.per_microbatch(num_microbatches, per_op_s=per_op_s)
     sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
     loads = tuple(f + b for f, b in zip(fwd, bwd, strict=True))
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
@@ -310,7 +312,9 @@ def decide(
             (:meth:`BalanceConfig.problem` builds it). Its hardware gives the pinned first- and
             last-stage parts (embedding; final norm, head and loss), which every balancer, the predicted
             step and the memory caps count on their stages, the worker slowdowns and the links; its
-            memory caps apply when ``config.memory_capacity_bytes`` is ``None``.
+            memory caps apply when ``config.memory_capacity_bytes`` is ``None``; its ``per_op_s`` (the
+            runtime's own cost per action) is added to every action of the predicted steps before and
+            after (what the gain is judged by), never to the search that picks the placement.
         current: The placement in use.
         config: Balancer, cost view, memory caps, re-pack options, minimum gain and saving.
         num_microbatches: Micro-batches per step.
@@ -364,21 +368,24 @@ def decide(
     hw.stage_slowdown(current.num_stages, stage_workers)  # as do missing worker slowdowns
     config.check_pipeline(current.num_stages)
 
-    def evaluate(placement: Placement, workers: Sequence[int] | None) -> _Prediction:
-        return _predict(problem, placement, num_microbatches, schedule, workers)
+    def evaluate(placement: Placement, workers: Sequence[int] | None, on: BalanceProblem) -> _Prediction:
+        return _predict(on, placement, num_microbatches, schedule, workers)
 
     proposed, reason = _propose(problem, current, config, stage_workers, repack_layouts, num_microbatches)
     same_size = proposed.num_stages == current.num_stages
     if isinstance(schedule, ScheduleOrder) and config.balancer == "partition" and same_size:
-        refined = refine(problem, proposed, lambda p: evaluate(p, stage_workers).step)
+        # The search ranks placements by their work alone: the runtime's cost per action is one number
+        # fitted to the running placement's step, no measure of where the work should go.
+        work = problem.with_hardware(per_op_s=0.0)
+        refined = refine(work, proposed, lambda p: evaluate(p, stage_workers, work).step)
         proposed, reason = refined.placement, f"{reason}, refined by {refined.describe()}"
     proposed_workers = (
         stage_workers
         if proposed.num_stages == current.num_stages
         else (repack_layouts or {}).get(proposed.num_stages)
     )
-    before = evaluate(current, stage_workers)
-    after = evaluate(proposed, proposed_workers)
+    before = evaluate(current, stage_workers, problem)
+    after = evaluate(proposed, proposed_workers, problem)
     step_before, step_after = before.step, after.step
     by_workers = not isinstance(schedule, ScheduleOrder)  # a name's simulator runs one stage per rank
     if by_workers and stage_workers is not None and proposed_workers is not None:

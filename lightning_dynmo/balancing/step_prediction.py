@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing.hardware import stage_times
+from lightning_dynmo.balancing.hardware import check_per_op, stage_times
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulate_step
@@ -97,7 +97,7 @@ def predict_step(
     order: ScheduleOrder,
     num_microbatches: int,
     stage_workers: Sequence[int] | None = None,
-    per_op_s: float = 0.0,
+    per_op_s: float | None = None,
 ) -> StepPrediction:
     """Simulate one step of ``placement`` under ``order``'s action lists.
 
@@ -115,10 +115,13 @@ def predict_step(
         num_microbatches: Micro-batches per step.
         stage_workers: The worker of each stage, for the slowdowns (``None``: stage ``s`` on worker ``s``).
         per_op_s: Fixed seconds every action costs on top of its work (the runtime's own: launching it,
-            its receives and sends, the schedule's bookkeeping), as measured on the machine.
+            its receives and sends, the schedule's bookkeeping), as measured on the machine; ``None``:
+            the problem's :attr:`~lightning_dynmo.balancing.hardware.Hardware.per_op_s` (with
+            ``by="time"``; 0 in the ``"params"`` view), a number replaces it.
     """
-    if isinstance(per_op_s, bool) or not isinstance(per_op_s, (int, float)) or not 0 <= per_op_s < math.inf:
-        raise ValueError(f"per_op_s={per_op_s!r} must be a finite number of seconds >= 0.")
+    if per_op_s is None:
+        per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
+    check_per_op(per_op_s)
     times = stage_times(problem, placement, stage_workers)
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}

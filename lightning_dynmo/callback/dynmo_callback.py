@@ -43,6 +43,7 @@ from lightning_dynmo.balancing.policy import (
     resume_plan,
     validate_policy,
 )
+from lightning_dynmo.balancing.step_prediction import fit_per_op
 from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
 from lightning_dynmo.balancing.trust import PredictionTrust
 from lightning_dynmo.callback.config import (
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 
 # Columns of the per-step all-gather.
 _EVENTS, _BUSY, _STEP, _COST = range(4)
+#: The runtime's cost per action is fitted to this fraction of the measured step.
+PER_OP_TOLERANCE = 1e-5
 
 
 class DynMoCallback(Callback):
@@ -222,6 +225,7 @@ class DynMoCallback(Callback):
         self._new_events: list[DynamismEvent] = []
         self._pending: RebalanceDecision | None = None
         self._pending_overhead = WindowOverhead()  # what the pending decision's window cost
+        self._pending_per_op_s = 0.0  # the runtime's cost per action its predictions included
         self._cost_to_share = 0.0
         self._positions: PositionIndex | None = None
         self._last_checked_step = -1
@@ -403,7 +407,7 @@ class DynMoCallback(Callback):
         start = self._clock()
         costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
-        self._pending = self._decide_once(trainer, view, costs, hardware, retune)
+        self._pending, self._pending_per_op_s = self._decide_once(trainer, view, costs, hardware, retune)
         self._pending_overhead = WindowOverhead(
             profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),
             decision_s=self._clock() - start,
@@ -414,6 +418,27 @@ class DynMoCallback(Callback):
     @property
     def _retunes(self) -> bool:
         return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
+
+    def _runtime_per_op_s(self, view: PipelineView, costs: list[LayerCost], hardware: Hardware) -> float:
+        """The runtime's own seconds per action, which every prediction of the decision adds.
+
+        What the running placement's measured step (:meth:`GainMeter.current_step_s`, agreed by every
+        rank) took beyond its predicted work, spread over the schedule's actions (:func:`fit_per_op`):
+        the optimizer, launching each op, the schedule's bookkeeping, the machine's load as it is. Run
+        on the deciding rank only. 0 in the ``"params"`` view or before a step was measured.
+        """
+        measured_s = self._history.current_step_s()
+        if self.balance.cost != "time" or measured_s is None:
+            return 0.0
+        return fit_per_op(
+            self.balance.problem(costs, hardware),
+            view.placement,
+            schedule_order(view.schedule_name),
+            view.num_microbatches,
+            measured_s,
+            view.stage_workers(view.placement),
+            tolerance_s=PER_OP_TOLERANCE * measured_s,
+        )
 
     def _retune_options(
         self, trainer: pl.Trainer, view: PipelineView, result: ProfileResult, batch: Any
@@ -430,14 +455,17 @@ class DynMoCallback(Callback):
         costs: list[LayerCost],
         hardware: Hardware,
         retune: RetuneOptions | None,
-    ) -> RebalanceDecision:
-        # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error).
+    ) -> tuple[RebalanceDecision, float]:
+        # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error), and
+        # the runtime's cost per action its predictions paid.
         source, step = view.active_ranks[0], trainer.global_step
         outcome: Any = None
         failure: Exception | None = None
         if view.global_rank == source:
             try:
-                outcome = self._decide(view, costs, hardware, step, retune)
+                per_op_s = self._runtime_per_op_s(view, costs, hardware)
+                hardware = dataclasses.replace(hardware, per_op_s=per_op_s)
+                outcome = (self._decide(view, costs, hardware, step, retune), per_op_s)
             except ValueError as err:
                 outcome = f"{err}"
             except Exception as err:  # a bug: the others must not wait in the broadcast for a decision
@@ -452,8 +480,9 @@ class DynMoCallback(Callback):
             outcome.raise_here()
         if isinstance(outcome, str):
             raise ValueError(f"DynMo could not decide a placement: {outcome}")
-        assert isinstance(outcome, RebalanceDecision)
-        return outcome
+        decision, per_op_s = outcome
+        assert isinstance(decision, RebalanceDecision)
+        return decision, per_op_s
 
     def _decide(
         self,
@@ -527,6 +556,7 @@ class DynMoCallback(Callback):
             why=decision.reason,
             predicted_gain=decision.predicted_gain,
             num_microbatches=view.num_microbatches,
+            per_op_s=self._pending_per_op_s,
             profiling_s=overhead.profiling_s,
             decision_s=overhead.decision_s,
             migration_s=migration_s,
@@ -545,8 +575,9 @@ class DynMoCallback(Callback):
         line = (
             f"DynMo {what} at step {record.step} ({record.reason}): {record.old} -> {record.new}; "
             f"predicted step {decision.predicted_step_before:.4g} -> {decision.predicted_step_after:.4g} "
-            f"({decision.predicted_gain:+.1%}); {decision.reason}; profiling {record.profiling_s:.3f} s, "
-            f"decision {record.decision_s:.3f} s, migration {record.migration_s:.3f} s"
+            f"({decision.predicted_gain:+.1%}, {1e3 * record.per_op_s:.3g} ms per action); "
+            f"{decision.reason}; profiling {record.profiling_s:.3f} s, decision {record.decision_s:.3f} s, "
+            f"migration {record.migration_s:.3f} s"
         )
         if trainer.global_rank == view.active_ranks[0]:
             log.log(logging.INFO if decision.apply else logging.DEBUG, line)

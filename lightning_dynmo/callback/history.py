@@ -52,6 +52,9 @@ class DecisionRecord:
         measured_gain: The measured saving once the new placement has run (``None`` until then).
         num_microbatches: The micro-batch count after the decision (``None`` in checkpoints from before
             it was recorded).
+        per_op_s: The runtime's measured fixed seconds per forward or backward action that every
+            predicted step included (``0``: bare work, the ``"params"`` view, or checkpoints from before
+            it was measured).
         profiling_s: See :class:`WindowOverhead`.
         decision_s: See :class:`WindowOverhead`.
         migration_s: Moving the layers (0 when kept).
@@ -66,6 +69,7 @@ class DecisionRecord:
     predicted_gain: float
     measured_gain: float | None = None
     num_microbatches: int | None = None
+    per_op_s: float = 0.0
     profiling_s: float
     decision_s: float
     migration_s: float
@@ -101,6 +105,10 @@ class RebalanceHistory:
         """Keep ``events`` (the agreed ones of a step)."""
         self.events.extend(events)
         self.dropped["events"] += keep_recent(self.events)
+
+    def current_step_s(self) -> float | None:
+        """The measured step of the placement now running (:meth:`GainMeter.current_step_s`)."""
+        return self._gain.current_step_s()
 
     def add(self, record: DecisionRecord) -> None:
         """Keep ``record``, count its overhead, and follow its measured gain if it moved layers."""

@@ -32,7 +32,10 @@ import torch
 from torch import nn
 
 from lightning_dynmo.balancing import BalanceProblem, partition
+from lightning_dynmo.balancing.policy import decide
+from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
+from lightning_dynmo.callback import dynmo_callback as callback_module
 from lightning_dynmo.demos import DemoGPT, EmulatedCost
 from lightning_dynmo.demos.hardware import emulate_slow_link, emulated_speed_probe, set_emulated_slowdown
 from lightning_dynmo.profiling import module_has_hooks
@@ -73,6 +76,21 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
     if scenario == "slow_link" and rank == 0:
         emulate_slow_link(to_rank=1, s_per_byte=0.0, latency_s=0.060)
     recorder, dynmo = LossRecorder(), DynMoCallback(**callback_kwargs)
+    decisions: list[dict[str, Any]] = []
+
+    def spied_decide(problem: Any, current: Any, config: Any, m: int, order: Any, **kw: Any) -> Any:
+        decision = decide(problem, current, config, m, order, **kw)
+        # What the prediction must equal: the schedule's step with the measured cost per action.
+        workers = kw.get("stage_workers")
+        per_op = problem.hardware.per_op_s
+        step = predict_step(problem, current, order, m, workers, per_op).step_s
+        bare = predict_step(problem, current, order, m, workers, 0.0).step_s
+        decisions.append({"per_op_s": per_op, "predicted": decision.predicted_step_before})
+        decisions[-1].update(expected=step, bare=bare)
+        return decision
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(callback_module, "decide", spied_decide)
     trainer = pl.Trainer(
         devices=world_size,
         strategy=make_strategy(RUN),
@@ -91,6 +109,8 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
         "costs": dynmo.last_costs,
         "hardware": hardware,
         "hooks_left": any(module_has_hooks(m) for m in [model, *trainer.strategy.local_layers.values()]),
+        "decisions": decisions,
+        "recorded_per_op_s": [r.per_op_s for r in dynmo.rebalances],
     }
 
 
@@ -133,6 +153,15 @@ def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: A
         assert r["placement"] == "0-4|5-7"
         assert r["rebalances"][0]["applied"] and r["rebalances"][0]["new"] == "0-4|5-7"
         assert not r["hooks_left"]
+    # The decisions predict with the runtime's measured cost per action (the schedule, launching an
+    # op, its hooks), and each record says which; without it (the negative control) they would differ.
+    decided = first["decisions"]  # rank 0 decides
+    assert decided and not results[1]["decisions"]
+    assert first["recorded_per_op_s"] == [d["per_op_s"] for d in decided][: len(first["recorded_per_op_s"])]
+    for d in decided:
+        assert d["per_op_s"] > 0
+        assert d["predicted"] == pytest.approx(d["expected"], rel=1e-12)
+        assert d["predicted"] != pytest.approx(d["bare"], rel=1e-6)
     _assert_equals_reference(results, "heavy_head")
 
 

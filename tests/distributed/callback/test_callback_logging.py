@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 import lightning.pytorch as pl
@@ -63,6 +64,7 @@ def test_metrics_reach_the_loggers_and_each_rebalance_is_one_readable_line(tmp_p
     # One line at the decision (old -> new, predicted gain), one when the gain has been measured; rank 0 only.
     decided, measured = [line for line in rank0["lines"] if line.startswith("DynMo rebalance at step")]
     assert "0-3|4-7 -> 0-5|6-7" in decided and "predicted step" in decided and "migration" in decided
+    assert re.search(r"\(\+[\d.]+%, [\d.e+-]+ ms per action\)", decided), decided
     assert "0-3|4-7 -> 0-5|6-7" in measured and "measured step time" in measured and "predicted" in measured
     assert not any(line.startswith("DynMo rebalance") for line in rank1["lines"])
 

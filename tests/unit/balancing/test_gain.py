@@ -93,3 +93,23 @@ def test_bad_arguments(kwargs: dict[str, int], match: str) -> None:
 def test_unknown_phase() -> None:
     with pytest.raises(ValueError, match=r"phase='hooked' must be one of"):
         _meter().observe(1.0, "hooked")  # type: ignore[arg-type]
+
+
+def test_the_running_placements_step_is_its_quiet_steps_else_its_window_else_the_followed_move() -> None:
+    meter = _meter()
+    assert meter.current_step_s() is None  # nothing measured yet
+    for s in (1.0, 3.0, 2.0, 2.0):
+        meter.observe(s, "quiet")
+    assert meter.current_step_s() == 2.0  # the last 3 hook-free steps (history=3): 3, 2, 2
+    meter.cost_changed()  # an event: the steps before it describe another model
+    assert meter.current_step_s() is None
+    meter.window_opened()
+    for phase, s in (("warmup", 5.0), ("profiled", 1.2), ("profiled", 1.4)):
+        meter.observe(s, phase)  # type: ignore[arg-type]
+    assert meter.current_step_s() == pytest.approx(1.3)  # the window's measured steps, never its warm-up
+    assert meter.rebalanced()
+    assert meter.current_step_s() is None  # a new placement: nothing of it measured yet
+    meter.observe(9.0, "quiet")  # its warm-up step (a rebuilt pipeline)
+    assert meter.current_step_s() is None
+    meter.observe(0.8, "quiet")
+    assert meter.current_step_s() == 0.8

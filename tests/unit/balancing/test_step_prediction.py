@@ -133,6 +133,43 @@ def test_decide_with_the_schedule_order_moves_to_the_fastest_step_and_says_how_i
     assert str(by_name.proposed) == "0-1|2-3"  # the event simulator's policy keeps partition's choice
 
 
+def test_decide_adds_the_runtimes_cost_per_action_to_every_prediction_and_judges_the_gain_with_it():
+    current = Placement.from_string("0|1-3")
+    bare_problem, paid_problem = BalanceProblem(COSTS), BalanceProblem(COSTS, hardware=Hardware(per_op_s=1.0))
+    bare = decide(bare_problem, current, BalanceConfig(min_gain=0.0), 2, ORDER)
+    paid = decide(paid_problem, current, BalanceConfig(min_gain=0.0), 2, ORDER)
+    assert paid.proposed == bare.proposed
+    for decision, per_op in ((bare, 0.0), (paid, 1.0)):
+        for placement, predicted in (
+            (current, decision.predicted_step_before),
+            (decision.proposed, decision.predicted_step_after),
+        ):
+            step = predict_step(bare_problem, placement, ORDER, 2, per_op_s=per_op)
+            assert predicted == pytest.approx(step.step_s)
+    # 0|1-3 runs 40 (34 bare), 0-2|3-3 34 (30): the fixed costs lie on the critical paths unevenly.
+    assert (paid.predicted_step_before, paid.predicted_step_after) == pytest.approx((40.0, 34.0))
+    assert predict_step(paid_problem, current, ORDER, 2).step_s == pytest.approx(40.0)  # the hardware's
+    assert predict_step(paid_problem, current, ORDER, 2, per_op_s=0.0).step_s == pytest.approx(34.0)
+    # Seconds never add to parameter counts: the params view predicts without them.
+    counted = [dataclasses.replace(c, num_params=3 * (i + 1)) for i, c in enumerate(COSTS)]
+    params = BalanceProblem(counted, by="params", hardware=Hardware(per_op_s=1.0))
+    unpaid = predict_step(params, current, ORDER, 2, per_op_s=0.0).step_s
+    assert unpaid > 0 and predict_step(params, current, ORDER, 2).step_s == unpaid
+    # A minimum gain between the two gains: one prediction moves, the other holds.
+    between = BalanceConfig(min_gain=(paid.predicted_gain + bare.predicted_gain) / 2)
+    assert decide(paid_problem, current, between, 2, ORDER).apply
+    held = decide(bare_problem, current, between, 2, ORDER)
+    assert not held.apply and "predicted gain below min_gain" in held.reason
+    # The event simulator's model (a schedule name) pays it too: 4 actions a micro-batch on each rank.
+    by_name = [
+        decide(p, current, BalanceConfig(), 2, "1F1B").predicted_step_before
+        for p in (bare_problem, paid_problem)
+    ]
+    assert by_name[1] > by_name[0]
+    with pytest.raises(ValueError, match=r"per_op_s=-0\.5 must be a finite number of seconds >= 0"):
+        Hardware(per_op_s=-0.5)
+
+
 def test_a_fixed_cost_per_action_adds_to_every_action_and_stages_on_one_rank_send_nothing():
     step = predict_step(BalanceProblem(COSTS), Placement.from_string("0-2|3"), ORDER, 2, per_op_s=1.0)
     # Per micro-batch F0=8 B0=9, F1=5 B1=2. rank 0: F0 0-8, F1 8-16, B0 16-25, B1 25-34;

@@ -220,7 +220,8 @@ def _record(**fields: object) -> DecisionRecord:
 
 
 def test_a_checkpoint_of_flat_dicts_loads_into_records():
-    # The checkpoint format of earlier versions, without num_microbatches (recorded since the re-tune).
+    # The checkpoint format of earlier versions, without num_microbatches (recorded since the re-tune)
+    # and per_op_s (since predictions pay the runtime's cost per action).
     old = {"step": 6, "reason": "event", "old": "0-3|4-7", "new": "0-5|6-7", "applied": True, "why": "x"}
     old |= {
         "predicted_gain": 0.1,
@@ -234,8 +235,8 @@ def test_a_checkpoint_of_flat_dicts_loads_into_records():
     callback = DynMoCallback()
     callback.load_state_dict(state)
     (record,) = callback.rebalances
-    assert record == _record(**{**old, "num_microbatches": None})
-    assert callback.state_dict()["rebalances"] == [{**old, "num_microbatches": None}]
+    assert record == _record(**{**old, "num_microbatches": None, "per_op_s": 0.0})
+    assert callback.state_dict()["rebalances"] == [{**old, "num_microbatches": None, "per_op_s": 0.0}]
 
 
 def test_a_migration_must_pay_back_over_the_placements_expected_life():
