@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -13,6 +16,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lightning_dynmo.callback import DynMoCallback
@@ -55,7 +59,11 @@ def results_path(name: str, out: Path | None, force: bool) -> Path:
 
 
 def launch(
-    fn: Callable[[T], dict[str, Any]], spec: T, nproc: int = 2, start_method: str = "spawn"
+    fn: Callable[[T], dict[str, Any]],
+    spec: T,
+    nproc: int = 2,
+    start_method: str = "spawn",
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run ``fn(spec)`` on ``nproc`` local ranks with torch's elastic launcher; return rank 0's result.
 
@@ -68,6 +76,11 @@ def launch(
     ``r``-th core), so the OS does not move a rank mid-step. One split's step time still moves from job to
     job on the 2-core VM (15-28% between rounds in ``benchmarks/results/e2e-2026-11-23.md``): compare
     placements over interleaved rounds. Jobs with more ranks than cores (emulated costs) are not pinned.
+
+    With ``timeout_s`` (from the main thread only), a job still running after that many seconds is
+    stopped (its ranks terminated by the launcher) and run once more, said on stderr; a second overrun
+    raises :class:`TimeoutError`. A job that hangs (a rank stuck in its launch, say) then costs minutes,
+    not the process group's 30-minute timeout and the whole benchmark.
     """
     if nproc <= len(os.sched_getaffinity(0)):  # the cores this process may use, not the machine's
         fn = _PinnedToCore(fn)
@@ -82,7 +95,39 @@ def launch(
         monitor_interval=0.1,
         start_method=start_method,
     )
-    return elastic_launch(config, fn)(spec)[0]
+    if timeout_s is None:
+        return elastic_launch(config, fn)(spec)[0]
+    try:
+        return _within(elastic_launch(config, fn), spec, timeout_s)
+    except TimeoutError:
+        print(f"a {nproc}-rank job ran past {timeout_s:g} s: stopped, running it again", file=sys.stderr)
+    again = dataclasses.replace(config, run_id=f"dynmo-bench-{uuid.uuid4().hex[:8]}")
+    return _within(elastic_launch(again, fn), spec, timeout_s)
+
+
+def _within(run: Callable[[T], dict[int, Any]], spec: T, timeout_s: float) -> dict[str, Any]:
+    """Rank 0's result of ``run(spec)``, stopped by a SIGTERM to this process after ``timeout_s`` (the
+    elastic agent then terminates its ranks and raises); raises :class:`TimeoutError` when that happened."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("launch(timeout_s=...) must be called from the main thread (it uses a signal).")
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        result: dict[str, Any] = run(spec)[0]
+        return result
+    except SignalException as err:
+        if expired.is_set():
+            raise TimeoutError(f"the job ran past {timeout_s:g} s; its ranks were stopped") from err
+        raise
+    finally:
+        timer.cancel()
 
 
 class _PinnedToCore:

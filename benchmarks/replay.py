@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,9 @@ REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placeme
 #: The job allowed to re-pack (issue 21: re-packing measured where the work shrinks).
 REPACK = "DynMo + re-pack"
 SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sleeps
+#: A job still running after this many times the slowest job so far (at least MIN_JOB_TIMEOUT_S) is
+#: stopped and run once more (:func:`benchmarks.common.launch`): a rank stuck in its launch costs minutes.
+JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 5.0, 300.0
 
 
 def replay_model(num_layers: int) -> DemoGPT:
@@ -193,12 +197,18 @@ def replay_case(
         repacking = {**DYNMO, "repack": True, "memory_capacity_bytes": 2**40}
         jobs[REPACK] = replace(base, placement="uniform", dynmo=repacking)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    slowest_s = 0.0  # a job past JOB_TIMEOUT_FACTOR x the slowest so far is stopped and run again
     for r in range(rounds):
         for name in list(jobs) if r % 2 == 0 else list(jobs)[::-1]:
             print(
                 f"  [{trace.case}] {ranks} ranks, round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True
             )
-            runs[name].append(launch(run_replay, jobs[name], nproc=ranks, start_method="fork"))
+            timeout_s = max(MIN_JOB_TIMEOUT_S, JOB_TIMEOUT_FACTOR * slowest_s)
+            started = time.perf_counter()
+            runs[name].append(
+                launch(run_replay, jobs[name], nproc=ranks, start_method="fork", timeout_s=timeout_s)
+            )
+            slowest_s = max(slowest_s, time.perf_counter() - started)
     per_round = {name: [statistics.median(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
     per_round["DynMo"] = [statistics.median(run["step_s"]) for run in runs["DynMo"]]
     comparison = paired.compare(

@@ -90,15 +90,14 @@ class GainMeter:
             self._window.append(step_s)
         return None
 
-    def current_step_s(self) -> float | None:
-        """Median seconds of the placement now running, from the steps this meter holds.
+    def quiet_step_s(self) -> float | None:
+        """Median seconds of the hook-free steps since the last cost change or rebalance (``None``: none).
 
-        The hook-free steps since the last cost change or rebalance; else the last window's measured
-        steps (their profiling hooks included); else, while a rebalance is followed, its steps past the
-        warm-up; ``None`` when it holds none. Fed the same numbers on every rank, it agrees everywhere.
+        The step of the placement now running as it runs without a profiler, on the model as it is; a
+        window's steps (its hooks, a model that just changed) and a followed rebalance's steps do not
+        count. Fed the same numbers on every rank, it agrees everywhere.
         """
-        steps = list(self._quiet) or self._window or self._after[self.warmup_steps :]
-        return statistics.median(steps) if steps else None
+        return statistics.median(self._quiet) if self._quiet else None
 
     def window_opened(self) -> None:
         """A profiling window starts: its steps replace the previous window's."""

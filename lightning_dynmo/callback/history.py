@@ -106,9 +106,9 @@ class RebalanceHistory:
         self.events.extend(events)
         self.dropped["events"] += keep_recent(self.events)
 
-    def current_step_s(self) -> float | None:
-        """The measured step of the placement now running (:meth:`GainMeter.current_step_s`)."""
-        return self._gain.current_step_s()
+    def quiet_step_s(self) -> float | None:
+        """The hook-free step of the placement now running (:meth:`GainMeter.quiet_step_s`)."""
+        return self._gain.quiet_step_s()
 
     def add(self, record: DecisionRecord) -> None:
         """Keep ``record``, count its overhead, and follow its measured gain if it moved layers."""

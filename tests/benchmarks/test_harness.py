@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from benchmarks import harness
+from benchmarks.common import launch
 
 
 def test_every_job_takes_every_slot_of_a_round_in_turn() -> None:
@@ -90,3 +92,19 @@ def test_after_move_compares_dynmo_with_the_placement_it_ended_at_in_the_same_ro
     # A DynMo run that never ends at a fixed split is said to, not compared with anything.
     runs["DynMo"] = [{"placement": "0-0|1-3"}] * 3
     assert "none (ended at `0-0|1-3`" in harness.after_move_lines(runs, per_round, fixed, ["DynMo"])[-1]
+
+
+def _sleep_past(seconds: float) -> dict[str, Any]:
+    time.sleep(seconds)
+    return {"slept": seconds}
+
+
+def test_a_job_past_its_timeout_is_stopped_run_again_once_then_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert launch(_sleep_past, 0.1, nproc=1, start_method="fork", timeout_s=60) == {"slept": 0.1}
+    started = time.perf_counter()
+    with pytest.raises(TimeoutError, match=r"ran past 2 s; its ranks were stopped"):
+        launch(_sleep_past, 600.0, nproc=1, start_method="fork", timeout_s=2)
+    assert time.perf_counter() - started < 120  # two tries of 2 s and the launcher's shutdown, not 600 s
+    assert "a 1-rank job ran past 2 s: stopped, running it again" in capsys.readouterr().err

@@ -247,7 +247,9 @@ def test_virtual_stages_are_rebalanced_per_rank(tmp_path: Any) -> None:
         assert first["applied"] and first["old"] == "0-0|1-3|4-5|6-7"
         new = Placement.from_string(first["new"])
         assert max(worker_loads(BalanceProblem(designed), new, [0, 1, 0, 1]).values()) <= 17, first["new"]
-        assert first["predicted_gain"] > 0.2
+        # 22 -> at most 17 units on the busier rank: 27% of the bare work; the prediction also pays the
+        # runtime's measured cost per action (the same on both placements), so it claims less.
+        assert first["per_op_s"] > 0 and 0.1 < first["predicted_gain"] < 0.3
     ref = reference(run)
     for r in results:
         diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))

@@ -95,21 +95,21 @@ def test_unknown_phase() -> None:
         _meter().observe(1.0, "hooked")  # type: ignore[arg-type]
 
 
-def test_the_running_placements_step_is_its_quiet_steps_else_its_window_else_the_followed_move() -> None:
+def test_the_hook_free_step_is_the_median_of_quiet_steps_on_the_model_and_placement_as_they_are() -> None:
     meter = _meter()
-    assert meter.current_step_s() is None  # nothing measured yet
+    assert meter.quiet_step_s() is None  # nothing measured yet
     for s in (1.0, 3.0, 2.0, 2.0):
         meter.observe(s, "quiet")
-    assert meter.current_step_s() == 2.0  # the last 3 hook-free steps (history=3): 3, 2, 2
+    assert meter.quiet_step_s() == 2.0  # the last 3 hook-free steps (history=3): 3, 2, 2
     meter.cost_changed()  # an event: the steps before it describe another model
-    assert meter.current_step_s() is None
+    assert meter.quiet_step_s() is None
     meter.window_opened()
     for phase, s in (("warmup", 5.0), ("profiled", 1.2), ("profiled", 1.4)):
         meter.observe(s, phase)  # type: ignore[arg-type]
-    assert meter.current_step_s() == pytest.approx(1.3)  # the window's measured steps, never its warm-up
+    assert meter.quiet_step_s() is None  # a window's steps carry the profiler's hooks
     assert meter.rebalanced()
-    assert meter.current_step_s() is None  # a new placement: nothing of it measured yet
-    meter.observe(9.0, "quiet")  # its warm-up step (a rebuilt pipeline)
-    assert meter.current_step_s() is None
-    meter.observe(0.8, "quiet")
-    assert meter.current_step_s() == 0.8
+    for s in (9.0, 0.8, 0.8, 0.8):  # a followed rebalance: its warm-up and measured steps
+        meter.observe(s, "quiet")
+    assert not meter.measuring and meter.quiet_step_s() is None
+    meter.observe(0.7, "quiet")
+    assert meter.quiet_step_s() == 0.7
