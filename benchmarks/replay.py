@@ -69,6 +69,7 @@ from lightning_dynmo.demos import (
     TraceReplay,
     measure_call_overhead,
 )
+from lightning_dynmo.demos.emulated_block import COMPUTES
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.strategy import DynMoStrategy
 
@@ -83,9 +84,10 @@ SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sl
 JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 5.0, 300.0
 
 
-def replay_model(num_layers: int) -> DemoGPT:
-    """The GPT every replay runs (one sample per micro-batch)."""
-    return DemoGPT(num_layers=num_layers, d_model=16, vocab_size=VOCAB, seq_len=SEQ)
+def replay_model(num_layers: int, compute: str = "dense") -> DemoGPT:
+    """The GPT every replay runs (one sample per micro-batch); ``compute``: what a block computes
+    before its sleep (``"linear"``: little, for more ranks than cores)."""
+    return DemoGPT(num_layers=num_layers, d_model=16, vocab_size=VOCAB, seq_len=SEQ, block_compute=compute)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,7 @@ class ReplayJob:
     placement: str
     dynmo: dict[str, Any] | None = None
     overhead: CallOverhead | None = None
+    compute: str = "dense"
 
     @property
     def microbatches(self) -> int:
@@ -136,7 +139,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
     callbacks = [timer, job.trace_replay(), *([dynmo] if dynmo else [])]
     strategy = DynMoStrategy(num_microbatches=m, schedule="1F1B", placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
-    model = replay_model(job.trace.num_layers)
+    model = replay_model(job.trace.num_layers, job.compute)
     trainer.fit(
         model, RandomTokenDataModule(batch_size=m, num_samples=m * job.steps, seq_len=SEQ, vocab_size=VOCAB)
     )
@@ -185,10 +188,11 @@ def replay_case(
     rounds: int,
     repack: bool = False,
     overhead: CallOverhead | None = None,
+    compute: str = "dense",
 ) -> dict[str, Any]:
     """Every fixed placement and DynMo on ``ranks`` ranks, ``rounds`` interleaved rounds; with ``repack``,
     also DynMo allowed to re-pack onto fewer ranks (``RepackConfig()``: at most 5% slower, predicted)."""
-    base = ReplayJob(trace, ranks, steps, warmup, "uniform", overhead=overhead)
+    base = ReplayJob(trace, ranks, steps, warmup, "uniform", overhead=overhead, compute=compute)
     fixed = fixed_placements(base.true_trace(), ranks)
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
     jobs["DynMo"] = replace(base, placement="uniform", dynmo=DYNMO)
@@ -339,6 +343,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--repack", action="store_true", help="also run DynMo allowed to re-pack onto fewer ranks"
     )
+    parser.add_argument(
+        "--block-compute",
+        choices=COMPUTES,
+        default="dense",
+        help="what a block computes before its sleep ('linear': little, for more ranks than cores)",
+    )
     args = parser.parse_args(argv)
     out = results_path("replay", args.out, args.force)
     stats = select_traces(args.traces, args.case)
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> str:
         args.block_ms = 1.0
     torch.set_num_threads(1)  # before forking the ranks
     # One sample per micro-batch; measured here, on the machine and threads the ranks inherit.
-    overhead = measure_call_overhead(replay_model(2), microbatch_size=1, seq_len=SEQ)
+    overhead = measure_call_overhead(replay_model(2, args.block_compute), microbatch_size=1, seq_len=SEQ)
     lines = [
         "# Trace-driven pipelines: recorded costs replayed as sleeps (emulated cost)",
         "",
@@ -357,7 +367,8 @@ def main(argv: list[str] | None = None) -> str:
         + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
         + "`  ",
         f"Setup: 1F1B, 2 micro-batches per rank, {args.steps} steps ({args.warmup} untimed), {args.rounds} "
-        f"round(s); a dense block sleeps {args.block_ms} ms forward per micro-batch (backward 2x). Simulated "
+        f"round(s); a dense block sleeps {args.block_ms} ms forward per micro-batch (backward 2x); blocks "
+        f"compute `{args.block_compute}` before their sleep. Simulated "
         "idle: predict_step (balancing.step_prediction) on the true costs of each replayed step.",
         f"Sleeps compensated: measured before the ranks start, {overhead.describe()}; each sleep is the "
         "trace's cost less that, and the true costs (best fixed, idle, per-layer spread) are what the "
@@ -372,7 +383,14 @@ def main(argv: list[str] | None = None) -> str:
             if trace.num_layers < ranks:
                 continue
             result = replay_case(
-                trace, ranks, args.steps, args.warmup, args.rounds, args.repack, overhead=overhead
+                trace,
+                ranks,
+                args.steps,
+                args.warmup,
+                args.rounds,
+                args.repack,
+                overhead=overhead,
+                compute=args.block_compute,
             )
             section_lines = section(trace, result)
             print("\n".join(section_lines), flush=True)

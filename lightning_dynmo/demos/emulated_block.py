@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dynmo.demos.cost import EmulatedCost, check_emulated_ms
 from lightning_dynmo.models.config import GPTConfig
 from lightning_dynmo.models.dense import DenseBlock
 from lightning_dynmo.models.registry import register_block
 
-__all__ = ["EmulatedBlock", "EmulatedBlockOptions", "build_emulated_block"]
+__all__ = ["COMPUTES", "EmulatedBlock", "EmulatedBlockOptions", "LinearEmulatedBlock", "build_emulated_block"]
+
+#: What an emulated block may compute before its sleep (:attr:`EmulatedBlockOptions.compute`).
+COMPUTES = ("dense", "linear")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,13 +30,20 @@ class EmulatedBlockOptions:
     Attributes:
         fwd_ms: Forward sleep per call, milliseconds (>= 0).
         bwd_ms: Backward sleep per call, milliseconds (>= 0); ``None`` means ``2 * fwd_ms``.
+        compute: What the block computes before it sleeps: ``"dense"``, a dense transformer block
+            (:class:`EmulatedBlock`); ``"linear"``, one ``d_model x d_model`` linear with a residual
+            (:class:`LinearEmulatedBlock`, about a seventh of a tiny dense block's CPU time a call), for
+            many ranks sharing few cores, where the blocks' own compute would otherwise set the step.
     """
 
     fwd_ms: float = 0.0
     bwd_ms: float | None = None
+    compute: str = "dense"
 
     def __post_init__(self) -> None:
         check_emulated_ms(self.fwd_ms, self.bwd_ms)
+        if self.compute not in COMPUTES:
+            raise ValueError(f"compute={self.compute!r} must be one of {COMPUTES}.")
 
 
 class EmulatedBlock(DenseBlock):
@@ -53,8 +63,30 @@ class EmulatedBlock(DenseBlock):
         return result
 
 
-def build_emulated_block(config: GPTConfig, layer_index: int, options: EmulatedBlockOptions) -> EmulatedBlock:
-    """The ``"emulated"`` kind's factory."""
+class LinearEmulatedBlock(nn.Module):
+    """One ``d_model x d_model`` linear with a residual, then ``cost``: an emulated block computing little.
+
+    Its cost is the sleep; ``cost`` is an attribute as in :class:`EmulatedBlock`, so replays and scripted
+    dynamics drive both alike.
+    """
+
+    def __init__(self, config: GPTConfig, options: EmulatedBlockOptions):
+        super().__init__()
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.cost = EmulatedCost(options.fwd_ms, options.bwd_ms)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """``[batch, seq, d_model] -> [batch, seq, d_model]``; sleeps as ``cost`` says."""
+        result: Tensor = self.cost(hidden + self.proj(hidden))
+        return result
+
+
+def build_emulated_block(
+    config: GPTConfig, layer_index: int, options: EmulatedBlockOptions
+) -> EmulatedBlock | LinearEmulatedBlock:
+    """The ``"emulated"`` kind's factory: the block its options' ``compute`` names."""
+    if options.compute == "linear":
+        return LinearEmulatedBlock(config, options)
     return EmulatedBlock(config, options)
 
 

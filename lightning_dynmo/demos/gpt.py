@@ -46,6 +46,9 @@ class DemoConfig:
         first_sleep_ms: Emulated forward cost of the first-stage part (the embedding) per call, ms
             (backward sleeps twice as long); 0: none, the default.
         last_sleep_ms: The same for the last-stage part (final norm and head, before the loss).
+        block_compute: What each block computes before its sleep: ``"dense"`` (a transformer block, the
+            default) or ``"linear"`` (one linear: for many ranks on few cores,
+            :class:`~lightning_dynmo.demos.emulated_block.EmulatedBlockOptions`).
     """
 
     vocab_size: int = 64
@@ -62,6 +65,7 @@ class DemoConfig:
     tie_embeddings: bool = False
     first_sleep_ms: float = 0.0
     last_sleep_ms: float = 0.0
+    block_compute: str = "dense"
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -88,7 +92,7 @@ class DemoConfig:
             num_heads=self.num_heads,
             d_ff=self.mlp_ratio * self.d_model,
             tie_embeddings=self.tie_embeddings,
-            blocks=tuple(EmulatedBlockOptions(fwd_ms=ms) for ms in sleeps),
+            blocks=tuple(EmulatedBlockOptions(fwd_ms=ms, compute=self.block_compute) for ms in sleeps),
             seed=self.seed,
         )
 

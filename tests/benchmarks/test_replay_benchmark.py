@@ -11,11 +11,13 @@ from benchmarks.replay import main as replay_main
 from benchmarks.trace_cases import TRACES, cost_trace, synthetic_trace
 
 
-def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path):
+@pytest.mark.parametrize("compute", ["dense", "linear"])
+def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path, compute):
     out = tmp_path / "replay.md"
-    report = replay_main(["--quick", "--repack", "--out", str(out)])
+    report = replay_main(["--quick", "--repack", "--block-compute", compute, "--out", str(out)])
     assert out.read_text() == report + "\n"
-    assert f"`python -m benchmarks.replay --quick --repack --out {out}`" in report
+    assert f"`python -m benchmarks.replay --quick --repack --block-compute {compute} --out {out}`" in report
+    assert f"blocks compute `{compute}` before their sleep" in report
     assert re.search(r"DynMo \+ re-pack: ended on [12] of 2 ranks", report)
     assert "### synthetic, 2 ranks (4 layers, cost curve: proportional" in report
     for run in ("static uniform", "static params", "best fixed", "DynMo"):
