@@ -43,7 +43,6 @@ from lightning_dynmo.balancing.policy import (
     resume_plan,
     validate_policy,
 )
-from lightning_dynmo.balancing.step_prediction import fit_per_op
 from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
 from lightning_dynmo.balancing.trust import PredictionTrust
 from lightning_dynmo.callback.config import (
@@ -74,8 +73,6 @@ log = logging.getLogger(__name__)
 
 # Columns of the per-step all-gather.
 _EVENTS, _BUSY, _STEP, _COST = range(4)
-#: The runtime's cost per action is fitted to this fraction of the measured step.
-PER_OP_TOLERANCE = 1e-5
 
 
 class DynMoCallback(Callback):
@@ -419,30 +416,6 @@ class DynMoCallback(Callback):
     def _retunes(self) -> bool:
         return self.retune_microbatches and self.balance.repack and self.balance.cost == "time"
 
-    def _runtime_per_op_s(self, view: PipelineView, costs: list[LayerCost], hardware: Hardware) -> float:
-        """The runtime's own seconds per action, which every prediction of the decision adds.
-
-        What the running placement's hook-free steps (:meth:`GainMeter.quiet_step_s`, agreed by every
-        rank) took beyond its predicted work, spread over the schedule's actions (:func:`fit_per_op`):
-        the optimizer, launching each op, the schedule's bookkeeping, the machine's load as it is. Run on
-        the deciding rank only. 0 (bare work) in the ``"params"`` view, and when no hook-free step of
-        the model as it is ran on this placement (a window right after a dynamism event): a window's
-        steps carry the profiler and a model that just changed, whose excess is no fixed cost of an
-        action (fitted on them, the quick start's freezing move was predicted +13.8% and measured +23%).
-        """
-        measured_s = self._history.quiet_step_s()
-        if self.balance.cost != "time" or measured_s is None:
-            return 0.0
-        return fit_per_op(
-            self.balance.problem(costs, hardware),
-            view.placement,
-            schedule_order(view.schedule_name),
-            view.num_microbatches,
-            measured_s,
-            view.stage_workers(view.placement),
-            tolerance_s=PER_OP_TOLERANCE * measured_s,
-        )
-
     def _retune_options(
         self, trainer: pl.Trainer, view: PipelineView, result: ProfileResult, batch: Any
     ) -> RetuneOptions:
@@ -466,7 +439,9 @@ class DynMoCallback(Callback):
         failure: Exception | None = None
         if view.global_rank == source:
             try:
-                per_op_s = self._runtime_per_op_s(view, costs, hardware)
+                timed = self.balance.cost == "time"  # seconds per action add to seconds only
+                measured_s = self._history.quiet_step_s() if timed else None
+                per_op_s = self._meter.per_action_s(view, self.balance.problem(costs, hardware), measured_s)
                 hardware = dataclasses.replace(hardware, per_op_s=per_op_s)
                 outcome = (self._decide(view, costs, hardware, step, retune), per_op_s)
             except ValueError as err:
