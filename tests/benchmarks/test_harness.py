@@ -108,3 +108,22 @@ def test_a_job_past_its_timeout_is_stopped_run_again_once_then_refused(
         launch(_sleep_past, 600.0, nproc=1, start_method="fork", timeout_s=2)
     assert time.perf_counter() - started < 120  # two tries of 2 s and the launcher's shutdown, not 600 s
     assert "a 1-rank job ran past 2 s: stopped, running it again" in capsys.readouterr().err
+
+
+def test_a_deadline_needs_the_main_thread() -> None:
+    import threading
+
+    caught: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            launch(_sleep_past, 0.1, nproc=1, start_method="fork", timeout_s=60)
+        except RuntimeError as err:
+            caught.append(err)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(timeout=60)
+    assert len(caught) == 1
+    with pytest.raises(RuntimeError, match=r"launch\(timeout_s=\.\.\.\) must be called from the main thread"):
+        raise caught[0]
