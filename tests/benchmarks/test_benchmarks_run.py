@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,8 @@ def test_pruning_benchmark_runs(tmp_path: Path) -> None:
     assert_contains(
         text, "| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"
     )
-    assert text.count("| 90% | ") == 4 + 1  # every layer and the first/last parts at 90%
+    # every layer and the first/last parts at 90% (anchored: a measured share elsewhere may print "| 90% |")
+    assert len(re.findall(r"^\| 90% \| (?:\d+|first / last parts) \|", text, flags=re.MULTILINE)) == 4 + 1
     assert "python -m benchmarks.pruning --quick" in text
     assert "Figures: **real compute**, **emulated**, **projected**." in text
 
