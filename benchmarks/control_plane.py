@@ -7,7 +7,8 @@ and the strategy's per-step control, per call: ``--repeats`` calls back to back 
 over ``--rounds`` rounds (each after a barrier) of the slowest rank:
 
 - **step, no event**: the strategy's per-step control (its error context, built lazily, and the SIGTERM
-  agreement) plus the callback's per-step exchange (``_share_step``: one all-gather of 4 numbers per rank);
+  agreement) plus the callback's per-step exchange (``_share_step``: one all-gather of 5 numbers per rank,
+  the SIGTERM flag among them, so that the next batch start's agreement needs no collective of its own);
 - **step, with event**: the same with a dynamism event published on every rank (the exchange adds one
   all-gather of the events); beside it the pre-issue-13 exchange (one ``broadcast_object_list`` per rank);
 - **decision**: the profile gather (one all-reduce of the layer table over the pipeline), the decision on
@@ -170,6 +171,7 @@ class _Harness:
             data_parallel_group=None,
             data_parallel_size=world // pp,
             has_tied_parameters=False,
+            sigterm=self.sigterm,
         )
         self.view = view
         strategy = SimpleNamespace(

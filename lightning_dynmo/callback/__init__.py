@@ -6,6 +6,7 @@
 - :mod:`.measure`: every cost the balancer reads, assembled in one place (blocks, parts, links, speeds).
 - :mod:`.history`: typed decision records, their checkpoint state, and the measured gain.
 - :mod:`.control_plane`: the callback's exchanges between ranks, one collective each.
+- :mod:`.averages`: the running means logged beside the per-step metrics, fed in batches.
 """
 
 from lightning_dynmo.callback.config import AutoConfig, ProfilingConfig, RepackConfig

@@ -1,10 +1,11 @@
 """The callback's exchanges between ranks, each one collective whatever the number of ranks (issue #13).
 
 Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had an
-event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :func:`broadcast_object`
-(the decision), :class:`PositionIndex`
-and :func:`busy_per_position` (the per-step rows reduced per pipeline position with tensor ops, no Python
-loop over ranks), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
+event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :func:`broadcast_object` (the
+decision), :class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline
+position with tensor ops, no Python loop over ranks; :meth:`PositionIndex.means` skips the reduction when
+there is nothing to reduce), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps,
+capped).
 
 At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
 720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
@@ -74,14 +75,25 @@ class PositionIndex:
         self._pipeline_rank_of = pipeline_rank_of
         self._ranks: tuple[int, ...] | None = None
         self._positions = torch.zeros(0, dtype=torch.long)
+        self._in_order = False
 
     def of(self, active_ranks: Sequence[int]) -> torch.Tensor:
         """``positions[i]``: the pipeline position of ``active_ranks[i]``."""
         ranks = tuple(active_ranks)
         if ranks != self._ranks:
-            self._positions = torch.tensor([self._pipeline_rank_of(r) for r in ranks], dtype=torch.long)
+            order = [self._pipeline_rank_of(r) for r in ranks]
+            self._positions = torch.tensor(order, dtype=torch.long)
             self._ranks = ranks
+            self._in_order = order == list(range(len(order)))  # one rank per position, in position order
         return self._positions
+
+    def means(self, values: torch.Tensor, active_ranks: Sequence[int], pipeline_size: int) -> list[float]:
+        """:func:`busy_per_position` of ``values`` (one per active rank); without replicas, no reduction."""
+        positions = self.of(active_ranks)
+        if self._in_order and len(positions) == pipeline_size and values.shape == positions.shape:
+            means: list[float] = values.to(torch.float64).tolist()
+            return means
+        return busy_per_position(values, positions, pipeline_size)
 
 
 def busy_per_position(busy: torch.Tensor, positions: torch.Tensor, pipeline_size: int) -> list[float]:

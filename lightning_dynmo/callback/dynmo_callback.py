@@ -27,7 +27,6 @@ from typing import Any, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
@@ -45,6 +44,7 @@ from lightning_dynmo.balancing.policy import (
 )
 from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
 from lightning_dynmo.balancing.trust import PredictionTrust
+from lightning_dynmo.callback.averages import StepAverages
 from lightning_dynmo.callback.config import (
     AutoConfig,
     ProfilingConfig,
@@ -56,7 +56,6 @@ from lightning_dynmo.callback.control_plane import (
     PositionIndex,
     all_gather_rows,
     broadcast_object,
-    busy_per_position,
     exchange_events,
 )
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
@@ -72,7 +71,7 @@ from lightning_dynmo.strategy.view import PipelineView
 log = logging.getLogger(__name__)
 
 # Columns of the per-step all-gather.
-_EVENTS, _BUSY, _STEP, _COST = range(4)
+_EVENTS, _BUSY, _STEP, _COST, _SIGTERM = range(5)
 
 
 class DynMoCallback(Callback):
@@ -229,12 +228,7 @@ class DynMoCallback(Callback):
         self._busy: StageBusyTimer | None = None
         self._step_start = 0.0
         self._step_phase: StepPhase = "quiet"
-        self._averages = {
-            # The values are agreed across ranks before they are fed, so no sync: torchmetrics would sync
-            # over WORLD, which after a re-pack includes ranks that have left.
-            name: MeanMetric(sync_on_compute=False)
-            for name in ("imbalance", "bubble_ratio", "step_time_s")
-        }
+        self._averages = StepAverages(("imbalance", "bubble_ratio", "step_time_s"))
 
     # -- what users and tests read ------------------------------------------------------------------
 
@@ -577,27 +571,32 @@ class DynMoCallback(Callback):
     def _share_step(
         self, trainer: pl.Trainer, view: PipelineView, busy_s: float | None, step_s: float
     ) -> None:
+        # The strategy's SIGTERM flag rides along: the next batch start then needs no collective of its own.
+        busy = -1.0 if busy_s is None else busy_s
+        sigterm = 0.0 if view.sigterm is None else view.sigterm.flag
         mine = torch.tensor(
-            [float(bool(self._new_events)), -1.0 if busy_s is None else busy_s, step_s, self._cost_to_share],
+            [float(bool(self._new_events)), busy, step_s, self._cost_to_share, sigterm],
             dtype=torch.float64,
             device=view.root_device,
         )
         self._cost_to_share = 0.0
         with _strategy(trainer).guard("the callback's per-step exchange", control=True):
             rows = all_gather_rows(mine, view.active_ranks, view.control_group)
-        event = bool(rows[:, _EVENTS].any())
+        lows, tops = (column.tolist() for column in torch.aminmax(rows, dim=0))  # one op for every column
+        if view.sigterm is not None:
+            view.sigterm.settle(tops[_SIGTERM] > 0)
+        event = tops[_EVENTS] > 0
         if event:
             self._exchange_events(trainer, view)
             self._trigger.notify_event()
             self._window.event_seen()
-        if rows[:, _COST].max() > 0:
-            self._trigger.record_rebalance(trainer.global_step, float(rows[:, _COST].max()))
-        step_max = float(rows[:, _STEP].max())
+        if tops[_COST] > 0:
+            self._trigger.record_rebalance(trainer.global_step, tops[_COST])
+        step_max = tops[_STEP]
         self._follow_measured_gain(trainer, view, step_max, cost_changed=event)
-        if (rows[:, _BUSY] >= 0).all():
+        if lows[_BUSY] >= 0:
             self._positions = self._positions or PositionIndex(view.pipeline_rank_of)
-            positions = self._positions.of(view.active_ranks)
-            stage_busy = busy_per_position(rows[:, _BUSY], positions, view.pipeline_size)
+            stage_busy = self._positions.means(rows[:, _BUSY], view.active_ranks, view.pipeline_size)
             self._window.observe_loads(stage_busy, event)
             if self.triggers.auto is not None and not self._window.is_open and self._pending is None:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
@@ -644,13 +643,11 @@ class DynMoCallback(Callback):
         measured_imbalance = imbalance(stage_busy)
         bubble = max(0.0, 1.0 - sum(stage_busy) / (len(stage_busy) * step_s)) if step_s > 0 else 0.0
         values = {"imbalance": measured_imbalance, "bubble_ratio": bubble, "step_time_s": step_s}
-        for name, value in values.items():
-            self._averages[name].update(value)
+        self._averages.update(values)
         if not _loggers_write_now(trainer):
             return  # self.log costs about a millisecond per metric: hand them over only when written
         metrics = {f"dynmo/{k}": v for k, v in values.items()}
-        for name in values:
-            metrics[f"dynmo/{name}_avg"] = float(self._averages[name].compute())
+        metrics.update({f"dynmo/{name}_avg": mean for name, mean in self._averages.compute().items()})
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
         metrics["dynmo/active_workers"] = float(len(view.active_ranks))
         metrics["dynmo/overhead_s"] = self.overhead_s

@@ -1,11 +1,12 @@
 """PipelineView: what callbacks read of a running pipeline, one typed snapshot instead of strategy properties.
 
-:meth:`DynMoStrategy.pipeline_view <lightning_dynmo.strategy.DynMoStrategy.pipeline_view>` builds one;
-a migration or a re-pack changes the pipeline, so a callback takes a fresh view after it (views are cheap:
+:meth:`DynMoStrategy.pipeline_view <lightning_dynmo.strategy.DynMoStrategy.pipeline_view>` builds one; a
+migration or a re-pack changes the pipeline, so a callback takes a fresh view after it (views are cheap:
 references, no copies). What the strategy *does* (apply a placement, broadcast, guard a collective, rebuild
-the pipeline) stays on the strategy; the view only describes. Derived facts a balancer needs (which rank
-runs each stage, which smaller pipelines a re-pack may build, the layout a checkpoint records) are
-answered here, where the schedule is known, rather than re-derived by each reader.
+the pipeline) stays on the strategy; the view only describes, and hands over the batch boundary's SIGTERM
+agreement so that the callback's per-step exchange can carry it (one collective per step, not two). Derived
+facts a balancer needs (which rank runs each stage, which smaller pipelines a re-pack may build, the layout a
+checkpoint records) are answered here, where the schedule is known, rather than re-derived by each reader.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import pipeline_layout
-from lightning_dynmo.pipeline import repack_layouts, stage_to_pipeline_rank
+from lightning_dynmo.pipeline import SigtermAgreement, repack_layouts, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.step.schedule import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class PipelineView:
         data_parallel_group: The group of the replicas of this rank's stage (``None`` without replicas).
         data_parallel_size: Number of pipeline replicas.
         has_tied_parameters: Whether the first and last parts share a parameter (a tied embedding).
+        sigterm: The strategy's batch-boundary SIGTERM agreement: a per-step exchange over the active ranks
+            carries its :attr:`~lightning_dynmo.pipeline.SigtermAgreement.flag` and settles it (``None``:
+            nothing to carry).
     """
 
     placement: Placement
@@ -77,6 +81,7 @@ class PipelineView:
     data_parallel_group: dist.ProcessGroup | None
     data_parallel_size: int
     has_tied_parameters: bool
+    sigterm: SigtermAgreement | None = None
 
     @classmethod
     def of(cls, strategy: DynMoStrategy) -> PipelineView:
@@ -92,6 +97,7 @@ class PipelineView:
             control_group=strategy._control_group,
             local_layers=strategy.local_layers if strategy.stage_index is not None else {},
             has_tied_parameters=bool(strategy.tied_parameters),
+            sigterm=strategy._sigterm,
             **{name: getattr(strategy, name) for name in same_name},
         )
 

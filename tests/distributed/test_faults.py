@@ -137,7 +137,7 @@ class OneRankOnly(pl.Callback):
             strategy.local_layers[3].armed = True
         elif self.action == "raise_in_callback":
             raise ValueError("my callback broke")
-        elif self.action == "sigterm":
+        elif self.action.startswith("sigterm"):
             os.kill(os.getpid(), signal.SIGTERM)  # a real signal; its handler runs right here
 
     def on_validation_batch_start(
@@ -162,9 +162,11 @@ def misbehaving_worker(
     model.layers["3"] = Tripwire(model.layers["3"])
     callbacks: list[pl.Callback] = [OneRankOnly(action, culprit, tmp_path)]
     kwargs = run.trainer_kwargs()
-    if action == "sigterm":
+    if action in ("sigterm", "sigterm_with_callback"):
         kwargs["enable_checkpointing"] = True
         callbacks.append(ModelCheckpoint(dirpath=tmp_path / "on-sigterm", save_on_exception=True))
+    if action == "sigterm_with_callback":  # the agreement rides the callback's per-step exchange
+        callbacks.append(DynMoCallback(every_n_steps=1000))
     val = None
     if action == "sigterm_in_validation":  # validate every 2 training batches, 4 batches each time
         kwargs.update(val_check_interval=2, limit_val_batches=4, num_sanity_val_steps=0)
@@ -311,11 +313,13 @@ def test_an_error_on_one_rank_is_reported_there_as_itself_and_named_by_its_peer(
         _reraise(results[1 - culprit])
 
 
-@pytest.mark.parametrize("signalled", [0, 1])
+@pytest.mark.parametrize(
+    ("action", "signalled"), [("sigterm", 0), ("sigterm", 1), ("sigterm_with_callback", 1)]
+)
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_batch_and_checkpoints(
-    signalled: int, tmp_path: Path
+    action: str, signalled: int, tmp_path: Path
 ) -> None:
-    results = _run_timed("sigterm", culprit=signalled, tmp_path=tmp_path)
+    results = _run_timed(action, culprit=signalled, tmp_path=tmp_path)
     for result in results:
         with pytest.raises(SIGTERMException):
             _reraise(result)
@@ -336,3 +340,51 @@ def test_sigterm_during_validation_stops_every_rank_in_the_same_validation_batch
             _reraise(result)
         assert result["sigterm"] is True
     assert [r["step"] for r in results] == [2, 2]  # in the first validation, after two training steps
+
+
+class CountCollectives(pl.Callback):
+    """Counts ``all_reduce`` and ``all_gather`` calls from batch 1's start to batch 4's (three boundaries)."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_reduce": 0, "all_gather": 0}
+        self._real: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 1:
+            for name in self.calls:
+                self._real[name] = real = getattr(torch.distributed, name)
+                setattr(torch.distributed, name, self._counting(name, real))
+        elif batch_idx == 4:
+            for name, real in self._real.items():
+                setattr(torch.distributed, name, real)
+
+    def _counting(self, name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+
+def collectives_worker(rank: int, world_size: int, with_callback: bool) -> dict[str, int]:
+    os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["NODE_RANK"] = "0"
+    run = Run(steps=6)
+    counter = CountCollectives()
+    callbacks: list[pl.Callback] = [counter] + ([DynMoCallback(every_n_steps=1000)] if with_callback else [])
+    trainer = pl.Trainer(
+        devices=world_size, strategy=make_strategy(run), callbacks=callbacks, **run.trainer_kwargs()
+    )
+    trainer.fit(run.model(), run.datamodule())
+    return counter.calls
+
+
+def test_an_idle_callback_adds_no_collective_per_step_the_sigterm_agreement_rides_its_exchange(
+    tmp_path: Path,
+) -> None:
+    (alone, _) = run_distributed(collectives_worker, 2, tmp_path, timeout_s=90, args=(False,))
+    (with_callback, _) = run_distributed(collectives_worker, 2, tmp_path, timeout_s=90, args=(True,))
+    # Control: without the callback each of the three batch starts makes its own SIGTERM all-reduce.
+    assert alone["all_gather"] == 0 and alone["all_reduce"] >= 3
+    # With it, each step's exchange (one all-gather) carries the flag and the batch starts make none.
+    assert with_callback == {"all_reduce": alone["all_reduce"] - 3, "all_gather": 3}

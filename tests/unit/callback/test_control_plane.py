@@ -56,6 +56,24 @@ def test_position_index_is_rebuilt_only_when_the_ranks_change() -> None:
     assert calls == [0, 1, 2, 3, 0, 1]
 
 
+@pytest.mark.parametrize(
+    ("ranks", "rank_of", "size"),
+    [
+        ((0, 1, 2), lambda r: r, 3),  # one rank per position, in order: no reduction
+        ((0, 1, 2), lambda r: 2 - r, 3),  # reversed: the means must follow the positions
+        ((0, 1, 2, 3), lambda r: r % 2, 2),  # replicas
+        ((0, 1), lambda r: r, 3),  # a position no rank holds
+    ],
+)
+def test_position_index_means_equal_the_loop_over_ranks(
+    ranks: tuple[int, ...], rank_of: object, size: int
+) -> None:
+    busy = torch.tensor([0.1, 0.4, 0.2, 0.7][: len(ranks)], dtype=torch.float64)
+    positions = [rank_of(r) for r in ranks]  # type: ignore[operator]
+    got = PositionIndex(rank_of).means(busy, ranks, size)  # type: ignore[arg-type]
+    assert got == pytest.approx(_loop_means(busy.tolist(), positions, size), abs=1e-15)
+
+
 def test_exchange_events_without_a_group_keeps_distinct_events_in_order() -> None:
     a = {"kind": "pruned", "layers": [1], "step": 3, "detail": ""}
     b = {"kind": "frozen", "layers": [], "step": 3, "detail": "x"}

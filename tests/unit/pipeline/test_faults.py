@@ -252,3 +252,16 @@ def test_sigterm_is_noted_without_communicating_forwarded_once_and_agreed_later(
     flag.handle(15)
     assert forwarded == [15]  # like Lightning: the launcher passes on the first SIGTERM only
     assert flag.noted and flag.agree(None, torch.device("cpu"))  # without a process group: this rank's flag
+
+
+def test_a_settled_boundary_is_agreed_once_without_this_rank_s_flag() -> None:
+    flag = SigtermAgreement()
+    assert flag.flag == 0.0
+    flag.settle(True)  # another rank's flag, gathered by a batch-end exchange
+    assert flag.agree(None, torch.device("cpu"))
+    assert not flag.agree(None, torch.device("cpu")), "a settled agreement serves one boundary only"
+    flag.handle(15)
+    assert flag.flag == 1.0
+    flag.settle(False)  # signalled after the exchange: the next boundary's exchange carries it
+    assert not flag.agree(None, torch.device("cpu"))
+    assert flag.agree(None, torch.device("cpu"))
