@@ -17,7 +17,8 @@ the candidate fastest in the other rounds. The report gives every candidate's st
 ratios to the uniform split and the ideal, names the callback's choice and the block-only optimum
 (the exact partition of the same measured block costs without the parts, which is what a head-blind
 balancer picks), and the callback's own run. The head's measured cost in blocks comes
-from the callback's last window.
+from the callback's last window. Its steps after the move are also set against the placement it ended at,
+run fixed in the same round (issue 19: does a move deliver its placement's speed?).
 
     python -m benchmarks.head_cost                # vocabularies 3072 and 6144: ~5 minutes, 2 quiet cores
     python -m benchmarks.head_cost --vocab 3072   # one vocabulary
@@ -129,10 +130,13 @@ def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) ->
     fixed = [name for name, job in jobs.items() if not job.dynmo]
     comparison = harness.compare_runs(per_round, [f"fixed `{uniform}`"], [label], fixed)
     dynmo_reports = runs[label]
+    chosen = [str(r["placement"]) for r in dynmo_reports]
     return {
         "rows": harness.rows_of(runs, per_round),
         "comparison": comparison,
-        "chosen": [r["placement"] for r in dynmo_reports],
+        "chosen": chosen,
+        # Issue 19: DynMo's steps after its move / the placement it ended at, run fixed in the same round.
+        "after_move": [per_round[label][i] / per_round[f"fixed `{p}`"][i] for i, p in enumerate(chosen)],
         "block_only": [r.get("block_only", "?") for r in dynmo_reports],
         "head_blocks": [r.get("head_blocks", float("nan")) for r in dynmo_reports],
         "embedding_blocks": [r.get("embedding_blocks", float("nan")) for r in dynmo_reports],
@@ -151,6 +155,7 @@ def table(result: dict[str, Any]) -> str:
     verdict, _ = harness.verdict(comparison)
     head = ", ".join(f"{h:.2f}" for h in result["head_blocks"])
     emb = ", ".join(f"{e:.2f}" for e in result["embedding_blocks"])
+    after = ", ".join(f"{r:.3f}" for r in result["after_move"])
     return "\n".join(
         [
             *harness.table(result["rows"], comparison),
@@ -159,6 +164,10 @@ def table(result: dict[str, Any]) -> str:
             "Ideal per round (the fastest candidate of the other rounds; with one round, of that round): "
             f"{_quoted(ideals)}. DynMo's choice per round: {_quoted(result['chosen'])}; the block-only "
             f"optimum of the same measured costs: {_quoted(sorted(set(result['block_only'])))}.",
+            "",
+            "After the move (issue 19): DynMo's step / the step of the placement it ended at, run fixed "
+            f"without a callback in the same round: {after} (per round), median "
+            f"**{statistics.median(result['after_move']):.3f}**.",
             "",
             f"Measured by the callback (per round): head + loss = {head} blocks, embedding = {emb} blocks.",
             "",
