@@ -12,12 +12,19 @@ For each it prints the callback's own overhead (the seconds it spent profiling, 
 as it reports them in ``dynmo/overhead_s``) over the wall time of ``fit``, and writes
 ``benchmarks/results/overhead-<date>.md``. Targets from the issue: <= 2 % and <= 10 %.
 
-    python -m benchmarks.overhead            # 300 steps each, ~2 minutes
+A third table is what the callback costs on every step when it does nothing else: a balanced pipeline
+(all blocks alike, nothing to gain) with ``DynMoCallback`` attached but no window in the run, against the
+same job without it, alternating over ``--rounds`` rounds; each job's step time is the median of its
+steps after the first fifth, and the ratio is taken within a round. That cost is the per-step exchange
+(one all-gather, which also carries the strategy's SIGTERM agreement) and the hooks' own Python.
+
+    python -m benchmarks.overhead            # 300 steps each, ~4 minutes
     python -m benchmarks.overhead --quick    # 120 steps and every_n_steps=40
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -27,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 
 from benchmarks import harness
-from benchmarks.common import fit_demo_gpt, launch, results_path, write_report
+from benchmarks.common import StepTimer, fit_demo_gpt, launch, results_path, write_report
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.demos.dynamics import RoutingNoise
 from lightning_dynmo.strategy import DynMoStrategy
@@ -63,9 +70,9 @@ class FitClock(pl.Callback):
 def train(spec: OverheadSpec) -> dict[str, Any]:
     """Body of one rank: fit with DynMoCallback and report its overhead and the fit's wall time."""
     torch.set_num_threads(1)
-    clock = FitClock()
+    clock, steps = FitClock(), StepTimer()
     dynmo = DynMoCallback(balancer="partition", every_n_steps=spec.every_n_steps, every_step=spec.every_step)
-    callbacks: list[pl.Callback] = [clock, dynmo] if spec.with_dynmo else [clock]
+    callbacks: list[pl.Callback] = [clock, steps] + ([dynmo] if spec.with_dynmo else [])
     if spec.noise:
         callbacks.insert(0, RoutingNoise(amplitude=spec.noise))
     strategy = DynMoStrategy(num_microbatches=4, schedule="1F1B")
@@ -76,15 +83,33 @@ def train(spec: OverheadSpec) -> dict[str, Any]:
         "decisions": len(dynmo.rebalances) if spec.with_dynmo else 0,
         "migrations": sum(r.applied for r in dynmo.rebalances) if spec.with_dynmo else 0,
         "placement": str(trainer.strategy.placement),
+        "step_ms": 1e3 * statistics.median(steps.step_s[len(steps.step_s) // 5 :]),
     }
+
+
+def idle_rows(steps: int, rounds: int) -> list[str]:
+    """The idle callback's per-step cost: with and without it, alternating, one row per round + median."""
+    idle = OverheadSpec("idle", steps, steps + 1, False, 0.0, (1.0,) * 8)  # no window in the run
+    rows, ratios = [], []
+    for i in range(rounds):
+        print(f"idle callback, round {i + 1}/{rounds} ...", file=sys.stderr, flush=True)
+        with_it = launch(train, idle, start_method="fork")["step_ms"]
+        without = launch(train, replace(idle, with_dynmo=False), start_method="fork")["step_ms"]
+        ratios.append(with_it / without)
+        rows.append(
+            f"| {i + 1} | {without:.2f} | {with_it:.2f} | {with_it - without:+.2f} | {ratios[-1]:.3f} |"
+        )
+    rows.append(f"| median | | | | **{statistics.median(ratios):.3f}** |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
-    parser = harness.argument_parser(__doc__, "120 steps, every_n_steps=40", "steps")
+    parser = harness.argument_parser(__doc__, "120 steps, every_n_steps=40, 1 idle round", "steps", "rounds")
     args = parser.parse_args(argv)
     out = results_path("overhead", args.out, args.force)
     steps = args.steps or (120 if args.quick else 300)
+    rounds = args.rounds or (1 if args.quick else 5)
     period = 40 if args.quick else 100
     # Eight blocks, the last four with a tenth of the work (an early exit): uniform is imbalanced.
     uneven = (1.0,) * 4 + (0.1,) * 4
@@ -123,6 +148,14 @@ def main(argv: list[str] | None = None) -> None:
             "| overhead / fit | target | fit / static fit | final placement |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
             *rows,
+            "",
+            f"**The idle callback, per step.** 8 blocks alike (1 ms forward, 2 ms backward per micro-batch), "
+            f"{steps} steps a job, `DynMoCallback` with no window in the run against no callback, "
+            f"alternating over {rounds} round(s); step = the median of a job's steps after the first fifth.",
+            "",
+            "| round | no callback (ms) | idle DynMoCallback (ms) | difference (ms) | ratio |",
+            "|---:|---:|---:|---:|---:|",
+            *idle_rows(steps, rounds),
         ]
     )
     write_report(report, "overhead", out)

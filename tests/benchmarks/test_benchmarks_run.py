@@ -48,6 +48,8 @@ def test_rebalance_benchmark_runs(tmp_path: Path) -> None:
 def test_overhead_benchmark_runs(tmp_path: Path) -> None:
     text = run_benchmark("overhead", tmp_path, "--quick", "--steps", "12")
     assert "| every_n_steps=40 | 12 |" in text and "| every_step (routing noise +-50%) | 12 |" in text
+    assert "| round | no callback (ms) | idle DynMoCallback (ms) | difference (ms) | ratio |" in text
+    assert text.count("\n| 1 | ") == 1 and "| median | | | | **" in text  # one idle round, then the median
 
 
 def test_profiling_benchmark_runs(tmp_path: Path) -> None:
