@@ -154,6 +154,8 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "step_s": timer.step_s[job.warmup :],
         "placement": str(strategy.placement),
         "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
+        # What DynMo's monitoring did: decisions (one per profiling window), windows skipped, seconds spent.
+        "windows": (len(dynmo.rebalances), dynmo.skipped_windows, dynmo.overhead_s) if dynmo else (0, 0, 0.0),
         "parts_s": parts,
         "stages": strategy.placement.num_stages,
     }
@@ -229,6 +231,7 @@ def replay_case(
         simulated, measured = idle_shares(base, last["placement"], step)
         rows[name] = {"ms": 1e3 * step, "placement": last["placement"], "idle": (simulated, measured)}
     rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
+    rows["DynMo"]["windows"] = [run["windows"] for run in runs["DynMo"]]
     result = {
         "rows": rows,
         "comparison": comparison,
@@ -285,13 +288,15 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
         for name, true in (("first", mean.first), ("last", mean.last))
     )
     of_best = c.median_of_ideal()
+    windows = ", ".join(f"{d} / {k} / {t:.2f} s" for d, k, t in rows["DynMo"]["windows"])
     lines += [
         "",
         f"Better static ({c.static}) / DynMo: **{c.median_speedup():.2f}x**; DynMo achieves "
         f"**{of_best:.0%}** of the best fixed placement (medians over {c.rounds} round(s) of ratios within "
         f"a round); >= 95% of best fixed: {'yes' if of_best >= 0.95 else 'NO'}; slower than static beyond "
         f"noise: {'YES' if c.slower_beyond_noise() else 'no'}. DynMo rebalances per round: "
-        f"{rows['DynMo']['rebalances']}. Parts as DynMo profiled them, per step: {profiled}. A layer's "
+        f"{rows['DynMo']['rebalances']}; its windows per round (decided, skipped, seconds it reported): "
+        f"{windows}. Parts as DynMo profiled them, per step: {profiled}. A layer's "
         f"cost per step, averaged over the run: min {per_layer[0]:.1f} / median "
         f"{statistics.median(per_layer):.1f} / max {per_layer[-1]:.1f} ms.",
         "",

@@ -27,6 +27,9 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path, 
         r"\| synthetic \| 2 \| [\d.]+x \| \d+% \| \d+% -> \d+% \| (yes|NO) \|", report
     )  # summary
     assert "of the best fixed placement" in report and "slower than static beyond noise" in report
+    assert re.search(
+        r"its windows per round \(decided, skipped, seconds it reported\): \d+ / \d+ / [\d.]+ s", report
+    )
     assert re.search(r"averaged over the run: min [\d.]+ / median [\d.]+ / max [\d.]+ ms", report)
     # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).
     last = re.search(r"last ([\d.]+) ms \(true ([\d.]+)\)", report)
