@@ -7,8 +7,10 @@ and the strategy's per-step control, per call: ``--repeats`` calls back to back 
 over ``--rounds`` rounds (each after a barrier) of the slowest rank:
 
 - **step, no event**: the strategy's per-step control (its error context, built lazily, and the SIGTERM
-  agreement) plus the callback's per-step exchange (``_share_step``: one all-gather of 5 numbers per rank,
-  the SIGTERM flag among them, so that the next batch start's agreement needs no collective of its own);
+  agreement) plus the callback's per-step exchange (``_share_step``: 5 numbers per rank, the SIGTERM flag
+  among them, so that the next batch start's agreement needs no collective of its own, gathered on the
+  first rank and broadcast back); beside it the same exchange through gloo's ring all-gather (before
+  2026-11-27);
 - **step, with event**: the same with a dynamism event published on every rank (the exchange adds one
   all-gather of the events); beside it the pre-issue-13 exchange (one ``broadcast_object_list`` per rank);
 - **decision**: the profile gather (one all-reduce of the layer table over the pipeline), the decision on
@@ -57,7 +59,7 @@ from benchmarks.common import results_path, write_report
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.placement import Placement
-from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
+from lightning_dynmo.callback import DynMoCallback, ProfilingConfig, dynmo_callback
 from lightning_dynmo.events import DynamismEvent, EventBus
 from lightning_dynmo.pipeline.faults.guard import CommContext, communication_guard, describe_peers
 from lightning_dynmo.pipeline.faults.shutdown import SigtermAgreement
@@ -88,7 +90,7 @@ _COUNTED = (
     "recv",
     "batch_isend_irecv",  # isend / irecv are not wrapped: P2POp checks their identity
 )
-_CASES = ("step", "event_step", "legacy_event_step", "decision", "migration", "legacy_migration")
+_CASES = ("step", "ring_step", "event_step", "legacy_event_step", "decision", "migration", "legacy_migration")
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,11 @@ class _Harness:
         self.callback._share_step(self.trainer, self.view, 1e-3 * (1 + self.position), 5e-3)  # type: ignore[arg-type]
         self.trainer.global_step += 1
 
+    def ring_step(self) -> None:
+        """:meth:`step` with the rows exchanged by ``dist.all_gather`` (gloo's ring), as before 2026-11-27."""
+        with _ring_rows():
+            self.step()
+
     def event_step(self) -> None:
         first = self.position * LAYERS_PER_STAGE
         self.bus.publish(DynamismEvent("pruned", (first,), self.trainer.global_step, "benchmark"))
@@ -276,6 +283,23 @@ class _Harness:
         self.moved = not self.moved
 
 
+@contextmanager
+def _ring_rows() -> Iterator[None]:
+    """The callback's per-step rows exchanged by one ``dist.all_gather`` inside the block."""
+
+    def ring(row: torch.Tensor, active_ranks: Sequence[int], group: Any) -> torch.Tensor:
+        rows = [torch.empty_like(row) for _ in active_ranks]
+        dist.all_gather(rows, row, group=group)
+        return torch.stack(rows)
+
+    real = dynmo_callback.all_gather_rows
+    dynmo_callback.all_gather_rows = ring  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dynmo_callback.all_gather_rows = real
+
+
 def _rank_job(rank: int, world_size: int, store_file: str, spec: Spec, out: Any) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_file, world_size)
@@ -286,6 +310,7 @@ def _rank_job(rank: int, world_size: int, store_file: str, spec: Spec, out: Any)
         harness = _Harness(spec)
         cases: dict[str, Callable[[], None]] = {
             "step": harness.step,
+            "ring_step": harness.ring_step,
             "event_step": harness.event_step,
             "legacy_event_step": harness.legacy_event_step,
             "decision": harness.decision,
@@ -436,6 +461,7 @@ def report(results: dict[int, dict[str, Any]], argv: Sequence[str] | None, load:
     ]
     labels = {
         "step": "step, no event",
+        "ring_step": "step, no event, ring all-gather (before 2026-11-27)",
         "event_step": "step, with event",
         "legacy_event_step": "step, with event, pre-#13 exchange",
         "decision": "decision (gather + decide + broadcast)",

@@ -1,11 +1,11 @@
-"""The callback's exchanges between ranks, each one collective whatever the number of ranks (issue #13).
+"""The callback's exchanges between ranks, a fixed number of collectives whatever the number of ranks.
 
-Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had an
-event), :func:`all_gather_rows` (the per-step row of numbers every rank shares), :func:`broadcast_object` (the
-decision), :class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline
-position with tensor ops, no Python loop over ranks; :meth:`PositionIndex.means` skips the reduction when
-there is nothing to reduce), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps,
-capped).
+Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had
+an event), :func:`all_gather_rows` (the per-step row of numbers every rank shares; on gloo a gather and a
+broadcast, not gloo's ring), :func:`broadcast_object` (the decision), :class:`PositionIndex` and
+:func:`busy_per_position` (the per-step rows reduced per pipeline position with tensor ops, no Python
+loop over ranks; :meth:`PositionIndex.means` skips the reduction when there is nothing to reduce), then
+:func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
 
 At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
 720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
@@ -131,12 +131,25 @@ def keep_recent(records: list[Any], limit: int = MAX_HISTORY) -> int:
 def all_gather_rows(
     row: torch.Tensor, active_ranks: Sequence[int], group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """One row per active rank, in ``active_ranks`` order (a plain collective over ``group``, no autograd)."""
+    """One row per active rank, in ``active_ranks`` order (plain collectives over ``group``, no autograd).
+
+    Rows on the GPU go through one ``all_gather``. Rows on the CPU (gloo) are gathered on the group's
+    first rank and broadcast back: gloo's all-gather is a ring of ``n - 1`` hops, one after another, while
+    a gather and a broadcast are each one round between the first rank and every other. On a 2-core
+    machine with 16 gloo ranks that is a few ms against about 30 a call, 1% of a replayed 16-rank step
+    (``python -m benchmarks.control_plane`` measures both).
+    """
     if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
         return row.reshape(1, -1).cpu()
-    rows = [torch.empty_like(row) for _ in active_ranks]
-    dist.all_gather(rows, row, group=group)
-    return torch.stack(rows).cpu()
+    if row.device.type == "cpu":
+        rows = torch.empty((len(active_ranks), *row.shape), dtype=row.dtype)
+        first = dist.get_rank(group) == 0
+        dist.gather(row, list(rows.unbind()) if first else None, group=group, group_dst=0)
+        dist.broadcast(rows, group=group, group_src=0)
+        return rows
+    gathered = [torch.empty_like(row) for _ in active_ranks]
+    dist.all_gather(gathered, row, group=group)
+    return torch.stack(gathered).cpu()
 
 
 def broadcast_object(obj: Any, src: int, active_ranks: Sequence[int], group: dist.ProcessGroup | None) -> Any:

@@ -8,9 +8,10 @@ cycle:
    (:mod:`.window`), then start the step's timers.
 2. ``on_train_batch_end``: close the step's timers; if the profiling window is complete, assemble every
    layer's cost over the pipeline (:mod:`.measure`), decide once on the first active rank and broadcast
-   the decision; then one small all-gather shares what every rank saw in the step (dynamism events, busy
-   time, step time, the cost of a rebalance it just did), so every rank feeds its trigger the same inputs
-   and takes the same decisions; finally log. Decisions and their measured gain go to :mod:`.history`.
+   the decision; then one small exchange of rows shares what every rank saw in the step (dynamism
+   events, busy time, step time, the cost of a rebalance it just did), so every rank feeds its trigger
+   the same inputs and takes the same decisions; finally log. Decisions and their measured gain go to
+   :mod:`.history`.
 
 Everything that decides is in :mod:`lightning_dynmo.balancing.policy` (pure); everything that measures
 is in :mod:`lightning_dynmo.profiling` (torch only). This module wires them to Lightning and logs.
@@ -70,7 +71,7 @@ from lightning_dynmo.strategy.view import PipelineView
 
 log = logging.getLogger(__name__)
 
-# Columns of the per-step all-gather.
+# Columns of the per-step rows (control_plane.all_gather_rows).
 _EVENTS, _BUSY, _STEP, _COST, _SIGTERM = range(5)
 
 

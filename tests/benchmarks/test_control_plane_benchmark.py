@@ -20,9 +20,11 @@ def test_quick_run_writes_the_tables_with_collective_counts_flat_in_ranks(tmp_pa
     for label in ("step, no event", "step, with event", "decision (gather + decide + broadcast)"):
         assert f"| {label} |" in text
     # The call counts: the same at 2 and 4 ranks with #13's exchanges, one broadcast per rank before;
-    # the SIGTERM agreement rides the per-step all-gather (no all-reduce of its own).
-    assert "| step, no event | 1 all_gather | 1 all_gather |" in text
-    event = "1 all_gather, 1 all_gather_object"
+    # the SIGTERM agreement rides the per-step exchange (no all-reduce of its own), a gather and a
+    # broadcast on gloo; the ring all-gather it replaced, beside it.
+    assert "| step, no event | 1 broadcast, 1 gather | 1 broadcast, 1 gather |" in text
+    assert "| step, no event, ring all-gather (before 2026-11-27) | 1 all_gather | 1 all_gather |" in text
+    event = "1 all_gather_object, 1 broadcast, 1 gather"
     assert f"| step, with event | {event} | {event} |" in text
     decision = "1 all_reduce, 1 broadcast_object_list"
     assert f"| decision (gather + decide + broadcast) | {decision} | {decision} |" in text

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from lightning_dynmo.callback.control_plane import exchange_events
+from lightning_dynmo.callback.control_plane import all_gather_rows, exchange_events
 from lightning_dynmo.pipeline.placement.groups import check_same_on_all_ranks
 from tests.distributed.harness import run_distributed
 
@@ -59,3 +60,31 @@ def test_events_and_agreements_take_one_collective_each(tmp_path: Any) -> None:
             "placed on different ranks (rank 0: '0-2|3-3', rank 1: '0-1|2-3', rank 2: '0-1|2-3')"
             in (res["error"])
         )
+
+
+def _rows(rank: int, world_size: int) -> dict[str, Any]:
+    calls: list[str] = []
+    names = ("all_gather", "gather", "broadcast")
+    real = {name: getattr(dist, name) for name in names}
+    for name in real:
+        setattr(dist, name, lambda *a, _n=name, **k: (calls.append(_n), real[_n](*a, **k))[1])
+    try:
+        mine = torch.tensor([float(rank), 10.0 * rank, -1.0], dtype=torch.float64)
+        world = all_gather_rows(mine, list(range(world_size)), None)
+        world_calls, calls[:] = list(calls), []
+        active = [1, 2]  # a subgroup whose first rank is global rank 1
+        group = dist.new_group(active)
+        part = all_gather_rows(mine, active, group).tolist() if rank in active else None
+        return {"world": world.tolist(), "world_calls": world_calls, "part": part}
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def test_cpu_rows_are_gathered_on_the_first_rank_and_broadcast_in_rank_order(tmp_path: Any) -> None:
+    results = run_distributed(_rows, 3, tmp_path)
+    expected = [[float(r), 10.0 * r, -1.0] for r in range(3)]
+    for rank, res in enumerate(results):
+        assert res["world"] == expected
+        assert res["world_calls"] == ["gather", "broadcast"], "a star, not gloo's ring all-gather"
+        assert res["part"] == (expected[1:] if rank else None), "the subgroup's rows, its first rank the root"

@@ -343,10 +343,10 @@ def test_sigterm_during_validation_stops_every_rank_in_the_same_validation_batch
 
 
 class CountCollectives(pl.Callback):
-    """Counts ``all_reduce`` and ``all_gather`` calls from batch 1's start to batch 4's (three boundaries)."""
+    """Counts collective calls from batch 1's start to batch 4's (three boundaries)."""
 
     def __init__(self) -> None:
-        self.calls = {"all_reduce": 0, "all_gather": 0}
+        self.calls = {"all_reduce": 0, "all_gather": 0, "gather": 0, "broadcast": 0}
         self._real: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -385,6 +385,12 @@ def test_an_idle_callback_adds_no_collective_per_step_the_sigterm_agreement_ride
     (alone, _) = run_distributed(collectives_worker, 2, tmp_path, timeout_s=90, args=(False,))
     (with_callback, _) = run_distributed(collectives_worker, 2, tmp_path, timeout_s=90, args=(True,))
     # Control: without the callback each of the three batch starts makes its own SIGTERM all-reduce.
-    assert alone["all_gather"] == 0 and alone["all_reduce"] >= 3
-    # With it, each step's exchange (one all-gather) carries the flag and the batch starts make none.
-    assert with_callback == {"all_reduce": alone["all_reduce"] - 3, "all_gather": 3}
+    assert alone["all_reduce"] >= 3 and alone["all_gather"] == alone["gather"] == alone["broadcast"] == 0
+    # With it, each step's exchange (on gloo a gather on the first rank and its broadcast, one round trip
+    # like the all-reduce) carries the flag and the batch starts make none.
+    assert with_callback == {
+        "all_reduce": alone["all_reduce"] - 3,
+        "all_gather": 0,
+        "gather": 3,
+        "broadcast": 3,
+    }
