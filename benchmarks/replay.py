@@ -81,7 +81,7 @@ REPACK = "DynMo + re-pack"
 SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sleeps
 #: A job still running after this many times the slowest job so far (at least MIN_JOB_TIMEOUT_S) is
 #: stopped and run once more (:func:`benchmarks.common.launch`): a rank stuck in its launch costs minutes.
-JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 5.0, 300.0
+JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 3.0, 240.0
 
 
 def replay_model(num_layers: int, compute: str = "dense") -> DemoGPT:
