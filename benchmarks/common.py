@@ -82,8 +82,7 @@ def launch(
     raises :class:`TimeoutError`. A job that hangs (a rank stuck in its launch, say) then costs minutes,
     not the process group's 30-minute timeout and the whole benchmark.
     """
-    if nproc <= len(os.sched_getaffinity(0)):  # the cores this process may use, not the machine's
-        fn = _PinnedToCore(fn)
+    fn = _RankEntry(fn, pin=nproc <= len(os.sched_getaffinity(0)))  # the cores this process may use
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -130,18 +129,28 @@ def _within(run: Callable[[T], dict[int, Any]], spec: T, timeout_s: float) -> di
         timer.cancel()
 
 
-class _PinnedToCore:
-    """``fn`` run on the core of this process's local rank (picklable: the ranks may be spawned)."""
+class _RankEntry:
+    """``fn`` as one rank runs it (picklable: the ranks may be spawned).
 
-    def __init__(self, fn: Callable[[T], dict[str, Any]]) -> None:
-        self.fn = fn
+    The job's store is on this machine, so the rank reaches it at ``127.0.0.1`` rather than by name: a
+    forked rank that looks ``localhost`` up can deadlock in glibc's resolver, whose lock another thread of
+    the launching process (the elastic agent's) may hold at the fork. Seen on 16 ranks: one rank stuck in
+    ``getaddrinfo`` under the store's connect, every other rank waiting for it. With ``pin``, the rank also
+    runs on the core of its local rank.
+    """
+
+    def __init__(self, fn: Callable[[T], dict[str, Any]], pin: bool) -> None:
+        self.fn, self.pin = fn, pin
         # The launcher names the job and its processes by these.
         self.__name__ = getattr(fn, "__name__", type(self).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, spec: T) -> dict[str, Any]:
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
+        if os.environ.get("MASTER_ADDR") == "localhost":
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        if self.pin:
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})
         return self.fn(spec)
 
 
