@@ -127,3 +127,15 @@ def test_a_deadline_needs_the_main_thread() -> None:
     assert len(caught) == 1
     with pytest.raises(RuntimeError, match=r"launch\(timeout_s=\.\.\.\) must be called from the main thread"):
         raise caught[0]
+
+
+def _store_address(_: Any) -> dict[str, Any]:
+    import os
+
+    return {"master_addr": os.environ.get("MASTER_ADDR")}
+
+
+def test_a_forked_rank_reaches_the_store_by_address_not_by_name() -> None:
+    # The elastic agent names the store's host "localhost"; a forked rank resolving it can deadlock in
+    # glibc's resolver (a lock held by another thread of the agent at the fork). The rank gets 127.0.0.1.
+    assert launch(_store_address, None, nproc=1, start_method="fork") == {"master_addr": "127.0.0.1"}
