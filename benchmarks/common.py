@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import multiprocessing
 import os
 import signal
 import sys
@@ -70,7 +71,13 @@ def launch(
     This is what ``torchrun --standalone`` does, driven from Python so one script can run many jobs.
     With ``"spawn"`` ``fn`` must be importable (a module-level function); ``"fork"`` starts the ranks
     without importing torch and Lightning again (seconds per job on a small machine), which needs a parent
-    that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first).
+    that has not started torch's worker threads (call ``torch.set_num_threads(1)`` first). ``"forkserver"``
+    forks them from a server process that imported torch, Lightning and ``fn``'s module once, with no
+    other thread: use it for many ranks. A plain fork copies the launching process mid-work, and its
+    elastic agent serves the job's store on a thread that looks peers up in glibc's resolver while the
+    agent forks; a rank forked while that thread holds the resolver's lock deadlocks at its first
+    lookup (seen at 16 ranks: ranks stuck in ``getaddrinfo`` or ``getnameinfo`` under the store's
+    connect, in about one job of ten).
 
     With no more ranks than usable CPU cores each rank is pinned to its own core (local rank ``r`` to the
     ``r``-th core), so the OS does not move a rank mid-step. One split's step time still moves from job to
@@ -82,6 +89,8 @@ def launch(
     raises :class:`TimeoutError`. A job that hangs (a rank stuck in its launch, say) then costs minutes,
     not the process group's 30-minute timeout and the whole benchmark.
     """
+    if start_method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "lightning.pytorch", fn.__module__])
     fn = _RankEntry(fn, pin=nproc <= len(os.sched_getaffinity(0)))  # the cores this process may use
     config = LaunchConfig(
         min_nodes=1,

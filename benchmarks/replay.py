@@ -6,7 +6,7 @@ model without dynamism, which shows the head's static imbalance alone; a synthet
 :class:`~lightning_dynmo.demos.DemoGPT` with the model's real layer count sleeps, at every step, what
 the trace says its layer costs at that step (:class:`~lightning_dynmo.demos.TraceReplay`), and so do
 the embedding and the head + loss (the parts, costed from the model's shape: :mod:`benchmarks.trace_cases`).
-Sleeping uses no CPU, so 8-16 ranks run on 2 cores (``start_method="fork"``). The costs are scaled so a
+Sleeping uses no CPU, so 8-16 ranks run on 2 cores (``start_method="forkserver"``). The costs are scaled so a
 dense block sleeps ``--block-ms`` per micro-batch forward, less what a call costs beyond its sleep (the
 block's compute, the sleep's wake-up: :func:`~lightning_dynmo.demos.measure_call_overhead`, measured
 before the ranks start), so a layer costs what the trace says; the few cheaper than that overhead cost the
@@ -212,7 +212,7 @@ def replay_case(
             timeout_s = max(MIN_JOB_TIMEOUT_S, JOB_TIMEOUT_FACTOR * slowest_s)
             started = time.perf_counter()
             runs[name].append(
-                launch(run_replay, jobs[name], nproc=ranks, start_method="fork", timeout_s=timeout_s)
+                launch(run_replay, jobs[name], nproc=ranks, start_method="forkserver", timeout_s=timeout_s)
             )
             slowest_s = max(slowest_s, time.perf_counter() - started)
     per_round = {name: [statistics.median(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
