@@ -289,11 +289,13 @@ def section(trace: CostTrace, result: dict[str, Any]) -> list[str]:
     )
     of_best = c.median_of_ideal()
     windows = ", ".join(f"{d} / {k} / {t:.2f} s" for d, k, t in rows["DynMo"]["windows"])
+    per_round = ", ".join(f"{x:.3f}" for x in c.speedup["DynMo"])
     lines += [
         "",
         f"Better static ({c.static}) / DynMo: **{c.median_speedup():.2f}x**; DynMo achieves "
         f"**{of_best:.0%}** of the best fixed placement (medians over {c.rounds} round(s) of ratios within "
-        f"a round); >= 95% of best fixed: {'yes' if of_best >= 0.95 else 'NO'}; slower than static beyond "
+        f"a round; better static / DynMo per round: {per_round}); >= 95% of best fixed: "
+        f"{'yes' if of_best >= 0.95 else 'NO'}; slower than static beyond "
         f"noise: {'YES' if c.slower_beyond_noise() else 'no'}. DynMo rebalances per round: "
         f"{rows['DynMo']['rebalances']}; its windows per round (decided, skipped, seconds it reported): "
         f"{windows}. Parts as DynMo profiled them, per step: {profiled}. A layer's "

@@ -30,6 +30,7 @@ def test_quick_replay_reports_every_run_the_idle_shares_and_the_parts(tmp_path, 
     assert re.search(
         r"its windows per round \(decided, skipped, seconds it reported\): \d+ / \d+ / [\d.]+ s", report
     )
+    assert re.search(r"better static / DynMo per round: [\d.]+\)", report)  # one round in the quick run
     assert re.search(r"averaged over the run: min [\d.]+ / median [\d.]+ / max [\d.]+ ms", report)
     # DynMo's profiler measured the emulated head as the last-stage part (not lost among the blocks).
     last = re.search(r"last ([\d.]+) ms \(true ([\d.]+)\)", report)
