@@ -247,7 +247,11 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, drop
     v_tiles = v.reshape(-1, d).index_select(0, k_rows.reshape(-1)).view(-1, size, d)
     same_bucket = plan.q_bucket[bi, hi, qi].unsqueeze(-1) == plan.k_bucket[bi, hi, ki].unsqueeze(-2)
     visible = same_bucket & (k_rows.unsqueeze(-2) <= q_rows.unsqueeze(-1))  # same (b, h): positions compare
-    scores = torch.matmul(q_tiles * (1.0 / math.sqrt(d)), k_tiles.transpose(-1, -2))
+    # Softmax statistics in at least float32 (as fused attention keeps them), whatever autocast makes of
+    # the matmuls: CUDA autocast returns bf16 scores but float32 from exp, and every accumulator below is
+    # made from the tensor it accumulates, so the dtypes agree in float64, float32 and under autocast.
+    stats = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q_tiles * (1.0 / math.sqrt(d)), k_tiles.transpose(-1, -2)).to(stats)
     scores = scores.masked_fill(~visible, float("-inf"))
     # A query row's softmax spans all its active tiles: reduce maxima and sums over its original row.
     flat_rows = q_rows.reshape(-1)
@@ -256,14 +260,14 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan, drop
         row_max.scatter_reduce_(0, flat_rows, scores.amax(-1).reshape(-1), reduce="amax")
         shift = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))[q_rows]
     weights = torch.exp(scores - shift.unsqueeze(-1))
-    denominator = scores.new_zeros(b * h * t).index_add(0, flat_rows, weights.sum(-1).reshape(-1))
+    row_sums = weights.sum(-1).reshape(-1)
+    denominator = row_sums.new_zeros(b * h * t).index_add(0, flat_rows, row_sums)
     if dropout_p > 0:
         weights = F.dropout(weights, dropout_p)
-    numerator = scores.new_zeros(b * h * t, d).index_add(
-        0, flat_rows, torch.matmul(weights, v_tiles).reshape(-1, d)
-    )
+    products = torch.matmul(weights, v_tiles.to(weights.dtype)).reshape(-1, d)
+    numerator = products.new_zeros(b * h * t, d).index_add(0, flat_rows, products)
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    return (numerator / safe.unsqueeze(-1)).view(b, h, t, d)
+    return (numerator / safe.unsqueeze(-1)).to(v.dtype).view(b, h, t, d)
 
 
 def bucket_masked_attention(q: Tensor, k: Tensor, v: Tensor, q_bucket: Tensor, k_bucket: Tensor) -> Tensor:

@@ -365,7 +365,10 @@ def split_batch(model: nn.Module, spec: ModelSpec, batch: Any) -> tuple[Tensor, 
                 f"{tuple(inputs.shape)}; every tensor must have the batch on dim 0 (it is cut into "
                 "micro-batches along it)."
             )
-    return inputs, target, dict(side)
+    # Contiguous, because torch's stage checks an input's strides against those its first micro-batch
+    # was traced with (torch 2.11 always; 2.13 under TORCH_DISTRIBUTED_DEBUG=DETAIL): ``batch[:, :-1]``
+    # has the row stride of ``batch``. A copy only where a tensor is a strided view (token ids: cheap).
+    return inputs.contiguous(), target.contiguous(), {k: v.contiguous() for k, v in side.items()}
 
 
 def check_loss(model_name: str, loss: Any, needs_grad: bool) -> Tensor:

@@ -113,6 +113,25 @@ def test_block_sparse_equals_the_dense_masked_reference_forward_and_backward(
     assert (moved - out).abs().max().item() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_keep_float32_statistics_and_return_their_dtype(dtype: torch.dtype) -> None:
+    # On an H200 under CUDA bf16 autocast the scores came back bf16 and exp float32, and the bf16
+    # accumulator refused the float32 sums (2026-11-27). The statistics are now float32 whatever comes in.
+    q, k, v = _qkv(seq=64)
+    rotations = random_rotations(7, 3, 8, 4)
+    q_bucket, k_bucket = hash_buckets(q, rotations), hash_buckets(k, rotations)
+    plan = plan_tiles(q_bucket, k_bucket, 8)
+    reference = bucket_masked_attention(q, k, v, q_bucket, k_bucket)
+    out = block_sparse_attention(q.to(dtype), k.to(dtype), v.to(dtype), plan)
+    assert out.dtype == dtype
+    error = (out.double() - reference).abs().max().item()
+    assert error < 0.03, error  # the inputs' own rounding, not an accumulation in half precision
+    # Negative control: the tolerance tells attention over other buckets apart.
+    other = random_rotations(8, 3, 8, 4)
+    moved = bucket_masked_attention(q, k, v, hash_buckets(q, other), hash_buckets(k, other))
+    assert (out.double() - moved).abs().max().item() > 0.1
+
+
 def test_a_query_without_visible_keys_outputs_zero_with_finite_gradients() -> None:
     q, k, v = inputs = _qkv(batch=1, heads=1, seq=8)
     q_bucket = torch.zeros(1, 1, 8, dtype=torch.long)
@@ -273,6 +292,21 @@ def test_cuda_draws_the_cpu_rotations_and_matches_the_cpu() -> None:
     block.hash_forwards.zero_()
     cuda = block.cuda()(x.cuda())
     torch.testing.assert_close(cuda.cpu(), cpu, rtol=0, atol=1e-10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_autocast_runs_forward_and_backward_close_to_float32() -> None:
+    block = _block(num_buckets=4, block_size=4).float().cuda().train()
+    x = _hidden().float().cuda().requires_grad_(True)
+    exact = block(x)
+    block.hash_forwards.zero_()  # the same rotations again
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        mixed = block(x)
+    mixed.float().square().sum().backward()
+    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    # The median: a bf16 projection may move a near-tie row to another bucket, which changes that row.
+    assert (mixed.float() - exact).abs().median().item() < 0.02
 
 
 # -- bad input -------------------------------------------------------------------------------------------

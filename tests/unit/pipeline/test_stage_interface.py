@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.pipeline.model.contract import ModelSpec, check_loss, check_model_contract, split_batch
 from lightning_dynmo.pipeline.step.aux_loss import add_aux_loss, collect_aux_losses
 from lightning_dynmo.pipeline.step.stage import StageModule
@@ -184,6 +185,17 @@ def test_undeclared_and_malformed_side_inputs_are_refused() -> None:
         split_batch(
             model, check_model_contract(model), (torch.ones(4, 3), torch.ones(4, 3), {"m": torch.ones(3)})
         )
+
+
+def test_strided_views_from_pipeline_batch_come_back_contiguous_and_equal() -> None:
+    # GPT's pipeline_batch returns rows[:, :-1] and rows[:, 1:]: views with the rows' stride, which torch
+    # 2.11's stage refuses against the contiguous metadata it traced (found on an H200, 2026-11-27).
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, num_layers=2, d_model=8, num_heads=2, d_ff=8))
+    rows = torch.arange(4 * 9).view(4, 9)
+    inputs, target, side = split_batch(model, check_model_contract(model), rows)
+    assert not rows[:, :-1].is_contiguous()  # the control: the model's own views are strided
+    assert inputs.is_contiguous() and target.is_contiguous() and side == {}
+    assert torch.equal(inputs, rows[:, :-1]) and torch.equal(target, rows[:, 1:])
 
 
 def test_pipeline_batch_returning_a_tuple_of_inputs_is_explained() -> None:
