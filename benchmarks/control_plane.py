@@ -34,6 +34,7 @@ import argparse
 import functools
 import math
 import multiprocessing as mp
+import pickle
 import queue
 import statistics
 import subprocess
@@ -90,7 +91,16 @@ _COUNTED = (
     "recv",
     "batch_isend_irecv",  # isend / irecv are not wrapped: P2POp checks their identity
 )
-_CASES = ("step", "ring_step", "event_step", "legacy_event_step", "decision", "migration", "legacy_migration")
+_CASES = (
+    "step",
+    "ring_step",
+    "event_step",
+    "ring_event_step",
+    "legacy_event_step",
+    "decision",
+    "migration",
+    "legacy_migration",
+)
 
 
 @dataclass(frozen=True)
@@ -218,13 +228,18 @@ class _Harness:
 
     def ring_step(self) -> None:
         """:meth:`step` with the rows exchanged by ``dist.all_gather`` (gloo's ring), as before 2026-11-27."""
-        with _ring_rows():
+        with _ring_exchanges():
             self.step()
 
     def event_step(self) -> None:
         first = self.position * LAYERS_PER_STAGE
         self.bus.publish(DynamismEvent("pruned", (first,), self.trainer.global_step, "benchmark"))
         self.step()
+
+    def ring_event_step(self) -> None:
+        """:meth:`event_step` with the exchanges before 2026-11-27 (two rings and an object all-gather)."""
+        with _ring_exchanges():
+            self.event_step()
 
     def legacy_event_step(self) -> None:
         """The exchange before issue #13: one broadcast_object_list per active rank."""
@@ -284,20 +299,29 @@ class _Harness:
 
 
 @contextmanager
-def _ring_rows() -> Iterator[None]:
-    """The callback's per-step rows exchanged by one ``dist.all_gather`` inside the block."""
+def _ring_exchanges() -> Iterator[None]:
+    """Inside the block, the callback's exchanges as before 2026-11-27: its per-step rows by one
+    ``dist.all_gather`` and its events by one ``all_gather_object`` (each a ring on gloo)."""
 
     def ring(row: torch.Tensor, active_ranks: Sequence[int], group: Any) -> torch.Tensor:
         rows = [torch.empty_like(row) for _ in active_ranks]
         dist.all_gather(rows, row, group=group)
         return torch.stack(rows)
 
-    real = dynmo_callback.all_gather_rows
-    dynmo_callback.all_gather_rows = ring  # type: ignore[assignment]
+    def events_by_object(
+        payload: bytes, sizes: Sequence[int], active_ranks: Sequence[int], group: Any, device: Any = None
+    ) -> list[dict[str, Any]]:
+        parts: list[Any] = [None] * len(active_ranks)
+        dist.all_gather_object(parts, pickle.loads(payload) if payload else [], group=group)
+        return [dict(e) for part in parts for e in part]
+
+    real = dynmo_callback.exchange_rows, dynmo_callback.exchange_events
+    dynmo_callback.exchange_rows = ring  # type: ignore[assignment]
+    dynmo_callback.exchange_events = events_by_object  # type: ignore[assignment]
     try:
         yield
     finally:
-        dynmo_callback.all_gather_rows = real
+        dynmo_callback.exchange_rows, dynmo_callback.exchange_events = real
 
 
 def _rank_job(rank: int, world_size: int, store_file: str, spec: Spec, out: Any) -> None:
@@ -312,6 +336,7 @@ def _rank_job(rank: int, world_size: int, store_file: str, spec: Spec, out: Any)
             "step": harness.step,
             "ring_step": harness.ring_step,
             "event_step": harness.event_step,
+            "ring_event_step": harness.ring_event_step,
             "legacy_event_step": harness.legacy_event_step,
             "decision": harness.decision,
             "migration": harness.migration,
@@ -463,6 +488,7 @@ def report(results: dict[int, dict[str, Any]], argv: Sequence[str] | None, load:
         "step": "step, no event",
         "ring_step": "step, no event, ring all-gather (before 2026-11-27)",
         "event_step": "step, with event",
+        "ring_event_step": "step, with event, ring all-gathers (before 2026-11-27)",
         "legacy_event_step": "step, with event, pre-#13 exchange",
         "decision": "decision (gather + decide + broadcast)",
         "migration": "migration, 1 layer per replica, one plan",

@@ -1,11 +1,11 @@
 """The callback's exchanges between ranks, a fixed number of collectives whatever the number of ranks.
 
-Read in this order: :func:`exchange_events` (what every rank saw, one all-gather on the steps that had
-an event), :func:`all_gather_rows` (the per-step row of numbers every rank shares; on gloo a gather and a
-broadcast, not gloo's ring), :func:`broadcast_object` (the decision), :class:`PositionIndex` and
-:func:`busy_per_position` (the per-step rows reduced per pipeline position with tensor ops, no Python
-loop over ranks; :meth:`PositionIndex.means` skips the reduction when there is nothing to reduce), then
-:func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
+Read in this order: :func:`exchange_rows` (the per-step row of numbers every rank shares; on gloo a gather
+and a broadcast, not gloo's ring), :func:`pack_events` and :func:`exchange_events` (what every rank saw,
+one more row exchange on the steps that had an event), :func:`broadcast_object` (the decision),
+:class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline position with
+tensor ops, no Python loop over ranks; :meth:`PositionIndex.means` skips the reduction when there is
+nothing to reduce), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
 
 At 720 ranks a loop over ranks on every step costs milliseconds and a loop of collectives over ranks costs
 720 round trips; here every step and every decision costs a fixed number of collectives, each carrying a
@@ -15,6 +15,7 @@ few bytes per rank at most. All of them run on the strategy's *control group*, w
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,43 +25,98 @@ import torch.distributed as dist
 __all__ = [
     "MAX_HISTORY",
     "PositionIndex",
-    "all_gather_rows",
     "broadcast_object",
     "busy_per_position",
     "exchange_events",
+    "exchange_rows",
     "keep_recent",
+    "pack_events",
 ]
 
 #: The event and rebalance histories keep at most this many records each (the most recent).
 MAX_HISTORY = 1024
 
 
-def exchange_events(
-    mine: Sequence[Mapping[str, Any]], group: dist.ProcessGroup | None, num_ranks: int
-) -> list[dict[str, Any]]:
-    """Every rank's events, in group rank order, each distinct event once; collective over ``group``.
+def exchange_rows(
+    row: torch.Tensor, active_ranks: Sequence[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """One row per active rank, in ``active_ranks`` order (plain collectives over ``group``, no autograd).
 
-    One ``all_gather_object`` (a size all-gather and a payload all-gather) replaces one broadcast per
-    rank. Data-parallel replicas report the same event (the same layers pruned at the same step) from
-    every replica: an event equal to one already listed is dropped, so the history grows with what
-    happened, not with the number of replicas.
+    Rows on the GPU go through one ``all_gather``. Rows on the CPU (gloo) are gathered on the group's
+    first rank and broadcast back: gloo's all-gather is a ring of ``n - 1`` hops, one after another, while
+    a gather and a broadcast are each one round between the first rank and every other. On a 2-core
+    machine with 16 gloo ranks that is a few ms against about 30 a call, 1% of a replayed 16-rank step
+    (``python -m benchmarks.control_plane`` measures both).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
+        return row.reshape(1, -1).cpu()
+    if row.device.type == "cpu":
+        rows = torch.empty((len(active_ranks), *row.shape), dtype=row.dtype)
+        first = dist.get_rank(group) == 0
+        dist.gather(row, list(rows.unbind()) if first else None, group=group, group_dst=0)
+        dist.broadcast(rows, group=group, group_src=0)
+        return rows
+    gathered = [torch.empty_like(row) for _ in active_ranks]
+    dist.all_gather(gathered, row, group=group)
+    return torch.stack(gathered).cpu()
+
+
+def pack_events(events: Sequence[Mapping[str, Any]]) -> bytes:
+    """This rank's new events as bytes for :func:`exchange_events` (``b""`` when there are none).
+
+    Their length rides in the per-step row every rank already shares, so the exchange needs no size round.
 
     Args:
-        mine: This rank's new events, as :meth:`~lightning_dynmo.events.DynamismEvent.to_dict` dicts.
-        group: The active ranks' group (``None``: the default group).
-        num_ranks: The size of ``group``.
+        events: :meth:`~lightning_dynmo.events.DynamismEvent.to_dict` dicts.
     """
-    parts: list[Any] = [list(mine)]
-    if num_ranks > 1 and dist.is_available() and dist.is_initialized():
-        parts = [None] * num_ranks
-        dist.all_gather_object(parts, [dict(e) for e in mine], group=group)
+    return pickle.dumps([dict(e) for e in events], protocol=pickle.HIGHEST_PROTOCOL) if events else b""
+
+
+def exchange_events(
+    payload: bytes,
+    sizes: Sequence[int],
+    active_ranks: Sequence[int],
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
+) -> list[dict[str, Any]]:
+    """Every rank's events, in ``active_ranks`` order, each distinct event once; collective over ``group``.
+
+    Each rank's :func:`pack_events` bytes, padded to the longest, go through one :func:`exchange_rows`
+    (on gloo a gather and a broadcast; before 2026-11-27 an ``all_gather_object``, two of gloo's ring
+    all-gathers, about 55 ms a call at 16 ranks on 2 cores). Data-parallel replicas report the same event
+    (the same layers pruned at the same step) from every replica: an event equal to one already listed is
+    dropped, so the history grows with what happened, not with the number of replicas.
+
+    Args:
+        payload: This rank's :func:`pack_events`.
+        sizes: Every active rank's payload length, in ``active_ranks`` order (from the per-step rows).
+        active_ranks: The ranks of ``group``, in group rank order.
+        group: The active ranks' group (``None``: the default group).
+        device: Where the bytes travel: the rank's device (NCCL needs CUDA tensors); ``None``: the CPU.
+
+    Raises:
+        ValueError: if ``sizes`` does not give one length per active rank.
+    """
+    if len(sizes) != len(active_ranks):
+        raise ValueError(
+            f"sizes has {len(sizes)} entries for {len(active_ranks)} active ranks; give one payload length "
+            "per active rank, in the order of active_ranks."
+        )
+    width = max(sizes, default=0)
+    if width == 0:
+        return []
+    row = torch.zeros(width, dtype=torch.uint8, device=device)
+    if payload:
+        row[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    rows = exchange_rows(row, active_ranks, group)
     seen: set[str] = set()
     events = []
-    for event in (e for part in parts for e in part or []):
-        key = repr(sorted(event.items()))
-        if key not in seen:
-            seen.add(key)
-            events.append(dict(event))
+    for i, size in enumerate(sizes):
+        for event in pickle.loads(rows[i, :size].numpy().tobytes()) if size else []:
+            key = repr(sorted(event.items()))
+            if key not in seen:
+                seen.add(key)
+                events.append(dict(event))
     return events
 
 
@@ -126,30 +182,6 @@ def keep_recent(records: list[Any], limit: int = MAX_HISTORY) -> int:
         return 0
     del records[:extra]
     return extra
-
-
-def all_gather_rows(
-    row: torch.Tensor, active_ranks: Sequence[int], group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """One row per active rank, in ``active_ranks`` order (plain collectives over ``group``, no autograd).
-
-    Rows on the GPU go through one ``all_gather``. Rows on the CPU (gloo) are gathered on the group's
-    first rank and broadcast back: gloo's all-gather is a ring of ``n - 1`` hops, one after another, while
-    a gather and a broadcast are each one round between the first rank and every other. On a 2-core
-    machine with 16 gloo ranks that is a few ms against about 30 a call, 1% of a replayed 16-rank step
-    (``python -m benchmarks.control_plane`` measures both).
-    """
-    if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
-        return row.reshape(1, -1).cpu()
-    if row.device.type == "cpu":
-        rows = torch.empty((len(active_ranks), *row.shape), dtype=row.dtype)
-        first = dist.get_rank(group) == 0
-        dist.gather(row, list(rows.unbind()) if first else None, group=group, group_dst=0)
-        dist.broadcast(rows, group=group, group_src=0)
-        return rows
-    gathered = [torch.empty_like(row) for _ in active_ranks]
-    dist.all_gather(gathered, row, group=group)
-    return torch.stack(gathered).cpu()
 
 
 def broadcast_object(obj: Any, src: int, active_ranks: Sequence[int], group: dist.ProcessGroup | None) -> Any:

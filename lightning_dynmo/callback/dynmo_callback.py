@@ -55,9 +55,10 @@ from lightning_dynmo.callback.config import (
 )
 from lightning_dynmo.callback.control_plane import (
     PositionIndex,
-    all_gather_rows,
     broadcast_object,
     exchange_events,
+    exchange_rows,
+    pack_events,
 )
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
 from lightning_dynmo.callback.measure import CostMeter
@@ -71,7 +72,7 @@ from lightning_dynmo.strategy.view import PipelineView
 
 log = logging.getLogger(__name__)
 
-# Columns of the per-step rows (control_plane.all_gather_rows).
+# Columns of the per-step rows (control_plane.exchange_rows); _EVENTS: the byte length of the new events.
 _EVENTS, _BUSY, _STEP, _COST, _SIGTERM = range(5)
 
 
@@ -575,20 +576,22 @@ class DynMoCallback(Callback):
         # The strategy's SIGTERM flag rides along: the next batch start then needs no collective of its own.
         busy = -1.0 if busy_s is None else busy_s
         sigterm = 0.0 if view.sigterm is None else view.sigterm.flag
+        events = pack_events([e.to_dict() for e in self._new_events])  # their length rides in the row
+        self._new_events.clear()
         mine = torch.tensor(
-            [float(bool(self._new_events)), busy, step_s, self._cost_to_share, sigterm],
+            [float(len(events)), busy, step_s, self._cost_to_share, sigterm],
             dtype=torch.float64,
             device=view.root_device,
         )
         self._cost_to_share = 0.0
         with _strategy(trainer).guard("the callback's per-step exchange", control=True):
-            rows = all_gather_rows(mine, view.active_ranks, view.control_group)
+            rows = exchange_rows(mine, view.active_ranks, view.control_group)
         lows, tops = (column.tolist() for column in torch.aminmax(rows, dim=0))  # one op for every column
         if view.sigterm is not None:
             view.sigterm.settle(tops[_SIGTERM] > 0)
         event = tops[_EVENTS] > 0
         if event:
-            self._exchange_events(trainer, view)
+            self._exchange_events(trainer, view, events, rows[:, _EVENTS])
             self._trigger.notify_event()
             self._window.event_seen()
         if tops[_COST] > 0:
@@ -603,12 +606,13 @@ class DynMoCallback(Callback):
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, view, stage_busy, step_max)
 
-    def _exchange_events(self, trainer: pl.Trainer, view: PipelineView) -> None:
-        # Only when some rank had an event: one all-gather, then every rank keeps every distinct event.
-        mine = [e.to_dict() for e in self._new_events]
-        self._new_events.clear()
+    def _exchange_events(
+        self, trainer: pl.Trainer, view: PipelineView, mine: bytes, sizes: torch.Tensor
+    ) -> None:
+        # Only when some rank had an event: one row exchange, then every rank keeps every distinct event.
+        lengths = [int(n) for n in sizes.tolist()]
         with _strategy(trainer).guard("the dynamism event exchange", control=True):
-            shared = exchange_events(mine, view.control_group, len(view.active_ranks))
+            shared = exchange_events(mine, lengths, view.active_ranks, view.control_group, view.root_device)
         self._history.add_events([DynamismEvent.from_dict(e) for e in shared])
 
     def _follow_measured_gain(

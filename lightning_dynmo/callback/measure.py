@@ -22,7 +22,7 @@ from lightning_dynmo.balancing.policy import smooth_costs
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.step_prediction import fit_per_op
 from lightning_dynmo.callback.config import ProfilingConfig
-from lightning_dynmo.callback.control_plane import all_gather_rows
+from lightning_dynmo.callback.control_plane import exchange_rows
 from lightning_dynmo.pipeline import retune_candidates, schedule_order
 from lightning_dynmo.profiling import ProfileResult, inflight_microbatches, measure_boundary_comm_s
 from lightning_dynmo.profiling.gather import gather_costs
@@ -150,7 +150,7 @@ class CostMeter:
         mine = torch.tensor(
             [max(0.0, median_busy_s - work_s) / ops], dtype=torch.float64, device=view.root_device
         )
-        per_op_s = float(all_gather_rows(mine, view.active_ranks, view.control_group)[:, 0].max())
+        per_op_s = float(exchange_rows(mine, view.active_ranks, view.control_group)[:, 0].max())
         stages_per_rank = len(view.stage_indices)
         layouts = view.repack_layouts()
         stage_counts = list(layouts) if layouts is not None else list(range(1, view.num_stages + 1))
@@ -168,7 +168,7 @@ class CostMeter:
         """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
         seconds = float(self._speed_probe(view.root_device, dtype))
         mine = torch.tensor([seconds], dtype=torch.float64, device=view.root_device)
-        times = all_gather_rows(mine, view.active_ranks, view.control_group)[:, 0].tolist()
+        times = exchange_rows(mine, view.active_ranks, view.control_group)[:, 0].tolist()
         positions = [view.pipeline_rank_of(r) for r in view.active_ranks]
         return worker_slowdown(times, positions, SPEED_TOLERANCE)
 

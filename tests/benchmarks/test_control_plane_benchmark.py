@@ -24,8 +24,10 @@ def test_quick_run_writes_the_tables_with_collective_counts_flat_in_ranks(tmp_pa
     # broadcast on gloo; the ring all-gather it replaced, beside it.
     assert "| step, no event | 1 broadcast, 1 gather | 1 broadcast, 1 gather |" in text
     assert "| step, no event, ring all-gather (before 2026-11-27) | 1 all_gather | 1 all_gather |" in text
-    event = "1 all_gather_object, 1 broadcast, 1 gather"
+    event = "2 broadcast, 2 gather"  # the events' bytes: one more gather and broadcast, sized by the rows
     assert f"| step, with event | {event} | {event} |" in text
+    ring = "1 all_gather, 1 all_gather_object"
+    assert f"| step, with event, ring all-gathers (before 2026-11-27) | {ring} | {ring} |" in text
     decision = "1 all_reduce, 1 broadcast_object_list"
     assert f"| decision (gather + decide + broadcast) | {decision} | {decision} |" in text
     assert "2 broadcast_object_list | 1 all_gather, 1 all_reduce, 4 broadcast_object_list |" in text

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_dynmo.callback.control_plane import all_gather_rows, exchange_events
+from lightning_dynmo.callback.control_plane import exchange_events, exchange_rows, pack_events
 from lightning_dynmo.pipeline.placement.groups import check_same_on_all_ranks
 from tests.distributed.harness import run_distributed
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 def _exchanges(rank: int, world_size: int) -> dict[str, Any]:
     calls: list[str] = []
-    names = ("all_gather_object", "all_reduce", "broadcast_object_list")
+    names = ("all_gather_object", "all_gather", "all_reduce", "broadcast_object_list", "gather", "broadcast")
     real = {name: getattr(dist, name) for name in names}
 
     def counting(name: str) -> Any:
@@ -28,7 +28,11 @@ def _exchanges(rank: int, world_size: int) -> dict[str, Any]:
     try:
         shared = {"kind": "pruned", "layers": [0], "step": 1, "detail": ""}  # every rank saw this one
         own = {"kind": "custom", "layers": [rank], "step": 1, "detail": f"rank {rank}"}
-        events = exchange_events([shared, own] if rank != 1 else [], None, world_size)
+        payload = pack_events([shared, own] if rank != 1 else [])
+        sizes = exchange_rows(torch.tensor([float(len(payload))]), list(range(world_size)), None)
+        calls[:] = []  # the callback's per-step rows carry the sizes: not counted here
+        lengths = [int(n) for n in sizes[:, 0].tolist()]
+        events = exchange_events(payload, lengths, list(range(world_size)), None)
         event_calls, calls[:] = list(calls), []
         check_same_on_all_ranks("0-1|2-3", list(range(world_size)), None, "same")
         same_calls, calls[:] = list(calls), []
@@ -53,7 +57,7 @@ def test_events_and_agreements_take_one_collective_each(tmp_path: Any) -> None:
     ]
     for res in results:
         assert res["events"] == expected, "every rank keeps every distinct event, in rank order"
-        assert res["event_calls"] == ["all_gather_object"]
+        assert res["event_calls"] == ["gather", "broadcast"], "one row exchange, no object all-gather"
         assert res["same_calls"] == ["all_reduce"], "equal values: one digest all-reduce, nothing gathered"
         # Negative control: differing values are caught, and every rank names each rank's value.
         assert (
@@ -70,11 +74,11 @@ def _rows(rank: int, world_size: int) -> dict[str, Any]:
         setattr(dist, name, lambda *a, _n=name, **k: (calls.append(_n), real[_n](*a, **k))[1])
     try:
         mine = torch.tensor([float(rank), 10.0 * rank, -1.0], dtype=torch.float64)
-        world = all_gather_rows(mine, list(range(world_size)), None)
+        world = exchange_rows(mine, list(range(world_size)), None)
         world_calls, calls[:] = list(calls), []
         active = [1, 2]  # a subgroup whose first rank is global rank 1
         group = dist.new_group(active)
-        part = all_gather_rows(mine, active, group).tolist() if rank in active else None
+        part = exchange_rows(mine, active, group).tolist() if rank in active else None
         return {"world": world.tolist(), "world_calls": world_calls, "part": part}
     finally:
         for name, fn in real.items():

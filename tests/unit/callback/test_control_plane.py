@@ -11,6 +11,7 @@ from lightning_dynmo.callback.control_plane import (
     busy_per_position,
     exchange_events,
     keep_recent,
+    pack_events,
 )
 
 
@@ -77,7 +78,14 @@ def test_position_index_means_equal_the_loop_over_ranks(
 def test_exchange_events_without_a_group_keeps_distinct_events_in_order() -> None:
     a = {"kind": "pruned", "layers": [1], "step": 3, "detail": ""}
     b = {"kind": "frozen", "layers": [], "step": 3, "detail": "x"}
-    assert exchange_events([a, b, dict(a)], None, 1) == [a, b]
+    payload = pack_events([a, b, dict(a)])
+    assert exchange_events(payload, [len(payload)], [0], None) == [a, b]
+    assert pack_events([]) == b"" and exchange_events(b"", [0], [0], None) == []
+
+
+def test_exchange_events_refuses_sizes_that_do_not_match_the_ranks() -> None:
+    with pytest.raises(ValueError, match=r"sizes has 1 entries for 2 active ranks"):
+        exchange_events(b"", [0], [0, 1], None)
 
 
 def test_keep_recent_drops_the_oldest() -> None:
