@@ -6,6 +6,9 @@ headroom is below the smallest gain a rebalance must promise (``min_gain``), pro
 running the balancer cannot lead anywhere, and an every-step callback may skip both for that step
 (:class:`~lightning_dynmo.DynMoCallback`'s ``skip_balanced``).
 
+When the busiest stage is the first or the last and holds one layer, no placement of whole layers helps
+at all, whatever the headroom (:func:`pinned_bottleneck`).
+
 One step's busy times are a noisy sample, so the bound reads a running mean of them
 (:class:`StageLoadAverage`), restarted whenever the loads stop describing the pipeline (a new placement,
 a dynamism event).
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StageLoadAverage", "headroom", "share_drift"]
+__all__ = ["StageLoadAverage", "headroom", "pinned_bottleneck", "share_drift"]
 
 
 def headroom(loads: Sequence[float]) -> float:
@@ -35,6 +38,27 @@ def headroom(loads: Sequence[float]) -> float:
         raise ValueError(f"loads={list(loads)!r} must be one finite number >= 0 per stage.")
     peak = max(values)
     return 0.0 if peak == 0.0 else 1.0 - sum(values) / len(values) / peak
+
+
+def pinned_bottleneck(loads: Sequence[float], sizes: Sequence[int]) -> int | None:
+    """The first or last stage when it is the busiest and holds a single layer, else ``None``.
+
+    Every contiguous placement over the same stages keeps the first layer (and the embedding) on the
+    first stage and the last layer (and the head and loss) on the last: such a stage already holds the
+    least it can, on the same worker, so no placement of whole layers lightens the busiest stage. This
+    holds whatever the workers' speeds, unlike :func:`headroom`'s mean, and whatever the other stages hold.
+    A 49k-vocabulary head does this to a deep pipeline: its stage is the step, and only fewer stages
+    (a re-pack) change anything.
+
+    Args:
+        loads: Per-stage busy seconds, one per pipeline position.
+        sizes: Layers per stage; another count than ``loads`` (several stages per rank) gives ``None``.
+    """
+    headroom(loads)  # validates
+    if len(sizes) != len(loads) or len(loads) < 2:
+        return None
+    busiest = max(range(len(loads)), key=lambda s: float(loads[s]))
+    return busiest if busiest in (0, len(loads) - 1) and sizes[busiest] == 1 else None
 
 
 def share_drift(before: Sequence[float], after: Sequence[float]) -> float:

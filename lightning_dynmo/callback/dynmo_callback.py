@@ -98,7 +98,9 @@ class DynMoCallback(Callback):
             dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
             of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
-            placement recovers; the same loads lead to the same decision). By ``params``: after a
+            placement recovers; the same loads lead to the same decision); and while the busiest stage
+            is the first or the last holding a single layer (it cannot be lightened; a heavy head does
+            this). By ``params``: after a
             decision kept the placement, until the next dynamism event (parameter counts change only
             with one). A skipped step costs only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the
@@ -330,9 +332,12 @@ class DynMoCallback(Callback):
             self._last_checked_step = step
             reason = "resume" if self._resume_window else self._trigger.check(step)
             self._resume_window = False
-            if reason == "every_step" and self._window.nothing_to_gain():
+            if reason == "every_step" and self._window.nothing_to_gain(view.placement.sizes):
                 reason = None
                 self._window.skipped += 1
+                news = self._window.pinned_news(view.num_stages)
+                if news and view.global_rank == view.active_ranks[0]:
+                    log.info(news)
             if self.trust.stopped and reason not in (None, "resume"):
                 reason = None  # predictions kept missing: no more windows, no more moves
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks

@@ -8,11 +8,11 @@ cannot change the placement (:meth:`ProfilingWindow.nothing_to_gain`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_dynmo.balancing.gain import StepPhase
-from lightning_dynmo.balancing.headroom import StageLoadAverage
+from lightning_dynmo.balancing.headroom import StageLoadAverage, pinned_bottleneck
 from lightning_dynmo.pipeline import part_modules
 from lightning_dynmo.profiling import LayerProfiler, ProfileResult
 from lightning_dynmo.strategy.view import PipelineView
@@ -47,6 +47,8 @@ class ProfilingWindow:
         self._skip, self._by_params, self._min_gain = skip, by_params, min_gain
         self.stage_loads = StageLoadAverage(smoothing)
         self.skipped = 0  # every-step windows skipped by skip_balanced (this run)
+        self.pinned_stage: int | None = None  # the last skip's pinned bottleneck (headroom.pinned_bottleneck)
+        self._pinned_said: int | None = None  # the pinned stage pinned_news last named
         self._params_settled = False  # by params: the last decision kept the placement, no event since
         self.profiler: LayerProfiler | None = None
         self.reason = ""
@@ -60,21 +62,41 @@ class ProfilingWindow:
         """Whether a window is profiling."""
         return self.profiler is not None
 
-    def nothing_to_gain(self) -> bool:
+    def nothing_to_gain(self, sizes: Sequence[int]) -> bool:
         """Whether this step's every-step window cannot change the placement (``skip_balanced``).
 
         Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
         skips the same steps.
+
+        Args:
+            sizes: Layers per stage of the running placement.
         """
+        self.pinned_stage = None
         if not self._skip:
             return False
         if self._by_params:
             return self._params_settled
-        room = self.stage_loads.headroom
-        if room is None:
+        room, loads = self.stage_loads.headroom, self.stage_loads.loads
+        if room is None or loads is None:
             return False
+        self.pinned_stage = pinned_bottleneck(loads, sizes)
+        if self.pinned_stage is not None:
+            return True  # the busiest stage is an end stage holding one layer: nothing to move off it
         drift = self.stage_loads.drift  # set while the last decision kept the placement on these loads
         return room < self._min_gain or (drift is not None and drift < SKIP_DRIFT)
+
+    def pinned_news(self, num_stages: int) -> str | None:
+        """After a skip: one line naming a pinned bottleneck the first time it is seen, else ``None``."""
+        stage, said = self.pinned_stage, self._pinned_said
+        self._pinned_said = stage
+        if stage is None or stage == said:
+            return None
+        part = "embedding" if stage == 0 else "head and loss"
+        return (
+            f"DynMo: stage {stage} is the busiest and holds one layer beside the {part}: no placement of "
+            f"whole layers over {num_stages} stages lightens it, so windows are skipped while it stays so "
+            "(a re-pack onto fewer stages could help: repack=True)"
+        )
 
     def open(self, view: PipelineView, optimizer: Any, step: int, reason: str) -> None:
         """Start profiling this rank's layers and parts for a window opened by ``reason``."""

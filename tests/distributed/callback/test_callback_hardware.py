@@ -13,7 +13,12 @@ blocks sleep 5 ms forward / 10 ms backward per micro-batch (4 micro-batches, 2 r
   10 ms waiting for the first gradient) against 450 ms ((4 + 1) x 90 ms) for ``0-5|6-7``; 485 against
   495 ms when one block's measured cost drifts by a block.
 - slow link: rank 0's sends to rank 1 wait 60 ms each (one per micro-batch: 240 ms a step, 4 blocks of
-  work on the sender). Optimum ``0-1|2-7`` (2 + 4 | 6 blocks), and stays so for a link of 3 to 5 blocks.
+  sleep on the sender). The sender must be relieved: ``0-1|2-7`` (2 + 4 | 6 blocks) or ``0-2|3-7``. Which
+  of the two is not asserted: with the measured blocks (about 17.5 ms a micro-batch, hooks and compute
+  beside the sleep) the link is 3.4 blocks, and the schedule's step model ranks them within 0.4% of each
+  other (0.522 against 0.526 s with no cost per action), so the window's noise decides. That model also
+  predicts ``0-3|4-7`` at 0.56 s where it measures 0.745 s (moving to ``0-1|2-7`` measures +23-25%,
+  predicted +2.5-3% once the cost per action absorbs the gap): a miss the step-model issue (#19) tracks.
 
 Each scenario's expected placement stays optimal when the measured costs drift by a block (under load a
 block's real compute grows next to its sleep), and the bounds on measured times are as loose.
@@ -185,7 +190,9 @@ def test_a_slow_link_is_measured_and_its_sender_relieved(tmp_path: Any) -> None:
     send_s = hardware.comm_time_s[0][3]  # link 0, the boundary block's output
     assert 0.055 < send_s < 0.090
     for r in results:
-        assert r["placement"] == "0-1|2-7", (hardware, r["rebalances"])  # what it measured and decided
+        # The sender gives up blocks (see the module docstring for why 0-1|2-7 and 0-2|3-7 both count).
+        assert r["placement"] in ("0-1|2-7", "0-2|3-7"), (hardware, r["rebalances"])
+        assert r["rebalances"][0]["old"] == "0-3|4-7" and r["rebalances"][0]["applied"]
 
 
 def test_speed_probe_is_a_positive_time_on_this_rank() -> None:

@@ -166,24 +166,32 @@ def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Two blocks on two stages, one three times the other: the busy times leave a headroom near 0.5, far
-    # above min_gain, yet the only placement is the current one. After the first decision kept it, the
-    # stage shares do not move (no event, equal sleeps every step), so every later window is skipped.
+    # above min_gain, yet the only placement is the current one. The busiest stage is the last and holds
+    # one block, so from the first loads on every window is skipped (the pinned-bottleneck rule).
     run = Run(num_layers=2, steps=8)
     kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.2}
     rest = (None, run, 0, [3.0, 9.0])  # no restore, the run, no pruning event, the blocks' sleeps
-    (tmp_path / "lazy").mkdir()
-    (tmp_path / "headroom_only").mkdir()
-    lazy = run_distributed(fit_with_callback, 2, tmp_path / "lazy", timeout_s=150, args=(kwargs, *rest))
+
+    def fit(name: str) -> list[dict[str, Any]]:
+        (tmp_path / name).mkdir()
+        return run_distributed(fit_with_callback, 2, tmp_path / name, timeout_s=150, args=(kwargs, *rest))
+
+    for r in fit("pinned"):
+        assert r["placement"] == "0-0|1-1" and not r["events"]
+        assert len(r["rebalances"]) <= 1, [(rec["step"], rec["why"]) for rec in r["rebalances"]]
+        assert r["skipped"] >= run.steps - 2
+    # Without the pinned rule (patched before the ranks fork), the drift rule does it: after the first
+    # decision kept the placement, the stage shares do not move (no event, equal sleeps every step).
+    monkeypatch.setattr(window_module, "pinned_bottleneck", lambda loads, sizes: None)
+    lazy = fit("lazy")
     for r in lazy:
         assert r["placement"] == "0-0|1-1" and not r["events"]
         assert len(r["rebalances"]) <= 2, [(rec["step"], rec["why"]) for rec in r["rebalances"]]
         assert r["skipped"] >= run.steps - 3 and r["skipped"] == lazy[0]["skipped"]
-    # Negative control: with the drift rule off (SKIP_DRIFT 0, set before the ranks fork), the headroom
-    # alone does not skip these steps: every step is profiled and decided again.
+    # Negative control: with the drift rule off too (SKIP_DRIFT 0), the headroom alone does not skip
+    # these steps: every step is profiled and decided again.
     monkeypatch.setattr(window_module, "SKIP_DRIFT", 0.0)
-    control = tmp_path / "headroom_only"
-    headroom_only = run_distributed(fit_with_callback, 2, control, timeout_s=150, args=(kwargs, *rest))
-    for r in headroom_only:
+    for r in fit("headroom_only"):
         assert r["skipped"] <= 2 and len(r["rebalances"]) >= run.steps - 3
 
 

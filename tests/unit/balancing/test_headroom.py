@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, Placement, partition
 from lightning_dynmo.balancing.costs import LayerCost
-from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, share_drift
+from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, pinned_bottleneck, share_drift
 
 
 def test_headroom_is_what_the_best_split_of_the_same_work_could_save() -> None:
@@ -90,3 +93,50 @@ def test_the_drift_is_measured_from_the_mark_until_a_restart() -> None:
     avg.mark()
     avg.update([1.0, 1.0, 1.0])  # another stage count: another pipeline
     assert avg.drift is None
+
+
+def _stage_loads(costs: list[float], first: float, last: float, sizes: tuple[int, ...]) -> list[float]:
+    bounds = [0, *itertools.accumulate(sizes)]
+    loads = [sum(costs[bounds[s] : bounds[s + 1]]) for s in range(len(sizes))]
+    loads[0] += first
+    loads[-1] += last
+    return loads
+
+
+def _all_sizes(num_layers: int, num_stages: int) -> list[tuple[int, ...]]:
+    cuts = itertools.combinations(range(1, num_layers), num_stages - 1)
+    return [tuple(b - a for a, b in zip((0, *c), (*c, num_layers), strict=True)) for c in cuts]
+
+
+def test_a_pinned_bottleneck_is_never_beaten_by_any_placement_of_whole_layers() -> None:
+    rng = random.Random(0)
+    found = 0
+    for _ in range(300):
+        layers, stages = rng.randint(3, 8), rng.randint(2, 4)
+        if stages > layers:
+            continue
+        costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+        first, last = rng.choice([0.0, rng.uniform(0, 6)]), rng.choice([0.0, rng.uniform(0, 6)])
+        placements = _all_sizes(layers, stages)
+        for sizes in placements:
+            loads = _stage_loads(costs, first, last, sizes)
+            if pinned_bottleneck(loads, sizes) is None:
+                continue
+            found += 1
+            best = min(max(_stage_loads(costs, first, last, other)) for other in placements)
+            assert best == pytest.approx(max(loads)), (costs, first, last, sizes)
+    assert found > 50  # the property was exercised
+
+
+def test_pinned_bottleneck_names_only_an_end_stage_of_one_layer_that_is_the_busiest() -> None:
+    assert pinned_bottleneck([1.0, 1.0, 5.0], (2, 3, 1)) == 2  # a head on a one-layer last stage
+    assert pinned_bottleneck([5.0, 1.0, 1.0], (1, 3, 2)) == 0  # an embedding on a one-layer first stage
+    # Negative controls: two layers on the busiest end stage could be split; a busiest middle stage of
+    # one layer could take a lighter layer; several stages per rank do not map loads to stages.
+    assert pinned_bottleneck([1.0, 1.0, 5.0], (2, 2, 2)) is None
+    assert pinned_bottleneck([1.0, 5.0, 1.0], (3, 1, 2)) is None
+    assert pinned_bottleneck([1.0, 5.0], (1, 1, 1, 1)) is None
+    # A busiest stage that could shed load is not a pinned bottleneck, and some placement beats it.
+    costs, sizes = [1.0, 1.0, 1.0, 1.0], (1, 3)
+    assert pinned_bottleneck(_stage_loads(costs, 0.0, 0.0, sizes), sizes) is None
+    assert min(max(_stage_loads(costs, 0.0, 0.0, o)) for o in _all_sizes(4, 2)) < 3.0

@@ -1,0 +1,32 @@
+"""The profiling window's skipping rule (``skip_balanced``) on agreed per-stage loads."""
+
+from __future__ import annotations
+
+from lightning_dynmo.callback.window import ProfilingWindow
+
+
+def _window(skip: bool = True) -> ProfilingWindow:
+    return ProfilingWindow(warmup_steps=1, steps=1, smoothing=0.5, skip=skip, by_params=False, min_gain=0.05)
+
+
+def test_a_busiest_one_layer_end_stage_skips_the_window_from_the_first_loads() -> None:
+    window = _window()
+    window.observe_loads([1.0, 1.0, 5.0], event=False)  # a heavy head on a one-layer last stage
+    assert window.nothing_to_gain((2, 3, 1))
+    news = window.pinned_news(3)
+    assert news is not None and "stage 2 is the busiest and holds one layer beside the head" in news
+    assert window.nothing_to_gain((2, 3, 1)) and window.pinned_news(3) is None  # said once
+    # Negative controls: the same loads with two layers on the last stage leave 53% headroom and no kept
+    # decision, so the window opens; and without skip_balanced nothing is skipped.
+    assert not window.nothing_to_gain((2, 2, 2))
+    off = _window(skip=False)
+    off.observe_loads([1.0, 1.0, 5.0], event=False)
+    assert not off.nothing_to_gain((2, 3, 1))
+
+
+def test_no_loads_yet_or_after_an_event_opens_the_window() -> None:
+    window = _window()
+    assert not window.nothing_to_gain((2, 3, 1))  # nothing measured yet
+    window.observe_loads([1.0, 1.0, 5.0], event=False)
+    window.observe_loads([1.0, 1.0, 5.0], event=True)  # the model changed: the loads are stale
+    assert not window.nothing_to_gain((2, 3, 1))
