@@ -100,7 +100,8 @@ class DynMoCallback(Callback):
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
             placement recovers; the same loads lead to the same decision); and while the busiest stage
             is the first or the last holding a single layer (it cannot be lightened; a heavy head does
-            this). By ``params``: after a
+            this). By ``time`` a window also waits for one step's loads (at the start, after a move or
+            an event), so these rules can judge it. By ``params``: after a
             decision kept the placement, until the next dynamism event (parameter counts change only
             with one). A skipped step costs only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the

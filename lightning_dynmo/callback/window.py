@@ -78,7 +78,7 @@ class ProfilingWindow:
             return self._params_settled
         room, loads = self.stage_loads.headroom, self.stage_loads.loads
         if room is None or loads is None:
-            return False
+            return True  # no step measured since the start, a move or an event: judge after one
         self.pinned_stage = pinned_bottleneck(loads, sizes)
         if self.pinned_stage is not None:
             return True  # the busiest stage is an end stage holding one layer: nothing to move off it

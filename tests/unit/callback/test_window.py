@@ -24,9 +24,12 @@ def test_a_busiest_one_layer_end_stage_skips_the_window_from_the_first_loads() -
     assert not off.nothing_to_gain((2, 3, 1))
 
 
-def test_no_loads_yet_or_after_an_event_opens_the_window() -> None:
+def test_a_window_waits_for_one_step_of_loads_at_the_start_and_after_an_event() -> None:
     window = _window()
-    assert not window.nothing_to_gain((2, 3, 1))  # nothing measured yet
+    assert window.nothing_to_gain((2, 2, 2))  # nothing measured yet: wait one step
     window.observe_loads([1.0, 1.0, 5.0], event=False)
+    assert not window.nothing_to_gain((2, 2, 2))  # 53% headroom, no kept decision: open
     window.observe_loads([1.0, 1.0, 5.0], event=True)  # the model changed: the loads are stale
-    assert not window.nothing_to_gain((2, 3, 1))
+    assert window.nothing_to_gain((2, 2, 2))
+    window.observe_loads([1.0, 1.0, 5.0], event=False)
+    assert not window.nothing_to_gain((2, 2, 2))
