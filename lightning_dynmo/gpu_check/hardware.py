@@ -23,7 +23,10 @@ def describe() -> dict[str, Any]:
         "lightning": lightning.__version__,
         "cuda_available": torch.cuda.is_available(),
         "cuda": torch.version.cuda,
-        "git_commit": _git_commit(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        # A copied tree can differ from its clone's HEAD (the device tool copies a working tree): then
+        # the commit alone misnames the code that ran, and this is true.
+        "git_tree_differs": _tree_differs(),
         "devices": [],
     }
     if torch.cuda.is_available():
@@ -45,16 +48,19 @@ def _device(index: int) -> dict[str, Any]:
     }
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
+    """``git args...`` in this package's clone: its stdout, stripped (``None``: no clone or no git)."""
     root = Path(__file__).resolve().parents[2]
     try:
         done = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.TimeoutExpired):
         return None  # an installed wheel outside a clone, or no git
-    return done.stdout.strip() or None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _tree_differs() -> bool | None:
+    """Whether tracked files differ from ``HEAD`` (``None``: no clone or no git)."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)

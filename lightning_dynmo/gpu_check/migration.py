@@ -29,6 +29,8 @@ from lightning_dynmo.pipeline import UnitMove, migrate_units
 RANK_ENV = "DYNMO_GPU_CHECK_RANK"
 STORE_ENV = "DYNMO_GPU_CHECK_STORE"
 TIMEOUT = timedelta(seconds=60)
+#: What NCCL says when it refuses two ranks on one device (its answer to :func:`nccl_probe`).
+DUPLICATE_DEVICE = "Duplicate GPU detected"
 SENT = ("layers.2", "layers.3")  # rank 1 owns layers.0-3 and sends these; rank 0 owns layers.4
 
 
@@ -66,27 +68,39 @@ def migrate(options: dict[str, Any], sizes: Sizes, device: str) -> dict[str, Any
 
 
 def nccl_probe(options: dict[str, Any], sizes: Sizes, device: str) -> dict[str, Any] | None:
-    """Two NCCL ranks on ``cuda:0``: does this NCCL accept them? (An error is this part's answer.)"""
-    with _two_processes("nccl", device=torch.device("cuda", 0)) as me:
-        value = torch.ones(1, device="cuda:0")
-        dist.all_reduce(value)
-        torch.cuda.synchronize()
-        return {"two_ranks_on_one_device": "accepted", "all_reduce": float(value)} if me == 0 else None
+    """Two NCCL ranks on ``cuda:0``: does this NCCL accept them?
+
+    Either answer passes: accepted (with the all-reduce's value), or refused with NCCL's own reason
+    (NCCL 2.28 says "Duplicate GPU detected"). Any other error fails the part.
+    """
+    try:
+        with _two_processes("nccl", device=torch.device("cuda", 0)) as me:
+            value = torch.ones(1, device="cuda:0")
+            dist.all_reduce(value)
+            torch.cuda.synchronize()
+            return {"two_ranks_on_one_device": "accepted", "all_reduce": float(value)} if me == 0 else None
+    except dist.DistBackendError as error:
+        reason = next((line for line in str(error).splitlines() if DUPLICATE_DEVICE in line), None)
+        if reason is None:
+            raise
+        return {"two_ranks_on_one_device": "refused", "nccl_says": reason.strip()} if rank() == 0 else None
 
 
 @contextmanager
 def _two_processes(backend: str, device: torch.device | None = None) -> Iterator[int]:
     me = rank()
     peer = _start_peer() if me == 0 else None
-    store = dist.FileStore(os.environ[STORE_ENV], 2)  # type: ignore[attr-defined]  # not in torch's __all__
-    options: dict[str, Any] = {"device_id": device} if device is not None else {}
-    dist.init_process_group(backend, store=store, rank=me, world_size=2, timeout=TIMEOUT, **options)
     try:
-        yield me
-        dist.barrier()
+        store = dist.FileStore(os.environ[STORE_ENV], 2)  # type: ignore[attr-defined]  # not in torch's __all__
+        options: dict[str, Any] = {"device_id": device} if device is not None else {}
+        dist.init_process_group(backend, store=store, rank=me, world_size=2, timeout=TIMEOUT, **options)
+        try:
+            yield me
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
-        if peer is not None:
+        if peer is not None:  # also when the group could not start: the peer has failed the same way
             peer.wait(timeout=TIMEOUT.total_seconds())
 
 

@@ -54,7 +54,9 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["mode"] == "dry-run (cpu, gloo)"
-    assert {"torch", "cuda", "devices", "lightning", "git_commit"} <= set(report["hardware"])
+    assert {"torch", "cuda", "devices", "lightning", "git_commit", "git_tree_differs"} <= set(
+        report["hardware"]
+    )
     assert report["sizes"]["d_model"] == DRY_RUN_SIZES.d_model
     results = report["parts"]
     assert results.pop("nccl_probe")["ok"] is None  # asked on a one-GPU machine only
@@ -78,3 +80,37 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
     # 2 units x 6 parameters x (value, grad, AdamW's step, exp_avg, exp_avg_sq)
     assert migration["bit_identical"] and migration["tensors_compared"] == 2 * 6 * 5
     assert (tmp_path / "train_1proc_bf16-mixed.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("message", "answer"),
+    [
+        (
+            "NCCL error ... invalid usage\nLast error:\n"
+            "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60",
+            "refused",
+        ),
+        ("NCCL error ... unhandled system error", None),
+    ],
+)
+def test_the_nccl_probe_reports_a_refusal_and_fails_on_any_other_error(
+    monkeypatch: pytest.MonkeyPatch, message: str, answer: str | None
+) -> None:
+    import torch.distributed as dist
+
+    from lightning_dynmo.gpu_check import migration
+
+    def refuse(backend: str, device: object = None) -> object:
+        raise dist.DistBackendError(message)
+
+    monkeypatch.setattr(migration, "_two_processes", refuse)
+    monkeypatch.setattr(migration, "rank", lambda: 0)
+    if answer is None:
+        with pytest.raises(dist.DistBackendError, match="unhandled"):
+            migration.nccl_probe({}, DRY_RUN_SIZES, "cuda")
+        return
+    result = migration.nccl_probe({}, DRY_RUN_SIZES, "cuda")
+    assert result == {
+        "two_ranks_on_one_device": "refused",
+        "nccl_says": "Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60",
+    }
