@@ -9,7 +9,10 @@ torch's elastic launcher, interleaved over ``--rounds`` rounds:
   head and loss on stage 1);
 - ``DynMoCallback(every_n_steps=steps // 2 + 1)`` from the uniform split: it profiles the blocks and the
   first/last-stage parts in its one window, decides with both, migrates, and trains on at the placement
-  it chose.
+  it chose;
+- the same callback measuring only at every candidate (``min_gain=0.99``: the same window and decision,
+  never applied), so DynMo's steps after its move can be set against its placement with the callback's
+  own per-step cost in both.
 
 A run's step time is the median of its steps after ``--skip`` (past the DynMo run's profiling window
 and rebalance); ratios are taken within a round (:mod:`benchmarks.harness`), each round's ideal being
@@ -18,9 +21,10 @@ ratios to the uniform split and the ideal, names the callback's choice and the b
 (the exact partition of the same measured block costs without the parts, which is what a head-blind
 balancer picks), and the callback's own run. The head's measured cost in blocks comes
 from the callback's last window. Its steps after the move are also set against the placement it ended at,
-run fixed in the same round (issue 19: does a move deliver its placement's speed?).
+run fixed in the same round, without and with the callback measuring only (issue 19: does a move
+deliver its placement's speed?).
 
-    python -m benchmarks.head_cost                # vocabularies 3072 and 6144: ~5 minutes, 2 quiet cores
+    python -m benchmarks.head_cost                # vocabularies 3072 and 6144: ~8 minutes, 2 quiet cores
     python -m benchmarks.head_cost --vocab 3072   # one vocabulary
     python -m benchmarks.head_cost --quick        # a smoke run (tiny sizes, one round): checks it works
 
@@ -77,6 +81,7 @@ class Job:
     placement: str
     window_at: int = 0  # the DynMo run profiles from this step (every_n_steps: once in the run)
     dynmo: bool = False
+    measuring_only: bool = False  # the callback profiles and decides as DynMo's does, but never moves
 
 
 def train(job: Job) -> dict[str, Any]:
@@ -88,7 +93,9 @@ def train(job: Job) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     sizes, timer = job.sizes, StepTimer()
-    dynmo = DynMoCallback(every_n_steps=job.window_at) if job.dynmo else None
+    min_gain = 0.99 if job.measuring_only else None  # no placement gains 99%: it decides, never moves
+    measuring: dict[str, Any] = {"min_gain": min_gain} if min_gain is not None else {}
+    dynmo = DynMoCallback(every_n_steps=job.window_at, **measuring) if job.dynmo else None
     strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=job.placement)
     trainer = benchmark_trainer(strategy, [timer] + ([dynmo] if dynmo else []), job.steps)
     data = RandomTokenDataModule(
@@ -125,6 +132,9 @@ def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) ->
     jobs = {f"fixed `{p}`": Job(f"fixed `{p}`", sizes, steps, p) for p in candidates(sizes.num_layers)}
     label = f"DynMoCallback(every_n_steps={window_at}) from {uniform}"
     jobs[label] = Job(label, sizes, steps, uniform, window_at=window_at, dynmo=True)
+    for p in candidates(sizes.num_layers):  # the callback's own cost, at every placement DynMo may end at
+        name = f"measuring only `{p}`"
+        jobs[name] = Job(name, sizes, steps, p, window_at=window_at, dynmo=True, measuring_only=True)
     runs = harness.run_rounds(jobs, train, rounds, "head_cost", start_method="fork")
     per_round = {name: harness.step_ms(reports, skip) for name, reports in runs.items()}
     fixed = [name for name, job in jobs.items() if not job.dynmo]
@@ -137,6 +147,10 @@ def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) ->
         "chosen": chosen,
         # Issue 19: DynMo's steps after its move / the placement it ended at, run fixed in the same round.
         "after_move": [per_round[label][i] / per_round[f"fixed `{p}`"][i] for i, p in enumerate(chosen)],
+        # ... and against it run with the callback measuring only (what the callback costs by itself).
+        "after_move_measuring": [
+            per_round[label][i] / per_round[f"measuring only `{p}`"][i] for i, p in enumerate(chosen)
+        ],
         "block_only": [r.get("block_only", "?") for r in dynmo_reports],
         "head_blocks": [r.get("head_blocks", float("nan")) for r in dynmo_reports],
         "embedding_blocks": [r.get("embedding_blocks", float("nan")) for r in dynmo_reports],
@@ -156,6 +170,7 @@ def table(result: dict[str, Any]) -> str:
     head = ", ".join(f"{h:.2f}" for h in result["head_blocks"])
     emb = ", ".join(f"{e:.2f}" for e in result["embedding_blocks"])
     after = ", ".join(f"{r:.3f}" for r in result["after_move"])
+    measuring = ", ".join(f"{r:.3f}" for r in result["after_move_measuring"])
     return "\n".join(
         [
             *harness.table(result["rows"], comparison),
@@ -167,7 +182,9 @@ def table(result: dict[str, Any]) -> str:
             "",
             "After the move (issue 19): DynMo's step / the step of the placement it ended at, run fixed "
             f"without a callback in the same round: {after} (per round), median "
-            f"**{statistics.median(result['after_move']):.3f}**.",
+            f"**{statistics.median(result['after_move']):.3f}**; against it run with "
+            f"`DynMoCallback(min_gain=0.99)` measuring only (the same window, no move): {measuring}, "
+            f"median **{statistics.median(result['after_move_measuring']):.3f}**.",
             "",
             f"Measured by the callback (per round): head + loss = {head} blocks, embedding = {emb} blocks.",
             "",

@@ -141,6 +141,7 @@ def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
         assert label in text
     assert "head + loss = nan" not in text  # the callback profiled a window and reported the parts
     assert "After the move (issue 19): DynMo's step / the step of the placement it ended at" in text
+    assert "| measuring only `0-1|2-3` |" in text and "measuring only (the same window, no move)" in text
     assert text.count("fastest candidate") >= 1 and "DynMo's choice" in text and "block-only optimum" in text
     assert "Figures: **real compute**." in text and "of the ideal (medians over 1 round(s)" in text
     assert "python -m benchmarks.head_cost --quick" in text
