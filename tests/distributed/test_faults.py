@@ -245,7 +245,8 @@ def test_with_default_timeouts_apply_placement_on_one_rank_fails_on_both_within_
         misbehaving_worker, 2, tmp_path, timeout_s=bound_s + 120, args=("apply_placement", 0, tmp_path, None)
     )
     elapsed = time.monotonic() - start
-    assert elapsed < bound_s + 45, f"the ranks took {elapsed:.1f} s to stop"
+    # Far below the groups' 30 minutes; the slack is two ranks starting and importing on a loaded 2-core VM.
+    assert elapsed < bound_s + 100, f"the ranks took {elapsed:.1f} s to stop"
     with pytest.raises(
         CommunicationError,
         match=r"^DynMo: rank 0 \(stage 0\) failed in apply_placement \(the check that every rank applies the "
