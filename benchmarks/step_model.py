@@ -24,8 +24,8 @@ Per (ranks, schedule), one job of that many gloo ranks:
 
 Earlier versions fitted ``per_op_s`` on steps whose blocks slept nothing (every rank then computes at
 once and queues for the 2 cores: errors up to +4.4% at 8 ranks, ``results/step_model-2026-11-26.md``),
-then on the warm-up steps before the rounds (the warm-up ran 2-3% slower than the same placement in the
-rounds on 2026-11-27, and every prediction carried that).
+then on the warm-up steps before the rounds (other steps than the compared ones, under other
+conditions: the fit now uses the same rounds, and the report prints the warm-up's median beside it).
 
 For each candidate it prints the predicted step from the sleeps as asked (no overhead), the predicted
 step with what the run measured (each layer's sleep as it took, a sleep waking late on a busy machine,
@@ -84,9 +84,8 @@ PATTERN_MS = (2.0, 3.0, 5.0, 8.0, 3.0, 2.0, 6.0, 4.0)
 #: What a block computes before its sleep: one linear (a seventh of a tiny dense block's CPU time). Up
 #: to 8 ranks share 2 cores, and a block's real compute, timed alone, is the one input of the model that
 #: is not known exactly; the less of it, the less it matters. With dense blocks the skewed splits, one
-#: rank holding most blocks, measured 0.5-2.6% slower than predicted (``step_model-2026-11-26-calibrated``)
-#: and 0.2-3.2% in a run on 2026-11-27 that was not kept; with linear blocks 0.7-1.9%
-#: (``results/step_model-2026-11-27.md``).
+#: rank holding most blocks, measured 0.5-2.6% slower than predicted (``step_model-2026-11-26-calibrated``);
+#: with linear blocks (and each stage size timed) 0.7-1.9% (``results/step_model-2026-11-27.md``).
 BLOCK_COMPUTE = "linear"
 #: A block's own compute on one micro-batch, ms: forward, backward, the backward's weight-gradient part.
 LayerMs = tuple[float, float, float]
