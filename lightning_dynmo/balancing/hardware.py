@@ -134,13 +134,23 @@ class StageTimes:
         send_s: Per stage, seconds to send one micro-batch's boundary activation over its link (0 for
             the last stage), at the micro-batch size the costs were measured with.
         wgrad_s: Per stage, the weight-gradient part of ``bwd_s`` where it was measured apart
-            (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`; 0 otherwise).
+            (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`; 0 otherwise), over
+            the records measured split (not those in ``whole_bwd_s``).
+        whole_bwd_s: Per stage, the part of ``bwd_s`` from records whose whole backward ran in a
+            weight-gradient pass (``bwd_weight_time_s == bwd_time_s``): under a split-backward schedule
+            torch runs the first stage's backward unsplit, in its ``W`` action, so what was measured on
+            the first stage carries no input/weight split (its share is the schedule's on another stage).
     """
 
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     send_s: tuple[float, ...]
     wgrad_s: tuple[float, ...]
+    whole_bwd_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.whole_bwd_s:
+            object.__setattr__(self, "whole_bwd_s", (0.0,) * len(self.bwd_s))
 
     def per_microbatch(
         self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
@@ -186,23 +196,31 @@ def stage_times(
     extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
     slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
     links = hardware.links(placement.num_layers, stages, by)
-    wgrad = [c.bwd_weight_time_s if by == "time" else 0.0 for c in costs]
-    stage_fwd, stage_bwd, send, stage_wgrad = [], [], [], []
+    timed = by == "time"
+    stage_fwd, stage_bwd, send, stage_wgrad, stage_whole = [], [], [], [], []
     for s in range(stages):
         layers = placement.layers_of(s)
+        records = [costs[i] for i in layers]
         f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
-        w = sum(wgrad[i] for i in layers)
         if s == 0 and first is not None:
             f, b = f + extra_f[0], b + extra_b[0]
-            w += first.bwd_weight_time_s if by == "time" else 0.0
+            records.append(first)
         if s == stages - 1 and last is not None:
             f, b = f + extra_f[-1], b + extra_b[-1]
-            w += last.bwd_weight_time_s if by == "time" else 0.0
+            records.append(last)
+        w = sum(c.bwd_weight_time_s for c in records if timed and not _ran_whole(c))
+        whole = sum(c.bwd_time_s for c in records if timed and _ran_whole(c))
         stage_fwd.append(slowdown[s] * f)
         stage_bwd.append(slowdown[s] * b)
         stage_wgrad.append(slowdown[s] * w)
+        stage_whole.append(slowdown[s] * whole)
         send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
-    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad))
+    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole))
+
+
+def _ran_whole(cost: LayerCost) -> bool:
+    """Whether the record's whole backward ran in a weight-gradient pass (the first stage's, under torch)."""
+    return cost.bwd_time_s > 0 and cost.bwd_weight_time_s >= cost.bwd_time_s
 
 
 def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:

@@ -104,9 +104,10 @@ def predict_step(
     Per stage and micro-batch: its layers' and pinned parts' forward and backward over
     ``num_microbatches``, times its worker's slowdown; under a split backward, ``I`` and ``W`` share the
     backward as measured (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`), or by
-    ``order.weight_grad_share`` where it was not. A stage's activation send keeps it busy (it lengthens its
-    forward, a synchronous transfer, as the balancers assume and as the profiler measures a link: a
-    blocking send); stages on one rank exchange in memory and send nothing.
+    ``order.weight_grad_share`` where it was not, except on the first stage, whose whole backward torch
+    runs in its ``W`` (its ``I`` costs only the action itself). A stage's activation send keeps it busy
+    (it lengthens its forward, a synchronous transfer, as the balancers assume and as the profiler
+    measures a link: a blocking send); stages on one rank exchange in memory and send nothing.
 
     Args:
         problem: Per-layer costs (whole steps), the view and the hardware.
@@ -126,13 +127,13 @@ def predict_step(
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
     per_stage = []
-    for s, (f, b, send, w) in enumerate(
-        zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, strict=True)
+    for s, (f, b, send, w, whole) in enumerate(
+        zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, times.whole_bwd_s, strict=True)
     ):
         sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
         fwd = f / num_microbatches + (send if sends else 0.0) + per_op_s
         bwd = b / num_microbatches
-        wgrad = w / num_microbatches if w > 0 else order.weight_grad_share * bwd  # measured, else the share
+        wgrad = _weight_grad(s, bwd, w / num_microbatches, whole / num_microbatches, order)
         per_stage.append(
             StageTimes(
                 fwd,
@@ -146,6 +147,21 @@ def predict_step(
     bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0
     loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
     return StepPrediction(step, bubble, loads)
+
+
+def _weight_grad(stage: int, bwd: float, measured: float, whole: float, order: ScheduleOrder) -> float:
+    """The ``W`` part of one micro-batch's backward ``bwd`` on ``stage``, under a split-backward schedule.
+
+    The first stage's input needs no gradient: torch's stage runs its whole backward in the ``W`` action
+    (``backward_weight_one_chunk``), its ``I`` does nothing. On any other stage, records measured split
+    give their measured part (``measured``); those measured whole (on a first stage, ``whole``) and,
+    where nothing on the stage was measured split, the rest take the schedule's share.
+    """
+    if stage == 0:
+        return bwd
+    share = order.weight_grad_share
+    split = measured if measured > 0 else share * max(0.0, bwd - whole)
+    return split + share * whole
 
 
 def per_action_s(order: ScheduleOrder, num_stages: int, num_microbatches: int, overhead_s: float) -> float:

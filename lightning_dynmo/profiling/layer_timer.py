@@ -14,7 +14,9 @@ How a layer's time is taken (one record per forward call, i.e. per micro-batch):
   time between consecutive parameter-gradient hooks inside it is charged to the layer owning the
   parameter whose gradient just arrived (the first interval starts when the pass starts). The weight
   pass re-enters the layers' output hooks; each record takes only its first start and end, so the
-  re-entry is ignored.
+  re-entry is ignored. torch runs the first stage's backward unsplit, inside its weight pass (its input
+  needs no gradient): there every layer's backward is all weight-gradient time, which the step model
+  reads as unsplit (:func:`~lightning_dynmo.balancing.step_prediction.predict_step`).
 
 A layer's time in a step is its **median call times its number of calls**, not the sum of its calls.
 The first call after a stage waited (for its peer's activation or gradient, or at the start of a step)

@@ -202,6 +202,50 @@ def test_a_measured_weight_gradient_sets_the_split_and_an_unmeasured_one_takes_t
         dataclasses.replace(head, bwd_weight_time_s=5.0)
 
 
+def test_the_first_stage_runs_its_whole_backward_in_w_and_its_i_costs_nothing():
+    # torch's stage runs stage 0's backward unsplit in its W action (its input needs no gradient).
+    def zero_bubble_like(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        assert (num_stages, num_microbatches) == (2, 2)
+        return [
+            [(0, "F", 0), (0, "I", 0), (0, "F", 1), (0, "W", 0), (0, "I", 1), (0, "W", 1)],
+            [(1, "F", 0), (1, "I", 0), (1, "F", 1), (1, "W", 0), (1, "I", 1), (1, "W", 1)],
+        ]
+
+    order = ScheduleOrder("zb", zero_bubble_like)
+    # Whole steps of 2 micro-batches. Layer 0 measured on a first stage (its backward all W), layer 1
+    # measured split, layer 2 the heavy last stage.
+    costs = [
+        LayerCost(fwd_time_s=2.0, bwd_time_s=4.0, bwd_weight_time_s=4.0),
+        LayerCost(fwd_time_s=2.0, bwd_time_s=4.0, bwd_weight_time_s=1.0),
+        LayerCost(fwd_time_s=2.0, bwd_time_s=20.0, bwd_weight_time_s=10.0),
+    ]
+    # Per micro-batch, 0-1|2: stage 0 F 2, I 0, W 4 (not I 1.5 + W 2.5 as its records' split says);
+    # stage 1 F 1, I 5, W 5.
+    #   rank 0: F0 0-2, I0 8-8 (waits for rank 1's I0), F1 8-10, W0 10-14, I1 21-21, W1 21-25
+    #   rank 1: F0 2-3, I0 3-8, F1 10-11 (waits for F1), W0 11-16, I1 16-21, W1 21-26
+    # step 26; with stage 0's I taking 1.5, rank 0's F1 ends at 11.5 and the step at 27.5.
+    step = predict_step(BalanceProblem(costs), Placement.from_string("0-1|2"), order, 2)
+    assert step.step_s == pytest.approx(26.0)
+
+
+def test_a_record_measured_whole_on_a_first_stage_splits_by_the_share_on_another():
+    def split_one(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        return [[(s, "F", 0), (s, "I", 0), (s, "W", 0)] for s in range(num_stages)]
+
+    order = ScheduleOrder("split", split_one)  # weight_grad_share 0.5
+    whole = LayerCost(fwd_time_s=1.0, bwd_time_s=6.0, bwd_weight_time_s=6.0)  # measured on a stage 0
+    costs = [LayerCost(fwd_time_s=1.0, bwd_time_s=10.0, bwd_weight_time_s=10.0), whole]
+    costs.append(LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, bwd_weight_time_s=1.0))
+    # 0|1-2, one micro-batch: stage 1 F 2, W = 1 (layer 2, measured) + 0.5 x 6 (layer 1) = 4, I = 4.
+    #   rank 1: F 1-3, I 3-7, W 7-11; rank 0: F 0-1, I 7-7, W 7-17 (stage 0: all 10 in W). Step 17
+    #   (taking layer 1's whole backward as W, stage 1's I would be 1 and the step 14).
+    placement = Placement.from_string("0|1-2")
+    assert predict_step(BalanceProblem(costs), placement, order, 1).step_s == pytest.approx(17.0)
+    # Control: measured split (W 5 of 6), layer 1 keeps its split: stage 1 I 2, W 6; rank 0 I 5-5, W 5-15.
+    costs[1] = dataclasses.replace(whole, bwd_weight_time_s=5.0)
+    assert predict_step(BalanceProblem(costs), placement, order, 1).step_s == pytest.approx(15.0)
+
+
 def test_a_schedule_order_without_callable_actions_is_refused():
     with pytest.raises(ValueError, match=r"actions=\[\] must be a callable \(num_stages, num_microbatches\)"):
         ScheduleOrder("1F1B", [])  # type: ignore[arg-type]
