@@ -18,10 +18,14 @@ Per (model, schedule), interleaved rounds (:func:`benchmarks.harness.run_rounds`
   (:func:`~lightning_dynmo.balancing.step_prediction.per_action_s`): fitted on the profile job's own
   run of the uniform split, never on the compared jobs. A fresh profile in each round: the prediction
   is a median over rounds, as the measurement is;
-- one **fixed** job per candidate placement: its median step after ``--skip``.
+- one **fixed** job per candidate placement: its median step after ``--skip``;
+- the **repeat control**: the uniform split again, as its own job. How far its median lies from the
+  first one's is what two measurements of one placement disagree by on this machine: the noise floor
+  under the errors.
 
-The report prints per placement the predicted and measured steps and the error, then the median and the
-worst |error|, and which placement each ranks first (the measured best held out of the round it judges,
+The report prints per placement the predicted and measured steps, the error and the measured step's
+range over the rounds, then the median and the worst |error|, the repeat control, and which placement
+each ranks first (the measured best held out of the round it judges,
 :func:`benchmarks.paired.held_out_best`). **Real compute.**
 
     python -m benchmarks.calibration                  # both models x both schedules: ~40 min, 2 quiet cores
@@ -54,6 +58,7 @@ MODELS = ("gpt", "gpt2")
 PROFILE_FROM = 8  # a profile job's steps from ``skip`` to 7 (no hooks yet) measure the runtime's own cost
 PROFILE_STEPS = 3  # then one window of this many profiled steps
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
+REPEAT = "uniform (repeat)"  # the repeat control's job name
 
 
 @dataclass(frozen=True)
@@ -246,11 +251,17 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
     if stages > 2:  # only the uniform split's neighbours are candidates: measure the callback's choice too
         first = launch(run_calibration_job, replace(base, profile=True), nproc=2, start_method="fork")
         names += [first["choice"]] if first["choice"] not in names else []
-    jobs = {"profile": replace(base, profile=True), **{p: replace(base, placement=p) for p in names}}
+    # The repeat control: the uniform split measured again as its own job in every round.
+    jobs = {
+        "profile": replace(base, profile=True),
+        **{p: replace(base, placement=p) for p in names},
+        REPEAT: base,
+    }
     runs = harness.run_rounds(
         jobs, run_calibration_job, sizes.rounds, f"calibration {model} {schedule}", start_method="fork"
     )
     measured = {p: harness.step_ms(runs[p], sizes.skip) for p in names}
+    repeat = harness.step_ms(runs[REPEAT], sizes.skip)
     predicted = {
         p: [predicted_ms(r, schedule, p, sizes.microbatches, sizes.skip) for r in runs["profile"]]
         for p in names
@@ -258,14 +269,15 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
     lines = [
         f"### {model}, {schedule} ({sizes.rounds} rounds, medians of steps {sizes.skip}+)",
         "",
-        "| placement | predicted (ms) | measured (ms) | error |",
-        "|---|---|---|---|",
+        "| placement | predicted (ms) | measured (ms) | error | measured, rounds' range |",
+        "|---|---|---|---|---|",
     ]
     errors = []
     for p in names:
         pred, meas = statistics.median(predicted[p]), statistics.median(measured[p])
         errors.append(abs(pred - meas) / meas)
-        lines.append(f"| `{p}` | {pred:.1f} | {meas:.1f} | {(pred - meas) / meas:+.1%} |")
+        spread = (max(measured[p]) - min(measured[p])) / meas
+        lines.append(f"| `{p}` | {pred:.1f} | {meas:.1f} | {(pred - meas) / meas:+.1%} | {spread:.0%} |")
     best_predicted = min(names, key=lambda p: statistics.median(predicted[p]))
     held_out = (
         paired.held_out_best(measured) if sizes.rounds > 1 else [min(names, key=lambda p: measured[p][0])]
@@ -279,9 +291,27 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
         f"the predicted best measures {statistics.median(of_best):.2f}x the measured best "
         f"({'within' if agree else 'NOT within'} 5%).",
         "",
+        repeat_line(measured[base.placement], repeat),
+        "",
         *choice_lines(runs["profile"], measured, base.placement),
     ]
     return "\n".join(lines), errors, agree
+
+
+def repeat_line(first: list[float], again: list[float]) -> str:
+    """How far two measurements of one placement (the uniform split, two jobs a round) disagree.
+
+    The medians' difference is the noise floor of the table's errors: an error within it says nothing
+    about the model. Per round, two jobs of one placement differ by more (one job's median of its steps).
+    """
+    a, b = statistics.median(first), statistics.median(again)
+    per_round = [abs(x - y) / x for x, y in zip(first, again, strict=True)]
+    typical, worst = statistics.median(per_round), max(per_round)
+    return (
+        f"Repeat control: the uniform split measured again in every round: median {b:.1f} ms against "
+        f"{a:.1f} ({(b - a) / a:+.1%}); two jobs of it in one round differ by {typical:.1%} (median), "
+        f"{worst:.1%} (worst)."
+    )
 
 
 def main(argv: list[str] | None = None) -> str:

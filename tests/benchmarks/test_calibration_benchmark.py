@@ -2,7 +2,7 @@
 
 import re
 
-from benchmarks.calibration import candidates, choice_lines, main
+from benchmarks.calibration import candidates, choice_lines, main, repeat_line
 
 
 def test_candidates_are_every_2_stage_split_or_the_uniform_split_and_its_one_move_neighbours():
@@ -17,9 +17,10 @@ def test_quick_calibration_writes_predicted_against_measured(tmp_path):
     report = main(["--quick", "--model", "gpt", "--schedule", "1F1B", "--out", str(out)])
     assert "python -m benchmarks.calibration --quick --model gpt --schedule 1F1B" in report
     assert "### gpt, 1F1B (1 rounds, medians of steps 2+)" in report
-    assert "| placement | predicted (ms) | measured (ms) | error |" in report
+    assert "| placement | predicted (ms) | measured (ms) | error | measured, rounds' range |" in report
     assert len(re.findall(r"^\| `0-", report, flags=re.M)) == 3  # one row per placement
     assert "Median |error|" in report and "Predicted best `" in report
+    assert re.search(r"Repeat control: .* median [\d.]+ ms against [\d.]+ \([+-][\d.]+%\)", report)
     assert re.search(r"\| 1 \| `0-\d\|\d-3` \| [\d.]+ \| [+-][\d.]+% \| [+-][\d.]+% \| [\d.]+ \|", report)
     assert re.search(r"Choice within 5% of the measured best in [01] of 1 measured round", report)
     assert out.read_text().startswith(report.split("\n")[0])
@@ -41,3 +42,11 @@ def test_the_choice_is_judged_against_the_held_out_best_and_a_choice_not_measure
     assert "Median over those rounds: predicted gain +12.0%, measured +7.9% (within 5 points)." in lines
     off = "\n".join(choice_lines([{**profiles[1], "predicted_gain": 0.30}], measured, "0-3|4-7"))
     assert "predicted gain +30.0%, measured +5.0% (NOT within 5 points)." in off
+
+
+def test_the_repeat_control_says_how_far_two_measurements_of_one_placement_disagree():
+    line = repeat_line([100.0, 110.0, 90.0], [105.0, 100.0, 88.0])
+    # Medians 100 and 100; per round 5.0%, 9.1%, 2.2%.
+    assert "median 100.0 ms against 100.0 (+0.0%)" in line
+    assert "differ by 5.0% (median), 9.1% (worst)" in line
+    assert "(-10.0%)" in repeat_line([100.0], [90.0])
