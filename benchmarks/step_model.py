@@ -72,7 +72,7 @@ from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.step_prediction import ScheduleOrder, fit_per_op, predict_step, refine
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.demos.cost import SLEEPS
-from lightning_dynmo.pipeline import schedule_order
+from lightning_dynmo.pipeline import schedule_order, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
@@ -280,10 +280,8 @@ def _prediction_inputs(
     stage_ms: Mapping[int, LayerMs] | None,
 ) -> tuple[BalanceProblem, Placement, ScheduleOrder, list[int]]:
     p, order = Placement.from_string(placement), _order(job.schedule)
-    actions = order.actions(p.num_stages, job.microbatches)
-    workers = [
-        next(r for r, acts in enumerate(actions) if any(a[0] == s for a in acts)) for s in range(p.num_stages)
-    ]
+    style = resolve_schedule(job.schedule).style
+    workers = [stage_to_pipeline_rank(s, p.num_stages, job.ranks, style) for s in range(p.num_stages)]
     compute = None
     if stage_ms is not None:  # each layer costs what a block costs in a stage of its stage's size
         compute = [stage_ms[len(p.layers_of(s))] for s in range(p.num_stages) for _ in p.layers_of(s)]
