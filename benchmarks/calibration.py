@@ -240,6 +240,17 @@ def choice_lines(
             f"Median over those rounds: predicted gain {pred:+.1%}, measured {meas:+.1%} "
             f"({verdict} 5 points)."
         )
+        # The same choices against the placements' medians over every round: less noise than one job
+        # against one job.
+        base = statistics.median(measured[uniform_split])
+        pooled = statistics.median(
+            1 - statistics.median(measured[r["choice"]]) / base for r in profiles if r["choice"] in measured
+        )
+        verdict = "within" if abs(pred - pooled) <= 0.05 else "NOT within"
+        lines.append(
+            f"Each choice's gain from the placements' medians over all rounds (not one job against one): "
+            f"median {pooled:+.1%} against the predicted {pred:+.1%} ({verdict} 5 points)."
+        )
     return lines
 
 
