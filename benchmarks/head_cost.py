@@ -93,8 +93,8 @@ def train(job: Job) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     sizes, timer = job.sizes, StepTimer()
-    min_gain = 0.99 if job.measuring_only else None  # no placement gains 99%: it decides, never moves
-    measuring: dict[str, Any] = {"min_gain": min_gain} if min_gain is not None else {}
+    # No placement gains 99%: measuring only, the callback decides and never moves.
+    measuring: dict[str, Any] = {"min_gain": 0.99} if job.measuring_only else {}
     dynmo = DynMoCallback(every_n_steps=job.window_at, **measuring) if job.dynmo else None
     strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", placement=job.placement)
     trainer = benchmark_trainer(strategy, [timer] + ([dynmo] if dynmo else []), job.steps)

@@ -146,11 +146,7 @@ class StageTimes:
     bwd_s: tuple[float, ...]
     send_s: tuple[float, ...]
     wgrad_s: tuple[float, ...]
-    whole_bwd_s: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.whole_bwd_s:
-            object.__setattr__(self, "whole_bwd_s", (0.0,) * len(self.bwd_s))
+    whole_bwd_s: tuple[float, ...]
 
     def per_microbatch(
         self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
