@@ -304,9 +304,32 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
         "",
         repeat_line(measured[base.placement], repeat),
         "",
+        parts_line(runs["profile"]),
+        "",
         *choice_lines(runs["profile"], measured, base.placement),
     ]
     return "\n".join(lines), errors, agree
+
+
+def parts_line(profiles: list[dict[str, Any]]) -> str:
+    """What makes the placements uneven: the head + loss and the embedding in blocks, as profiled.
+
+    Per round, a part's forward + backward over the median block's, from the profile job's window.
+    """
+
+    def blocks(part: str) -> list[float]:
+        out = []
+        for report in profiles:
+            extra = getattr(report["hardware"], part)
+            block = statistics.median(c.time_s for c in report["costs"])
+            out.append(extra.time_s / block if extra is not None and block > 0 else float("nan"))
+        return out
+
+    head, emb = blocks("last_stage_extra"), blocks("first_stage_extra")
+    return (
+        f"What makes the placements uneven, as profiled: head + loss = {statistics.median(head):.2f} blocks "
+        f"(per round {min(head):.2f}-{max(head):.2f}), embedding = {statistics.median(emb):.2f} blocks."
+    )
 
 
 def repeat_line(first: list[float], again: list[float]) -> str:

@@ -2,7 +2,7 @@
 
 import re
 
-from benchmarks.calibration import candidates, choice_lines, main, repeat_line
+from benchmarks.calibration import candidates, choice_lines, main, parts_line, repeat_line
 
 
 def test_candidates_are_every_2_stage_split_or_the_uniform_split_and_its_one_move_neighbours():
@@ -21,6 +21,7 @@ def test_quick_calibration_writes_predicted_against_measured(tmp_path):
     assert len(re.findall(r"^\| `0-", report, flags=re.M)) == 3  # one row per placement
     assert "Median |error|" in report and "Predicted best `" in report
     assert re.search(r"Repeat control: .* median [\d.]+ ms against [\d.]+ \([+-][\d.]+%\)", report)
+    assert re.search(r"as profiled: head \+ loss = [\d.]+ blocks \(per round [\d.]+-[\d.]+\)", report)
     assert re.search(r"\| 1 \| `0-\d\|\d-3` \| [\d.]+ \| [+-][\d.]+% \| [+-][\d.]+% \| [\d.]+ \|", report)
     assert re.search(r"Choice within 5% of the measured best in [01] of 1 measured round", report)
     assert out.read_text().startswith(report.split("\n")[0])
@@ -52,3 +53,15 @@ def test_the_repeat_control_says_how_far_two_measurements_of_one_placement_disag
     assert "median 100.0 ms against 100.0 (+0.0%)" in line
     assert "differ by 5.0% (median), 9.1% (worst)" in line
     assert "(-10.0%)" in repeat_line([100.0], [90.0])
+
+
+def test_the_parts_line_says_the_head_and_the_embedding_in_median_blocks():
+    from lightning_dynmo.balancing import Hardware, LayerCost
+
+    costs = [LayerCost(fwd_time_s=1.0, bwd_time_s=2.0)] * 3 + [LayerCost(fwd_time_s=2.0, bwd_time_s=4.0)]
+    hardware = Hardware(
+        first_stage_extra=LayerCost(fwd_time_s=0.5, bwd_time_s=1.0),
+        last_stage_extra=LayerCost(fwd_time_s=4.0, bwd_time_s=8.0),
+    )
+    line = parts_line([{"costs": costs, "hardware": hardware}])
+    assert "head + loss = 4.00 blocks (per round 4.00-4.00), embedding = 0.50 blocks" in line  # block 3 s
