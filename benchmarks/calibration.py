@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 from benchmarks import harness, paired
 from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path
 from lightning_dynmo.balancing import BalanceProblem, Placement, uniform
+from lightning_dynmo.balancing.hardware import whole_backward_ratio
 from lightning_dynmo.balancing.step_prediction import per_action_s, predict_step
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
@@ -314,7 +315,9 @@ def section(model: str, schedule: str, sizes: Sizes) -> tuple[str, list[float], 
 def parts_line(profiles: list[dict[str, Any]]) -> str:
     """What makes the placements uneven: the head + loss and the embedding in blocks, as profiled.
 
-    Per round, a part's forward + backward over the median block's, from the profile job's window.
+    Per round, a part's forward + backward over the median block's, from the profile job's window; under
+    a split-backward schedule also the whole-to-split backward ratio the step model takes from the profile
+    (:func:`~lightning_dynmo.balancing.hardware.whole_backward_ratio`).
     """
 
     def blocks(part: str) -> list[float]:
@@ -326,10 +329,17 @@ def parts_line(profiles: list[dict[str, Any]]) -> str:
         return out
 
     head, emb = blocks("last_stage_extra"), blocks("first_stage_extra")
-    return (
+    line = (
         f"What makes the placements uneven, as profiled: head + loss = {statistics.median(head):.2f} blocks "
         f"(per round {min(head):.2f}-{max(head):.2f}), embedding = {statistics.median(emb):.2f} blocks."
     )
+    ratios = [whole_backward_ratio(report["costs"]) for report in profiles]
+    if any(r != 1.0 for r in ratios):  # measured both ways: a split-backward schedule
+        line += (
+            f" A block's backward run whole (the first stage's) costs {statistics.median(ratios):.2f}x its "
+            f"split one (per round {min(ratios):.2f}-{max(ratios):.2f}), as the step model charges it."
+        )
+    return line
 
 
 def repeat_line(first: list[float], again: list[float]) -> str:

@@ -28,7 +28,8 @@ class LayerCost:
             the schedules that split backward into input and weight gradients (zero-bubble, DualPipeV);
             0 where they were not split (the step model then assumes a share). Equal to ``bwd_time_s``
             where the whole backward ran in a weight pass: torch's split schedules run the first
-            stage's backward unsplit there, so on another stage the step model splits it by the share.
+            stage's backward unsplit there, so on another stage the step model splits it by the share
+            (at the cost :func:`~lightning_dynmo.balancing.hardware.whole_backward_ratio` gives).
         num_params: Number of trainable-or-not parameters the layer holds (after pruning: the
             non-zero ones, if the layer is sparse).
         memory_bytes: Device memory the layer needs on the stage that owns it: parameters, gradients,

@@ -2,7 +2,8 @@
 
 Read in this order: :class:`Hardware` (what every balancer takes, inside a
 :class:`~lightning_dynmo.balancing.problem.BalanceProblem`), :func:`stage_times` (what each stage of a
-placement then costs, the input of the pipeline simulator), then the two helpers that turn measurements
+placement then costs, the input of the pipeline simulator) and :func:`whole_backward_ratio` (what a
+backward costs run whole against split, from the profile), then the two helpers that turn measurements
 into a :class:`Hardware`: :func:`worker_slowdown` (per-rank times of one reference workload -> slowdown
 factors) and :func:`to_reference` (costs measured on their owners' workers -> costs on the reference
 worker, which is what the balancers weigh).
@@ -18,6 +19,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from statistics import median
 from typing import TYPE_CHECKING
 
 from lightning_dynmo.balancing._checks import CommTime, MemoryCapacity, PerWorker, check_extras, comm_rows
@@ -217,6 +219,30 @@ def stage_times(
 def _ran_whole(cost: LayerCost) -> bool:
     """Whether the record's whole backward ran in a weight-gradient pass (the first stage's, under torch)."""
     return cost.bwd_time_s > 0 and cost.bwd_weight_time_s >= cost.bwd_time_s
+
+
+def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
+    """How long a layer's backward runs whole, against split into input and weight gradients, as measured.
+
+    Under torch's split-backward schedules a stage's input gradient and its weight gradient are two
+    autograd passes; the first stage runs one whole pass instead (:func:`_ran_whole`). On the machine
+    they can cost differently (on 2 CPU cores a transformer block's whole backward took 0.76-0.89x its
+    split one). The profile times both kinds at once: alike layers (equal, non-zero parameter counts)
+    measured on the first stage and elsewhere. Per group of alike layers holding both kinds, the median
+    backward / forward of the whole ones over that of the split ones; the median over such groups.
+
+    Returns:
+        The ratio, > 0; 1.0 where no alike layers were measured both ways (nothing to compare: a
+        schedule that does not split backward, a first stage without such a layer, parameter-free
+        layers).
+    """
+    groups: dict[int, tuple[list[float], list[float]]] = {}
+    for c in costs:
+        if c.num_params > 0 and c.fwd_time_s > 0 and c.bwd_time_s > 0:
+            whole, split = groups.setdefault(c.num_params, ([], []))
+            (whole if _ran_whole(c) else split).append(c.bwd_time_s / c.fwd_time_s)
+    ratios = [median(whole) / median(split) for whole, split in groups.values() if whole and split]
+    return median(ratios) if ratios else 1.0
 
 
 def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing.hardware import check_per_op, stage_times
+from lightning_dynmo.balancing.hardware import check_per_op, stage_times, whole_backward_ratio
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulate_step
@@ -105,7 +105,10 @@ def predict_step(
     ``num_microbatches``, times its worker's slowdown; under a split backward, ``I`` and ``W`` share the
     backward as measured (:attr:`~lightning_dynmo.balancing.costs.LayerCost.bwd_weight_time_s`), or by
     ``order.weight_grad_share`` where it was not, except on the first stage, whose whole backward torch
-    runs in its ``W`` (its ``I`` costs only the action itself). A stage's activation send keeps it busy
+    runs in its ``W`` (its ``I`` costs only the action itself). A backward measured split costs
+    :func:`~lightning_dynmo.balancing.hardware.whole_backward_ratio` times as much run whole on the
+    first stage, and one measured whole costs its inverse split elsewhere (the ratio the problem's own
+    records show; 1 where they cannot). A stage's activation send keeps it busy
     (it lengthens its forward, a synchronous transfer, as the balancers assume and as the profiler
     measures a link: a blocking send); stages on one rank exchange in memory and send nothing.
 
@@ -124,6 +127,7 @@ def predict_step(
         per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
     check_per_op(per_op_s)
     times = stage_times(problem, placement, stage_workers)
+    whole_to_split = whole_backward_ratio(problem.costs) if problem.by == "time" else 1.0
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
     per_stage = []
@@ -132,13 +136,13 @@ def predict_step(
     ):
         sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
         fwd = f / num_microbatches + (send if sends else 0.0) + per_op_s
-        bwd = b / num_microbatches
-        wgrad = _weight_grad(s, bwd, w / num_microbatches, whole / num_microbatches, order)
+        m = num_microbatches
+        igrad, wgrad = _split_backward(s, max(0.0, b - whole) / m, w / m, whole / m, order, whole_to_split)
         per_stage.append(
             StageTimes(
                 fwd,
-                bwd + per_op_s,
-                input_grad_s=bwd - wgrad + per_op_s,
+                b / num_microbatches + per_op_s,
+                input_grad_s=igrad + per_op_s,
                 weight_grad_s=wgrad + per_op_s,
             )
         )
@@ -149,19 +153,25 @@ def predict_step(
     return StepPrediction(step, bubble, loads)
 
 
-def _weight_grad(stage: int, bwd: float, measured: float, whole: float, order: ScheduleOrder) -> float:
-    """The ``W`` part of one micro-batch's backward ``bwd`` on ``stage``, under a split-backward schedule.
+def _split_backward(
+    stage: int, split: float, measured_w: float, whole: float, order: ScheduleOrder, whole_to_split: float
+) -> tuple[float, float]:
+    """The ``I`` and ``W`` parts of one micro-batch's backward on ``stage``, under a split-backward schedule.
 
-    The first stage's input needs no gradient: torch's stage runs its whole backward in the ``W`` action
-    (``backward_weight_one_chunk``), its ``I`` does nothing. On any other stage, records measured split
-    give their measured part (``measured``); those measured whole (on a first stage, ``whole``) and,
-    where nothing on the stage was measured split, the rest take the schedule's share.
+    ``split`` is the backward of the stage's records measured split (``measured_w`` of it in weight
+    passes, 0 where none was measured apart), ``whole`` that of the records measured whole (on a first
+    stage). The first stage's input needs no gradient: torch's stage runs its whole backward in the
+    ``W`` action (``backward_weight_one_chunk``), its ``I`` does nothing, and a backward measured split
+    runs there ``whole_to_split`` times as long. On any other stage a backward measured whole runs
+    ``1 / whole_to_split`` times as long, split by the schedule's share, as is a split one whose
+    weight part was not measured apart.
     """
     if stage == 0:
-        return bwd
+        return 0.0, whole + whole_to_split * split
     share = order.weight_grad_share
-    split = measured if measured > 0 else share * max(0.0, bwd - whole)
-    return split + share * whole
+    rewhole = whole / whole_to_split
+    wgrad = (measured_w if measured_w > 0 else share * split) + share * rewhole
+    return split + rewhole - wgrad, wgrad
 
 
 def per_action_s(order: ScheduleOrder, num_stages: int, num_microbatches: int, overhead_s: float) -> float:

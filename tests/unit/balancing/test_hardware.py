@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_dynmo.balancing import LayerCost, Placement
-from lightning_dynmo.balancing.hardware import to_reference, worker_slowdown
+from lightning_dynmo.balancing.hardware import to_reference, whole_backward_ratio, worker_slowdown
 
 
 def test_slowdowns_are_relative_to_the_fastest_and_noise_is_ignored():
@@ -37,3 +37,26 @@ def test_costs_measured_on_slow_workers_are_brought_to_the_reference():
     ] * 2
     reference = to_reference(measured, Placement.from_string("0-1|2-3"), [0, 1], [1.0, 3.0])
     assert reference == [LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, memory_bytes=7)] * 4
+
+
+def _cost(fwd: float, bwd: float, weight: float, params: int) -> LayerCost:
+    return LayerCost(fwd_time_s=fwd, bwd_time_s=bwd, bwd_weight_time_s=weight, num_params=params)
+
+
+def test_the_whole_to_split_backward_ratio_compares_alike_layers_measured_both_ways():
+    # Blocks of 10 parameters: measured whole (weight part = all of it) bwd/fwd 1.5 and 2.5 (median 2),
+    # measured split 2.5, 2.4 and 2.6 (median 2.5): 0.8. A layer of 7 parameters, measured split only,
+    # does not count.
+    whole = [_cost(2, 3, 3, 10), _cost(2, 5, 5, 10)]
+    blocks = [*whole, _cost(2, 5, 2, 10), _cost(1, 2.4, 1, 10), _cost(1, 2.6, 1, 10)]
+    assert whole_backward_ratio([*blocks, _cost(1, 9, 4, 7)]) == pytest.approx(0.8)
+    # Two groups with both kinds: the median of their ratios (0.8 and 0.5 -> 0.65).
+    assert whole_backward_ratio([*blocks, _cost(1, 1, 1, 7), _cost(1, 2, 1, 7)]) == pytest.approx(0.65)
+
+
+def test_without_alike_layers_measured_both_ways_the_ratio_is_one():
+    assert whole_backward_ratio([]) == 1.0
+    assert whole_backward_ratio([_cost(1, 2, 1, 10), _cost(1, 3, 1, 10)]) == 1.0  # all split (or 1F1B)
+    assert whole_backward_ratio([_cost(1, 2, 2, 10), _cost(1, 4, 1, 11)]) == 1.0  # not alike
+    assert whole_backward_ratio([_cost(1, 2, 2, 0), _cost(1, 4, 1, 0)]) == 1.0  # parameter-free: unknown
+    assert whole_backward_ratio([_cost(1, 2, 2, 10), _cost(0, 0, 0, 10)]) == 1.0  # nothing timed split

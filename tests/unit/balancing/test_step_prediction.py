@@ -246,6 +246,32 @@ def test_a_record_measured_whole_on_a_first_stage_splits_by_the_share_on_another
     assert predict_step(BalanceProblem(costs), placement, order, 1).step_s == pytest.approx(15.0)
 
 
+def test_a_backward_moved_between_the_first_stage_and_another_costs_the_measured_whole_to_split_ratio():
+    def split_one(num_stages: int, num_microbatches: int) -> list[list[tuple[int, str, int]]]:
+        return [[(s, "F", 0), (s, "I", 0), (s, "W", 0)] for s in range(num_stages)]
+
+    def problem(params: int, *whole_first: bool) -> BalanceProblem:
+        # Alike blocks (fwd 1): measured whole on a first stage their backward took 2, split elsewhere 4
+        # (I 2 + W 2): the profile's ratio is 0.5. Without parameters the blocks are not known alike.
+        whole = LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, bwd_weight_time_s=2.0, num_params=params)
+        split = LayerCost(fwd_time_s=1.0, bwd_time_s=4.0, bwd_weight_time_s=2.0, num_params=params)
+        return BalanceProblem([whole if w else split for w in whole_first])
+
+    order = ScheduleOrder("split", split_one)
+    # 0-1|2 with layer 1 measured split: on stage 0 it runs whole, 0.5 x 4. Stage 0 F 2, I 0, W 2 + 2;
+    # stage 1 F 1, I 2, W 2. Rank 0 F 0-2; rank 1 F 2-3, I 3-5, W 5-7; rank 0 I 5-5, W 5-9: step 9.
+    # Control, nothing known alike: layer 1's W on stage 0 is its measured 4, rank 0's W 5-11.
+    onto_first = Placement.from_string("0-1|2")
+    assert predict_step(problem(10, True, False, False), onto_first, order, 1).step_s == pytest.approx(9.0)
+    assert predict_step(problem(0, True, False, False), onto_first, order, 1).step_s == pytest.approx(11.0)
+    # 0|1-2 with layer 1 measured whole (2): split on stage 1 it costs 2 / 0.5 = 4 (I 2, W 2 at the share);
+    # stage 1 I 4, W 4. Rank 0 F 0-1; rank 1 F 1-3, I 3-7, W 7-11; rank 0 I 7-7, W 7-9: step 11.
+    # Control: I 3, W 3 (layer 1's I 1 + W 1), rank 1 W 6-9 and the step 9.
+    off_first = Placement.from_string("0|1-2")
+    assert predict_step(problem(10, True, True, False), off_first, order, 1).step_s == pytest.approx(11.0)
+    assert predict_step(problem(0, True, True, False), off_first, order, 1).step_s == pytest.approx(9.0)
+
+
 def test_a_schedule_order_without_callable_actions_is_refused():
     with pytest.raises(ValueError, match=r"actions=\[\] must be a callable \(num_stages, num_microbatches\)"):
         ScheduleOrder("1F1B", [])  # type: ignore[arg-type]
