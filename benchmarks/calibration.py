@@ -56,7 +56,7 @@ from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 from lightning_dynmo.strategy import DynMoStrategy
 
 MODELS = ("gpt", "gpt2")
-PROFILE_FROM = 8  # a profile job's steps from ``skip`` to 7 (no hooks yet) measure the runtime's own cost
+PROFILE_FROM = 11  # a profile job's steps from ``skip`` to 10 (no hooks yet) measure the runtime's own cost
 PROFILE_STEPS = 3  # then one window of this many profiled steps
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
 REPEAT = "uniform (repeat)"  # the repeat control's job name
@@ -79,7 +79,7 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=14, skip=2, rounds=1)
+QUICK = Sizes(num_layers=4, d_model=16, num_heads=2, seq_len=8, vocab_size=256, steps=16, skip=2, rounds=1)
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,7 @@ def _check_factors(factors: object) -> None:
 
 
 @dataclass(frozen=True)
-class StageTimes:
+class StageCosts:
     """What each stage of a placement costs on its worker.
 
     Attributes:
@@ -175,7 +175,7 @@ class StageTimes:
 
 def stage_times(
     problem: BalanceProblem, placement: Placement, stage_workers: Sequence[int] | None = None
-) -> StageTimes:
+) -> StageCosts:
     """Per stage of ``placement``: step forward and backward seconds, and the send of its activation.
 
     With ``by="params"`` parameter counts stand in for seconds, split 1:2 between forward and backward.
@@ -213,7 +213,7 @@ def stage_times(
         stage_wgrad.append(slowdown[s] * w)
         stage_whole.append(slowdown[s] * whole)
         send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
-    return StageTimes(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole))
+    return StageCosts(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole))
 
 
 def _ran_whole(cost: LayerCost) -> bool:
@@ -232,9 +232,10 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
     backward / forward of the whole ones over that of the split ones; the median over such groups.
 
     Returns:
-        The ratio, > 0; 1.0 where no alike layers were measured both ways (nothing to compare: a
-        schedule that does not split backward, a first stage without such a layer, parameter-free
-        layers).
+        The ratio, in (0, 1]: a whole pass does no more work than the two it replaces, so a measured
+        ratio above 1 (noise) counts as 1. 1.0 where no alike layers were measured both ways (nothing to
+        compare: a schedule that does not split backward, a first stage without such a layer,
+        parameter-free layers).
     """
     groups: dict[int, tuple[list[float], list[float]]] = {}
     for c in costs:
@@ -242,7 +243,7 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
             whole, split = groups.setdefault(c.num_params, ([], []))
             (whole if _ran_whole(c) else split).append(c.bwd_time_s / c.fwd_time_s)
     ratios = [median(whole) / median(split) for whole, split in groups.values() if whole and split]
-    return median(ratios) if ratios else 1.0
+    return min(1.0, median(ratios)) if ratios else 1.0
 
 
 def _split(costs: Sequence[LayerCost], by: str) -> tuple[list[float], list[float]]:

@@ -60,3 +60,4 @@ def test_without_alike_layers_measured_both_ways_the_ratio_is_one():
     assert whole_backward_ratio([_cost(1, 2, 2, 10), _cost(1, 4, 1, 11)]) == 1.0  # not alike
     assert whole_backward_ratio([_cost(1, 2, 2, 0), _cost(1, 4, 1, 0)]) == 1.0  # parameter-free: unknown
     assert whole_backward_ratio([_cost(1, 2, 2, 10), _cost(0, 0, 0, 10)]) == 1.0  # nothing timed split
+    assert whole_backward_ratio([_cost(1, 3, 3, 10), _cost(1, 2, 1, 10)]) == 1.0  # 1.5 measured: noise
