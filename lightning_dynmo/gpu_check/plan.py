@@ -22,7 +22,10 @@ class Sizes:
         num_microbatches: Micro-batches per step.
         steps: Optimizer steps per training run.
         rebalance_at: The step at which DynMo's callback opens its profiling window (1 warm-up step and
-            2 measured steps follow; the dynamism of every case has settled by then).
+            2 measured steps follow; the dynamism of every case has settled by then), and again every as
+            many steps.
+        cost_windows: Profiling windows each per-layer-cost part runs (it trains :func:`cost_steps`
+            steps): a second window tells a one-off slow layer from a steady cost.
     """
 
     num_layers: int
@@ -33,6 +36,12 @@ class Sizes:
     num_microbatches: int
     steps: int
     rebalance_at: int
+    cost_windows: int = 2
+
+
+def cost_steps(sizes: Sizes) -> int:
+    """Steps a per-layer-cost part trains: its last window opens at ``rebalance_at * cost_windows``."""
+    return sizes.rebalance_at * sizes.cost_windows + 3
 
 
 # A realistic width for the projections (the paper's GPT blocks are wider; one H100 holds these 8 blocks).

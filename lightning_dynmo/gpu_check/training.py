@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.callback.config import ProfilingConfig
 from lightning_dynmo.demos import RandomTokenDataModule
@@ -33,7 +34,7 @@ from lightning_dynmo.dynamism.pruning import PruningConfig, pruning_gpt_config
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 from lightning_dynmo.dynamism.sparse_attention import sparse_attention_gpt_config
 from lightning_dynmo.dynamism_callbacks import FreezingCallback, PruningCallback
-from lightning_dynmo.gpu_check.plan import Sizes
+from lightning_dynmo.gpu_check.plan import Sizes, cost_steps
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.strategy import DynMoStrategy
@@ -68,6 +69,7 @@ def train(options: dict[str, Any], sizes: Sizes, device: str) -> dict[str, Any] 
 def layer_costs(options: dict[str, Any], sizes: Sizes, device: str) -> dict[str, Any] | None:
     """Fit one case's GPT in one process; its per-layer costs as DynMo's profiler measured them."""
     case = options["case"]
+    sizes = dataclasses.replace(sizes, steps=cost_steps(sizes))
     config, callbacks = CASES[case](sizes)
     precision = options.get("precision", "bf16-mixed")
     with _counting_marks() as marks:
@@ -162,9 +164,10 @@ def _fit(
     callbacks: list[pl.Callback],
 ) -> tuple[pl.Trainer, DynMoCallback, _StepTimes]:
     config = dataclasses.replace(config, seq_len=sizes.seq_len)
-    profiling = ProfilingConfig(warmup_steps=1, steps=2)
+    # No smoothing: each window's costs are its own, so two windows tell a one-off from a steady cost.
+    profiling = ProfilingConfig(warmup_steps=1, steps=2, cost_smoothing=0.0)
     dynmo = DynMoCallback(every_n_steps=sizes.rebalance_at, profiling=profiling)
-    steps = _StepTimes()
+    steps = _StepTimes(dynmo)
     strategy = DynMoStrategy(
         num_microbatches=sizes.num_microbatches,
         timeout=TIMEOUT,
@@ -214,6 +217,7 @@ def _summary(
         "losses_finite": all(math.isfinite(v) for v in steps.losses),
         "placement": str(strategy.placement),
         "rebalances": [dataclasses.asdict(r) for r in dynmo.rebalances],
+        "cost_windows": steps.windows,
         "clock_marks": dict(marks),
         "memory_capacity_bytes": dynmo.balance.memory_capacity_bytes,
         "device_total_memory_bytes": total,
@@ -250,11 +254,18 @@ def _counting_marks() -> Iterator[Counter[str]]:
 
 
 class _StepTimes(pl.Callback):
-    """Wall seconds per step (the device synchronised) and the logged training loss, on every rank."""
+    """Wall seconds per step (the device synchronised), the logged training loss, and each profiling window.
 
-    def __init__(self) -> None:
+    A window is recorded when ``dynmo``'s costs change, as the step it ended at and every layer's forward
+    + backward milliseconds (on the rank that holds the gathered costs).
+    """
+
+    def __init__(self, dynmo: DynMoCallback) -> None:
         self.seconds: list[float] = []
         self.losses: list[float] = []
+        self.windows: list[dict[str, Any]] = []
+        self._dynmo = dynmo
+        self._costs: list[LayerCost] | None = None
         self._start = 0.0
 
     @override
@@ -269,6 +280,11 @@ class _StepTimes(pl.Callback):
         loss = trainer.callback_metrics.get("train_loss")
         if loss is not None:
             self.losses.append(float(loss))
+        costs = self._dynmo.last_costs
+        if costs is not None and costs is not self._costs:
+            self._costs = costs
+            layer_ms = [round(1e3 * (c.fwd_time_s + c.bwd_time_s), 3) for c in costs]
+            self.windows.append({"step": trainer.global_step, "layer_ms": layer_ms})
 
     @staticmethod
     def _sync(pl_module: pl.LightningModule) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dynmo.gpu_check.plan import CASES, DRY_RUN_SIZES, GPU_SIZES, parts
+from lightning_dynmo.gpu_check.plan import CASES, DRY_RUN_SIZES, GPU_SIZES, cost_steps, parts
 from lightning_dynmo.gpu_check.runner import run_part
 
 
@@ -65,7 +65,8 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
     assert report["passed"] == len(results)
     for name, result in results.items():
         if name.startswith(("train", "costs")):
-            assert result["losses_finite"] and result["steps"] == DRY_RUN_SIZES.steps, name
+            steps = cost_steps(DRY_RUN_SIZES) if name.startswith("costs") else DRY_RUN_SIZES.steps
+            assert result["losses_finite"] and result["steps"] == steps, name
             marks = result["clock_marks"]
             assert marks["perf_counter"] > 0 and "cuda_event" not in marks, name
             assert result["memory_capacity_bytes"] is None, name  # no cap on CPU
@@ -73,6 +74,12 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
         costs = results[f"costs_{case}"]["layer_costs"]
         assert len(costs) == DRY_RUN_SIZES.num_layers
         assert all(c["fwd_time_s"] > 0 and c["bwd_time_s"] >= 0 and c["num_params"] > 0 for c in costs), case
+        windows = results[f"costs_{case}"]["cost_windows"]
+        assert len(windows) == DRY_RUN_SIZES.cost_windows, case  # each window recorded, unsmoothed
+        assert all(len(w["layer_ms"]) == DRY_RUN_SIZES.num_layers for w in windows), case
+        assert windows[-1]["layer_ms"] == [
+            round(1e3 * (c["fwd_time_s"] + c["bwd_time_s"]), 3) for c in costs
+        ], case
     assert results["train_2proc_bf16-mixed"]["devices"] == 2
     moved = results["train_2proc_16-mixed"]["migration"]
     assert moved["before"] == "0-1|2-3" and moved["after"] == "0-2|3-3" and moved["bytes_received"] > 0
