@@ -18,7 +18,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from lightning_dynmo.balancing._checks import comm_rows, memory_caps, stage_slowdown
 from lightning_dynmo.balancing.costs import LayerCost, check_costs, check_view, layer_weights
-from lightning_dynmo.balancing.hardware import Hardware
+from lightning_dynmo.balancing.hardware import Hardware, whole_backward_ratio
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,15 @@ class BalanceProblem:
                 "links and memory caps with Hardware(...)."
             )
         object.__setattr__(self, "costs", tuple(self.costs))  # frozen all the way down
+
+    @functools.cached_property
+    def whole_to_split(self) -> float:
+        """A backward run whole against split, as these records show (1 in the ``"params"`` view).
+
+        :func:`~lightning_dynmo.balancing.hardware.whole_backward_ratio` of ``costs``, computed once per
+        problem: every step prediction of a search reads it.
+        """
+        return whole_backward_ratio(self.costs) if self.by == "time" else 1.0
 
     @property
     def num_layers(self) -> int:

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_dynmo.balancing.hardware import check_per_op, stage_times, whole_backward_ratio
+from lightning_dynmo.balancing.hardware import check_per_op, stage_times
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulate_step
@@ -127,7 +127,6 @@ def predict_step(
         per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
     check_per_op(per_op_s)
     times = stage_times(problem, placement, stage_workers)
-    whole_to_split = whole_backward_ratio(problem.costs) if problem.by == "time" else 1.0
     actions = order.actions(placement.num_stages, num_microbatches)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
     per_stage = []
@@ -135,13 +134,15 @@ def predict_step(
         zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, times.whole_bwd_s, strict=True)
     ):
         sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
-        fwd = f / num_microbatches + (send if sends else 0.0) + per_op_s
         m = num_microbatches
-        igrad, wgrad = _split_backward(s, max(0.0, b - whole) / m, w / m, whole / m, order, whole_to_split)
+        fwd = f / m + (send if sends else 0.0) + per_op_s
+        igrad, wgrad = _split_backward(
+            s, max(0.0, b - whole) / m, w / m, whole / m, order, problem.whole_to_split
+        )
         per_stage.append(
             StageTimes(
                 fwd,
-                b / num_microbatches + per_op_s,
+                b / m + per_op_s,
                 input_grad_s=igrad + per_op_s,
                 weight_grad_s=wgrad + per_op_s,
             )

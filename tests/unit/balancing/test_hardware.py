@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_dynmo.balancing import LayerCost, Placement
+from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement
 from lightning_dynmo.balancing.hardware import to_reference, whole_backward_ratio, worker_slowdown
 
 
@@ -61,3 +61,17 @@ def test_without_alike_layers_measured_both_ways_the_ratio_is_one():
     assert whole_backward_ratio([_cost(1, 2, 2, 0), _cost(1, 4, 1, 0)]) == 1.0  # parameter-free: unknown
     assert whole_backward_ratio([_cost(1, 2, 2, 10), _cost(0, 0, 0, 10)]) == 1.0  # nothing timed split
     assert whole_backward_ratio([_cost(1, 3, 3, 10), _cost(1, 2, 1, 10)]) == 1.0  # 1.5 measured: noise
+
+
+def test_a_problem_computes_its_whole_to_split_ratio_once_and_only_in_the_time_view():
+    costs = [
+        _cost(2, 3, 3, 10),
+        _cost(2, 5, 5, 10),
+        _cost(2, 5, 2, 10),
+        _cost(1, 2.4, 1, 10),
+        _cost(1, 2.6, 1, 10),
+    ]
+    problem = BalanceProblem(costs)
+    assert problem.whole_to_split == pytest.approx(0.8) == whole_backward_ratio(costs)
+    assert "whole_to_split" in vars(problem)  # cached: a search's thousands of predictions reuse it
+    assert BalanceProblem(costs, by="params").whole_to_split == 1.0
