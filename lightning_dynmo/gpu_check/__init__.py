@@ -11,6 +11,7 @@ Modules:
 - :mod:`.runner`: one part in a child process under a timeout; its result, or its error and log tail.
 - :mod:`.worker`: the child's entry point (``python -m lightning_dynmo.gpu_check.worker``).
 - :mod:`.training`: training under ``DynMoStrategy`` with mixed precision, and per-layer costs per case.
+- :mod:`.stalls`: which steps stall when a block's shapes change every step (MoD, early exit), and why.
 - :mod:`.migration`: a migration of device tensors between two processes, and the NCCL one-device probe.
 - :mod:`.hardware`: the machine, named: device, memory, torch / CUDA / NCCL versions.
 """

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CASES = ("moe", "pruning", "freezing", "early_exit", "sparse_attention", "mod")
+STALL_CASES = ("mod", "early_exit")  # the cases whose blocks see new shapes every step
+STALL_STEPS = 20
 PRECISIONS = ("bf16-mixed", "16-mixed")  # 16-mixed: fp16 with loss scaling
 
 
@@ -73,7 +75,8 @@ class Part:
 
     Attributes:
         name: Its key in the report.
-        kind: What the worker runs: ``"train"``, ``"costs"``, ``"migration"`` or ``"nccl_probe"``.
+        kind: What the worker runs: ``"train"``, ``"costs"``, ``"stalls"``, ``"migration"`` or
+            ``"nccl_probe"``.
         timeout_s: Wall-clock limit, start-up included; the part is killed after it.
         options: The kind's arguments (JSON-ready).
         skipped: Why the part cannot run on this machine (recorded instead of running it), or ``None``.
@@ -97,6 +100,8 @@ def parts(device: str, num_devices: int) -> list[Part]:
     two = num_devices >= 2 or device == "cpu"
     out = [Part(f"train_1proc_{p}", "train", 150, {"devices": 1, "precision": p}) for p in PRECISIONS]
     out += [Part(f"costs_{case}", "costs", 150, {"case": case}) for case in CASES]
+    stall = {"steps": STALL_STEPS}
+    out += [Part(f"stalls_{case}", "stalls", 120, {"case": case, **stall}) for case in STALL_CASES]
     backend = "gloo" if device == "cpu" or num_devices < 2 else "nccl"
     out.append(Part("migration", "migration", 120, {"backend": backend}))
     why = None if two else f"{num_devices} CUDA device: a two-stage pipeline needs two (see nccl_probe)"

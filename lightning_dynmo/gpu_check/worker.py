@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from lightning_dynmo.gpu_check import migration, training
+from lightning_dynmo.gpu_check import migration, stalls, training
 from lightning_dynmo.gpu_check.plan import Sizes
 
 Kind = Callable[[dict[str, Any], Sizes, str], dict[str, Any] | None]
 KINDS: dict[str, Kind] = {
     "train": training.train,
     "costs": training.layer_costs,
+    "stalls": stalls.step_stalls,
     "migration": migration.migrate,
     "nccl_probe": migration.nccl_probe,
 }

@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dynmo.gpu_check.plan import CASES, DRY_RUN_SIZES, GPU_SIZES, cost_steps, parts
+from lightning_dynmo.gpu_check.plan import (
+    CASES,
+    DRY_RUN_SIZES,
+    GPU_SIZES,
+    STALL_CASES,
+    STALL_STEPS,
+    cost_steps,
+    parts,
+)
 from lightning_dynmo.gpu_check.runner import run_part
+from lightning_dynmo.gpu_check.stalls import ALLOCATOR_COUNTERS, step_stalls
 
 
 def _by_name(device: str, num_devices: int) -> dict[str, object]:
@@ -23,6 +32,7 @@ def test_one_gpu_skips_the_two_process_training_and_migrates_over_gloo() -> None
     assert plan["migration"].options == {"backend": "gloo"}
     assert plan["nccl_probe"].skipped is None
     assert {f"costs_{case}" for case in CASES} <= set(plan)
+    assert {f"stalls_{case}" for case in STALL_CASES} <= set(plan)
 
 
 def test_two_gpus_run_everything_on_nccl_but_the_probe() -> None:
@@ -80,6 +90,10 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
         assert windows[-1]["layer_ms"] == [
             round(1e3 * (c["fwd_time_s"] + c["bwd_time_s"]), 3) for c in costs
         ], case
+    for case in STALL_CASES:
+        stalls = results[f"stalls_{case}"]
+        assert [r["step"] for r in stalls["steps"]] == list(range(STALL_STEPS)), case
+        assert stalls["max_wall_ms"] >= stalls["median_wall_ms"] > 0, case
     assert results["train_2proc_bf16-mixed"]["devices"] == 2
     moved = results["train_2proc_16-mixed"]["migration"]
     assert moved["before"] == "0-1|2-3" and moved["after"] == "0-2|3-3" and moved["bytes_received"] > 0
@@ -87,6 +101,18 @@ def test_the_dry_run_passes_and_records_every_field(tmp_path: Path) -> None:
     # 2 units x 6 parameters x (value, grad, AdamW's step, exp_avg, exp_avg_sq)
     assert migration["bit_identical"] and migration["tensors_compared"] == 2 * 6 * 5
     assert (tmp_path / "train_1proc_bf16-mixed.log").exists()
+
+
+def test_the_stall_part_records_every_step_and_block_and_the_allocator() -> None:
+    result = step_stalls({"case": "mod", "steps": 3}, DRY_RUN_SIZES, "cpu")
+    assert result["case"] == "mod" and len(result["steps"]) == 3
+    for row in result["steps"]:
+        assert row["wall_ms"] > 0 and set(row["allocator"]) == set(ALLOCATOR_COUNTERS)
+        assert all(v == 0 for v in row["allocator"].values())  # no CUDA allocator on CPU
+        forward, slowest = row["block_fwd_ms"], row["block_slowest_call_ms"]
+        assert len(forward) == DRY_RUN_SIZES.num_layers
+        # every block ran once per micro-batch: the sum of its calls is at least its slowest one
+        assert all(total >= worst > 0 for total, worst in zip(forward, slowest, strict=True))
 
 
 @pytest.mark.parametrize(
