@@ -45,8 +45,8 @@ def exchange_rows(
     Rows on the GPU go through one ``all_gather``. Rows on the CPU (gloo) are gathered on the group's
     first rank and broadcast back: gloo's all-gather is a ring of ``n - 1`` hops, one after another, while
     a gather and a broadcast are each one round between the first rank and every other. On a 2-core
-    machine with 16 gloo ranks that is a few ms against about 30 a call, 1% of a replayed 16-rank step
-    (``python -m benchmarks.control_plane`` measures both).
+    machine with 16 gloo ranks that is about 11 ms a call against 37 through the ring (wall time,
+    2026-11-28; ``python -m benchmarks.control_plane`` measures both).
     """
     if not (dist.is_available() and dist.is_initialized()) or len(active_ranks) == 1:
         return row.reshape(1, -1).cpu()
