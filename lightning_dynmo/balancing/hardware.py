@@ -228,8 +228,11 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
     autograd passes; the first stage runs one whole pass instead (:func:`_ran_whole`). On the machine
     they can cost differently (on 2 CPU cores a transformer block's whole backward took 0.76-0.89x its
     split one). The profile times both kinds at once: alike layers (equal, non-zero parameter counts)
-    measured on the first stage and elsewhere. Per group of alike layers holding both kinds, the median
-    backward / forward of the whole ones over that of the split ones; the median over such groups.
+    measured on the first stage and elsewhere. A split record counts only with its weight-gradient part
+    timed: a frozen layer of the same size has none (its backward is the input gradient alone), and
+    beside trainable ones it would read as a cheaper backward. Per group of alike layers holding both
+    kinds, the median backward / forward of the whole ones over that of the split ones; the median over
+    such groups.
 
     Returns:
         The ratio, in (0, 1]: a whole pass does no more work than the two it replaces, so a measured
@@ -241,7 +244,10 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
     for c in costs:
         if c.num_params > 0 and c.fwd_time_s > 0 and c.bwd_time_s > 0:
             whole, split = groups.setdefault(c.num_params, ([], []))
-            (whole if _ran_whole(c) else split).append(c.bwd_time_s / c.fwd_time_s)
+            if _ran_whole(c):
+                whole.append(c.bwd_time_s / c.fwd_time_s)
+            elif c.bwd_weight_time_s > 0:  # no weight pass timed: a frozen layer, not alike
+                split.append(c.bwd_time_s / c.fwd_time_s)
     ratios = [median(whole) / median(split) for whole, split in groups.values() if whole and split]
     return min(1.0, median(ratios)) if ratios else 1.0
 

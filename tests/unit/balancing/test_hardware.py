@@ -63,6 +63,18 @@ def test_without_alike_layers_measured_both_ways_the_ratio_is_one():
     assert whole_backward_ratio([_cost(1, 3, 3, 10), _cost(1, 2, 1, 10)]) == 1.0  # 1.5 measured: noise
 
 
+def test_frozen_layers_of_the_same_size_do_not_count_as_split_ones():
+    # Trainable blocks: whole bwd/fwd 2 (first stage), split 2.5 (weight part timed): 0.8. Frozen blocks
+    # of the same size elsewhere run no weight pass (bwd/fwd 1, weight part 0).
+    trainable = [_cost(1, 2, 2, 10), _cost(1, 2.5, 1, 10), _cost(1, 2.5, 1, 10)]
+    frozen = [_cost(1, 1, 0, 10)] * 3
+    assert whole_backward_ratio([*trainable, *frozen]) == pytest.approx(0.8)
+    # Negative control: counted as split, the frozen ones would pull the split median to 1 and give 1
+    # (the ratio 2 is capped).
+    as_if_split = [_cost(1, 1, 0.5, 10)] * 3
+    assert whole_backward_ratio([*trainable, *as_if_split]) == 1.0
+
+
 def test_a_problem_computes_its_whole_to_split_ratio_once_and_only_in_the_time_view():
     costs = [
         _cost(2, 3, 3, 10),
