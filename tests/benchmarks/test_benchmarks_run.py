@@ -193,3 +193,12 @@ def test_callback_cost_benchmark_runs(tmp_path: Path) -> None:
         assert f"| {label} |" in text
     assert "python -m benchmarks.callback_cost --quick" in text
     assert "Figures: **real compute**." in text
+
+
+def test_hook_cost_benchmark_runs(tmp_path: Path) -> None:
+    text = run_benchmark("hook_cost", tmp_path, "--quick")
+    assert "python -m benchmarks.hook_cost --quick" in text
+    for blocks in (1, 4, 7):  # the hooks table: one row per model and stage size
+        assert re.search(rf"^\| gpt \| {blocks} \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \|", text, re.M), blocks
+    for work in (1, 3, 6):  # the after-idle table: one row per amount of work
+        assert re.search(rf"^\| {work} \| [\d.]+ \| [\d.]+ \| [+-][\d.]+ \| [\d.]+ \|$", text, re.M), work
