@@ -67,10 +67,11 @@ def test_the_parts_line_says_the_head_and_the_embedding_in_median_blocks():
     assert "head + loss = 4.00 blocks (per round 4.00-4.00), embedding = 0.50 blocks" in line  # block 3 s
     assert "run whole" not in line  # nothing measured whole: no ratio to report
     # Two rounds under a split-backward schedule: alike blocks (10 parameters) measured whole (bwd/fwd 1.5)
-    # and split (2.0 and 2.5): 0.75 and 0.6.
+    # and split (2.0 and 2.5, their weight-gradient halves timed): 0.75 and 0.6.
     alike = [LayerCost(fwd_time_s=2.0, bwd_time_s=3.0, bwd_weight_time_s=3.0, num_params=10)]
-    rounds = [
-        {"costs": [*alike, LayerCost(fwd_time_s=1.0, bwd_time_s=b, num_params=10)], "hardware": hardware}
-        for b in (2.0, 2.5)
-    ]
+
+    def split(bwd: float) -> LayerCost:
+        return LayerCost(fwd_time_s=1.0, bwd_time_s=bwd, bwd_weight_time_s=bwd / 2, num_params=10)
+
+    rounds = [{"costs": [*alike, split(b)], "hardware": hardware} for b in (2.0, 2.5)]
     assert "costs 0.68x its split one (per round 0.60-0.75)" in parts_line(rounds)
