@@ -124,7 +124,8 @@ def build_model(job: CalibrationJob) -> pl.LightningModule:
     return HuggingFaceCausalLM(config, attn_implementation="sdpa", seed=job.seed, lr=job.lr)
 
 
-def _batches(job: CalibrationJob, steps: int) -> DataLoader[Any]:
+def batches(job: CalibrationJob, steps: int) -> DataLoader[Any]:
+    """``steps`` batches of random tokens from ``job.seed``, in the shape ``job.model`` takes."""
     s = job.sizes
     gen = torch.Generator().manual_seed(job.seed)
     rows = torch.randint(0, s.vocab_size, (steps * s.batch_size, s.seq_len + 1), generator=gen)
@@ -149,7 +150,7 @@ def run_calibration_job(job: CalibrationJob) -> dict[str, Any]:
         num_microbatches=job.sizes.microbatches, schedule=job.schedule, placement=job.placement
     )
     trainer = benchmark_trainer(strategy, callbacks, job.sizes.steps)
-    trainer.fit(build_model(job), _batches(job, job.sizes.steps))
+    trainer.fit(build_model(job), batches(job, job.sizes.steps))
     report: dict[str, Any] = {"step_s": timer.step_s, "placement": str(strategy.placement)}
     if dynmo is not None:
         report["costs"], report["hardware"] = dynmo.last_costs, dynmo.last_hardware
