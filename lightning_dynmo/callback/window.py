@@ -47,7 +47,6 @@ class ProfilingWindow:
         self._skip, self._by_params, self._min_gain = skip, by_params, min_gain
         self.stage_loads = StageLoadAverage(smoothing)
         self.skipped = 0  # every-step windows skipped by skip_balanced (this run)
-        self.pinned_stage: int | None = None  # the last skip's pinned bottleneck (headroom.pinned_bottleneck)
         self._pinned_said: int | None = None  # the pinned stage pinned_news last named
         self._params_settled = False  # by params: the last decision kept the placement, no event since
         self.profiler: LayerProfiler | None = None
@@ -66,28 +65,38 @@ class ProfilingWindow:
         """Whether this step's every-step window cannot change the placement (``skip_balanced``).
 
         Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
-        skips the same steps.
+        skips the same steps. Reads the window's state only.
 
         Args:
             sizes: Layers per stage of the running placement.
         """
-        self.pinned_stage = None
         if not self._skip:
             return False
         if self._by_params:
             return self._params_settled
-        room, loads = self.stage_loads.headroom, self.stage_loads.loads
-        if room is None or loads is None:
+        room = self.stage_loads.headroom
+        if room is None or self.stage_loads.loads is None:
             return True  # no step measured since the start, a move or an event: judge after one
-        self.pinned_stage = pinned_bottleneck(loads, sizes)
-        if self.pinned_stage is not None:
+        if self._pinned(sizes) is not None:
             return True  # the busiest stage is an end stage holding one layer: nothing to move off it
         drift = self.stage_loads.drift  # set while the last decision kept the placement on these loads
         return room < self._min_gain or (drift is not None and drift < SKIP_DRIFT)
 
-    def pinned_news(self, num_stages: int) -> str | None:
-        """After a skip: one line naming a pinned bottleneck the first time it is seen, else ``None``."""
-        stage, said = self.pinned_stage, self._pinned_said
+    def _pinned(self, sizes: Sequence[int]) -> int | None:
+        """The end stage that is busiest while holding one layer, by the averaged loads (by time only)."""
+        loads = self.stage_loads.loads
+        if not self._skip or self._by_params or loads is None or self.stage_loads.headroom is None:
+            return None
+        return pinned_bottleneck(loads, sizes)
+
+    def pinned_news(self, num_stages: int, sizes: Sequence[int]) -> str | None:
+        """After a skip: one line naming a pinned bottleneck the first time it is seen, else ``None``.
+
+        Args:
+            num_stages: Stages of the running placement.
+            sizes: Layers per stage of the running placement.
+        """
+        stage, said = self._pinned(sizes), self._pinned_said
         self._pinned_said = stage
         if stage is None or stage == said:
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -202,3 +203,18 @@ def test_hook_cost_benchmark_runs(tmp_path: Path) -> None:
         assert re.search(rf"^\| gpt \| {blocks} \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \|", text, re.M), blocks
     for work in (1, 3, 6):  # the after-idle table: one row per amount of work
         assert re.search(rf"^\| {work} \| [\d.]+ \| [\d.]+ \| [+-][\d.]+ \| [\d.]+ \|$", text, re.M), work
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="co-running needs 2 usable cores")
+def test_machine_noise_benchmark_runs(tmp_path: Path) -> None:
+    text = run_benchmark("machine_noise", tmp_path, "--quick")
+    assert "python -m benchmarks.machine_noise --quick" in text
+    # Co-running: one row per timed core, both phases filed; drift: one row per fresh process.
+    assert (
+        len(re.findall(r"^\| \d \| [\d.]+ \| [\d.]+ \| [+-][\d.]+% \| [1-9]\d* / [1-9]\d* \|$", text, re.M))
+        == 2
+    )
+    assert len(re.findall(r"^\| [12] \| \d \| [\d.]+, [\d.]+ \| [\d.]+ \| \d+% \|$", text, re.M)) == 2
+    assert re.search(
+        r"Inside a process, its segments span \d+% .* Between processes, their medians span \d+%", text
+    )
