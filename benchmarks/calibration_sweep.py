@@ -23,7 +23,7 @@ speed (``benchmarks/results/freezing-2026-11-27-after-move.md``,
 ``head_cost-2026-11-27-after-move.md``: within 2%), so a visit measures what a fixed job would, in the
 same process as the profile. **Real compute.**
 
-    python -m benchmarks.calibration_sweep              # both models x both schedules: ~30 min, 2 quiet cores
+    python -m benchmarks.calibration_sweep              # both models x both schedules, 3 jobs each: ~22 min
     python -m benchmarks.calibration_sweep --model gpt2 --schedule 1F1B --rounds 3
     python -m benchmarks.calibration_sweep --quick      # smoke run (tiny, one job): not figures
 """
