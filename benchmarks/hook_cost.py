@@ -191,14 +191,19 @@ def main(argv: list[str] | None = None) -> None:
     args.rounds = args.rounds or (2 if args.quick else 30)
     args.argv = sys.argv[1:] if argv is None else argv
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-    hook_rows = {}
-    for model in models():
-        stage = blocks(7, model)
-        for n in (1, 4, 7):
-            hook_rows[model, n] = hooks(stage[:n], args.microbatches, args.rounds)
-    idle_rows = after_idle(blocks(1, "gpt")[0], (1, 3, 6), args.idle_ms, args.rounds)
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_setaffinity") else None
+    if cores is not None:
+        os.sched_setaffinity(0, {min(cores)})
+    try:
+        hook_rows = {}
+        for model in models():
+            stage = blocks(7, model)
+            for n in (1, 4, 7):
+                hook_rows[model, n] = hooks(stage[:n], args.microbatches, args.rounds)
+        idle_rows = after_idle(blocks(1, "gpt")[0], (1, 3, 6), args.idle_ms, args.rounds)
+    finally:
+        if cores is not None:  # a caller in this process (the tests) gets its cores back
+            os.sched_setaffinity(0, cores)
     write_report(report(args, hook_rows, idle_rows), "hook_cost", out)
 
 
