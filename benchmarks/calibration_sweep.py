@@ -108,6 +108,18 @@ class PlacementSweep(pl.Callback):
         """Whether every planned visit has run."""
         return bool(self.visits) and not self._plan and self._left == 0
 
+    def check_done(self, steps: int) -> None:
+        """Raise unless every planned visit ran within the job's ``steps``.
+
+        Raises:
+            RuntimeError: if the callback never decided or visits were left when training stopped.
+        """
+        if not self.done:
+            raise RuntimeError(
+                f"the sweep did not finish its visits in {steps} steps ({len(self.visits)} run, "
+                f"{len(self._plan)} left): raise SweepJob.steps"
+            )
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -148,8 +160,7 @@ def run_sweep_job(job: SweepJob) -> dict[str, Any]:
     steps = job.steps()
     trainer = benchmark_trainer(strategy, [timer, dynmo, sweep], steps)
     trainer.fit(build_model(job.base), batches(job.base, steps))
-    if not sweep.done:
-        raise RuntimeError(f"the sweep did not finish its visits in {steps} steps: raise SweepJob.steps")
+    sweep.check_done(steps)
     decision = dynmo.rebalances[0]
     measured: dict[str, list[float]] = {}
     for placement, indices in sweep.visits:

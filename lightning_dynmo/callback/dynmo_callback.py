@@ -336,7 +336,7 @@ class DynMoCallback(Callback):
             if reason == "every_step" and self._window.nothing_to_gain(view.placement.sizes):
                 reason = None
                 self._window.skipped += 1
-                news = self._window.pinned_news(view.num_stages, view.placement.sizes)
+                news = self._window.pinned_news(view.placement.sizes)
                 if news and view.global_rank == view.active_ranks[0]:
                     log.info(news)
             if self.trust.stopped and reason not in (None, "resume"):

@@ -89,11 +89,10 @@ class ProfilingWindow:
             return None
         return pinned_bottleneck(loads, sizes)
 
-    def pinned_news(self, num_stages: int, sizes: Sequence[int]) -> str | None:
+    def pinned_news(self, sizes: Sequence[int]) -> str | None:
         """After a skip: one line naming a pinned bottleneck the first time it is seen, else ``None``.
 
         Args:
-            num_stages: Stages of the running placement.
             sizes: Layers per stage of the running placement.
         """
         stage, said = self._pinned(sizes), self._pinned_said
@@ -103,7 +102,7 @@ class ProfilingWindow:
         part = "embedding" if stage == 0 else "head and loss"
         return (
             f"DynMo: stage {stage} is the busiest and holds one layer beside the {part}: no placement of "
-            f"whole layers over {num_stages} stages lightens it, so windows are skipped while it stays so "
+            f"whole layers over {len(sizes)} stages lightens it, so windows are skipped while it stays so "
             "(a re-pack onto fewer stages could help: repack=True)"
         )
 

@@ -218,3 +218,16 @@ def test_machine_noise_benchmark_runs(tmp_path: Path) -> None:
     assert re.search(
         r"Inside a process, its segments span \d+% .* Between processes, their medians span \d+%", text
     )
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="co-running needs 2 usable cores")
+def test_machine_noise_refuses_one_core_and_a_phase_no_step_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import machine_noise
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    with pytest.raises(SystemExit, match="machine_noise needs 2 usable cores"):
+        machine_noise.main(["--quick", "--out", "unused.md"])
+    monkeypatch.undo()
+    # Phases longer than the run: every timed step falls in the first (busy) phase, none in an idle one.
+    with pytest.raises(RuntimeError, match="no step fell inside a phase; raise --phase-s"):
+        machine_noise.corun(sorted(os.sched_getaffinity(0))[:2], seconds=0.5, phase_s=100.0)

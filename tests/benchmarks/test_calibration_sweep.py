@@ -59,6 +59,8 @@ def test_a_sweep_that_never_saw_a_decision_is_not_done():
     sweep = PlacementSweep(SimpleNamespace(rebalances=[]), ("0-0|1-3",), Sweep())  # type: ignore[arg-type]
     trainer, strategy = _drive(sweep, decided_at=10**6, batches=20)
     assert not sweep.done and not strategy.applied and not trainer.should_stop
+    with pytest.raises(RuntimeError, match=r"did not finish its visits in 20 steps \(0 run, 0 left\)"):
+        sweep.check_done(20)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B"])
