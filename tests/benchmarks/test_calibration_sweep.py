@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.calibration_sweep import PlacementSweep, Sweep, main
+from benchmarks.calibration_sweep import PlacementSweep, Sweep, choice_lines, main
 
 
 class _Strategy:
@@ -80,3 +80,28 @@ def test_quick_sweep_writes_both_fits_against_the_visits(tmp_path, schedule):
     )
     assert re.search(r"\| 1 \| `0-\d\|\d-3` \| [+-][\d.]+% \| [+-][\d.]+% \| [\d.]+ \|", report)
     assert out.read_text().startswith(report.split("\n")[0])
+
+
+def _job(choice: str, predicted_gain: float, visits: dict[str, list[float]]) -> dict[str, Any]:
+    return {"choice": choice, "predicted_gain": predicted_gain, "visits_ms": visits}
+
+
+def test_the_choice_is_judged_in_its_job_and_against_every_jobs_medians():
+    runs = [
+        # Job 1 chose the split every job measures fastest, and predicted its gain well.
+        _job("0-2|3-3", 0.20, {"0-1|2-3": [100.0], "0-2|3-3": [80.0], "0-0|1-3": [120.0]}),
+        # Job 2 chose a split its own visits put 10% off its fastest (noise): over all jobs it is 4% off.
+        _job("0-0|1-3", 0.10, {"0-1|2-3": [100.0], "0-2|3-3": [75.0], "0-0|1-3": [82.5]}),
+    ]
+    pooled = {"0-1|2-3": 100.0, "0-2|3-3": 80.0, "0-0|1-3": 83.2}
+    text = "\n".join(choice_lines(runs, "0-1|2-3", pooled))
+    assert "| 1 | `0-2|3-3` | +20.0% | +20.0% | 1.000 | +20.0% | 1.000 |" in text
+    assert "| 2 | `0-0|1-3` | +10.0% | +17.5% | 1.100 | +16.8% | 1.040 |" in text
+    # Job 2 misses both bounds in its own job. Over all jobs its choice is within 5% of the best, but its
+    # predicted gain is still 6.8 points off: the pooled reading can fail too.
+    summary = text.split("\n")[-1]
+    assert summary == (
+        "In its own job: choice within 5% of the job's measured best in 1 of 2 jobs; predicted gain within 5 "
+        "points of the measured in 1 of 2. Against every job's visits: choice within 5% of the measured best "
+        "in 2 of 2; predicted gain within 5 points in 1 of 2."
+    )
