@@ -22,8 +22,9 @@ give the medians over jobs of the predicted and measured steps. A move delivers 
 speed (``benchmarks/results/freezing-2026-11-27-after-move.md``,
 ``head_cost-2026-11-27-after-move.md``: within 2%), so a visit measures what a fixed job would, in the
 same process as the profile. The callback's choice in each job is judged twice: against that job's
-visits alone, and against each placement's median over every job's visits (the issue's reading: a run's
-choice against the best placement measured in interleaved rounds). **Real compute.**
+visits alone, and over every job's visits (each placement's step over its job's uniform split, median
+over the jobs; the issue's reading: a run's choice against the best placement measured in interleaved
+rounds). **Real compute.**
 
     python -m benchmarks.calibration_sweep              # both models x both schedules, 3 jobs each: ~22 min
     python -m benchmarks.calibration_sweep --model gpt2 --schedule 1F1B --rounds 3
@@ -203,6 +204,8 @@ def section(
     measured: dict[str, list[float]] = {p: [] for p in names}
     early: dict[str, list[float]] = {p: [] for p in names}
     fitted: dict[str, list[float]] = {p: [] for p in names}
+    job_measured: list[dict[str, float]] = []
+    job_predicted: list[dict[str, float]] = []
     for r in runs:
         visits = {p: statistics.median(v) for p, v in r["visits_ms"].items()}
         predicted_ = {p: predicted_ms(r, schedule, p, sizes.microbatches, sizes.skip) for p in visits}
@@ -211,6 +214,8 @@ def section(
             measured[p].append(visits[p])
             early[p].append(predicted_[p])
             fitted[p].append(predicted_[p] * scale)
+        job_measured.append(visits)
+        job_predicted.append(predicted_)
     lines = [
         f"### {model}, {schedule} ({len(runs)} jobs x {sweep.cycles} visits per placement, "
         f"{sweep.measure} timed steps a visit after {sweep.settle})",
@@ -231,39 +236,56 @@ def section(
             f"| `{p}` | {meas:.1f} | {pred:.1f} | {(pred - meas) / meas:+.1%} | {fit:.1f} | "
             f"{(fit - meas) / meas:+.1%} | {per_job} | {spread:.0%} |"
         )
-    predicted = fitted
-    best_predicted = min(names, key=lambda p: statistics.median(predicted[p]))
-    best_measured = min(names, key=lambda p: statistics.median(measured[p]))
-    of_best = statistics.median(measured[best_predicted]) / statistics.median(measured[best_measured])
+    # Which placement is fastest, and what a choice gains, over all jobs (see pooled_steps).
+    pooled = pooled_steps(job_measured, base.placement)
+    pooled_predicted = pooled_steps(job_predicted, base.placement)
+    best_predicted = min(names, key=pooled_predicted.__getitem__)
+    best_measured = min(names, key=pooled.__getitem__)
+    of_best = pooled[best_predicted] / pooled[best_measured]
     agree = of_best <= 1.05
     lines += [
         "",
         f"Predicted ratios to the uniform split: median |error| {statistics.median(errors):.1%}, worst "
         f"{max(errors):.1%} (the {len(errors)} other placements). Predicted steps: median "
         f"{statistics.median(early_errors):.1%}, worst {max(early_errors):.1%}. Predicted best "
-        f"`{best_predicted}`, measured best `{best_measured}`: the predicted best measures {of_best:.2f}x "
-        f"the measured best ({'within' if agree else 'NOT within'} 5%).",
+        f"`{best_predicted}`, measured best `{best_measured}` (each job's steps over its uniform split's, "
+        f"medians over the jobs): the predicted best measures {of_best:.2f}x the measured best "
+        f"({'within' if agree else 'NOT within'} 5%).",
         "",
         parts_line(runs),
         "",
-        *choice_lines(runs, base.placement, {p: statistics.median(measured[p]) for p in names}),
+        *choice_lines(runs, base.placement, pooled),
     ]
     return "\n".join(lines), errors, early_errors, agree
+
+
+def pooled_steps(jobs: list[dict[str, float]], reference: str) -> dict[str, float]:
+    """Each placement's step over all jobs, as a ratio to each job's own ``reference`` step.
+
+    ``jobs`` holds per job its step per placement it ran (every job runs ``reference``). A placement's
+    pooled step is the median over the jobs that ran it of its step over that job's reference step,
+    times the reference's median over all jobs. A callback's choice is visited only in the jobs that
+    chose it, and one job can run every placement 10-20% faster or slower than the next: raw medians
+    over different sets of jobs would rank the jobs, not the placements.
+    """
+    scale = statistics.median(job[reference] for job in jobs)
+    names = dict.fromkeys(p for job in jobs for p in job)
+    return {p: scale * statistics.median(job[p] / job[reference] for job in jobs if p in job) for p in names}
 
 
 def choice_lines(runs: list[dict[str, Any]], uniform_split: str, pooled: dict[str, float]) -> list[str]:
     """Per job, the callback's choice: its predicted gain against the gain measured, two ways.
 
     In its own job: the uniform split's visits against the choice's, and the choice against the job's
-    fastest placement. Over all jobs (``pooled``: each placement's median over the jobs of its measured
-    step), as the issue measured its runs: each run's choice against the best placement measured in
-    every job's interleaved visits, and its predicted gain against the gain those medians give.
+    fastest placement. Over all jobs (``pooled``: :func:`pooled_steps` of the visits), as the issue
+    measured its runs: each run's choice against the best placement measured in every job's
+    interleaved visits, and its predicted gain against the gain those give.
     """
     best = min(pooled.values())
     lines = [
         "The callback's own choice from the uniform split, judged in its own job (measured gain: the "
         "uniform split's visits against the choice's) and against every job's visits (each placement's "
-        "median over the jobs):",
+        "step over its job's uniform split, median over the jobs):",
         "",
         "| job | choice | predicted gain | measured gain | choice / job's measured best "
         "| measured gain, all jobs | choice / measured best, all jobs |",

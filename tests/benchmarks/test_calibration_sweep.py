@@ -1,12 +1,13 @@
 """The in-job calibration: the sweep visits every placement as planned; quick mode reports (no timing)."""
 
 import re
+import statistics
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from benchmarks.calibration_sweep import PlacementSweep, Sweep, choice_lines, main
+from benchmarks.calibration_sweep import PlacementSweep, Sweep, choice_lines, main, pooled_steps
 
 
 class _Strategy:
@@ -105,3 +106,17 @@ def test_the_choice_is_judged_in_its_job_and_against_every_jobs_medians():
         "points of the measured in 1 of 2. Against every job's visits: choice within 5% of the measured best "
         "in 2 of 2; predicted gain within 5 points in 1 of 2."
     )
+
+
+def test_pooled_steps_rank_placements_by_their_ratio_to_each_jobs_uniform_split():
+    jobs = [
+        {"0-1|2-3": 100.0, "0-2|3-3": 80.0, "0-0|1-3": 82.0},  # a fast job, the only one that chose 0-0|1-3
+        {"0-1|2-3": 130.0, "0-2|3-3": 104.0},
+        {"0-1|2-3": 130.0, "0-2|3-3": 104.0},
+    ]
+    pooled = pooled_steps(jobs, "0-1|2-3")
+    assert pooled == pytest.approx({"0-1|2-3": 130.0, "0-2|3-3": 104.0, "0-0|1-3": 106.6})
+    assert min(pooled, key=pooled.__getitem__) == "0-2|3-3"
+    # Negative control: raw medians over the jobs that ran each would crown the fast job's choice.
+    raw = {p: statistics.median(job[p] for job in jobs if p in job) for p in pooled}
+    assert min(raw, key=raw.__getitem__) == "0-0|1-3"
