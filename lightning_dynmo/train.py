@@ -4,10 +4,10 @@ Read in this order: :func:`main` (the Hydra entry point), :func:`run` (start the
 this process is a rank), :func:`fit` (instantiate every node of the config and call ``Trainer.fit``,
 resuming from ``ckpt_path``, then ``Trainer.test`` with ``run_test=true``).
 
-The configuration is ``conf/train.yaml``, shipped inside the package, and its groups (``model``,
-``dynamism``, ``balancer``, ``strategy``, ``callbacks``, ``trainer``, ``data``, ``logger``,
-``experiment``); each node names a public constructor by ``_target_`` and is validated against a schema
-generated from that constructor (:mod:`lightning_dynmo.app.schema`). Examples::
+The configuration is ``conf/train.yaml`` (the repository's top-level ``conf/``, shipped inside the wheel)
+and its groups (``model``, ``dynamism``, ``balancer``, ``strategy``, ``callbacks``, ``trainer``, ``data``,
+``logger``, ``experiment``); each node names a public constructor by ``_target_`` and is validated against a
+schema generated from that constructor (:mod:`lightning_dynmo.app.schema`). Examples::
 
     python -m lightning_dynmo.train                                      # the quick start
     python -m lightning_dynmo.train dynamism=pruning balancer=diffusion_time trainer.max_steps=200
@@ -52,12 +52,36 @@ from lightning_dynmo.app.launch import (
 from lightning_dynmo.app.report import RunReport, format_summary
 from lightning_dynmo.app.schema import register_schemas
 
-__all__ = ["CONF_DIR", "fit", "main", "run"]
+__all__ = ["CONF_DIR", "conf_dir", "fit", "main", "run"]
 
 log = logging.getLogger(__name__)
 
-#: The Hydra configuration of the application (``lightning_dynmo/conf/``, shipped in the package).
-CONF_DIR = Path(__file__).resolve().parent / "conf"
+
+def conf_dir(package: Path) -> Path:
+    """Where the application's Hydra configuration is: the wheel's copy, or the clone's top-level ``conf/``.
+
+    The repository keeps one copy, ``conf/`` beside the package; the build backend ships it inside the wheel
+    as ``lightning_dynmo/conf`` (see setup.py). A clone (``python -m lightning_dynmo.train`` from its root,
+    or an editable install) reads the top-level folder.
+
+    Args:
+        package: The folder of the ``lightning_dynmo`` package that is running.
+
+    Raises:
+        FileNotFoundError: Neither place holds ``train.yaml``.
+    """
+    for candidate in (package / "conf", package.parent / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the application's configuration (train.yaml) is neither in {package / 'conf'} (an installed wheel) "
+        f"nor in {package.parent / 'conf'} (a clone); reinstall lightning-dynmo, or run from a full clone"
+    )
+
+
+#: The Hydra configuration of the application (top-level ``conf/``, shipped in the wheel as
+#: ``lightning_dynmo/conf/``).
+CONF_DIR = conf_dir(Path(__file__).resolve().parent)
 
 register_schemas()
 if not OmegaConf.has_resolver("dynmo_run_id"):

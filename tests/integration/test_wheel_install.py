@@ -1,16 +1,21 @@
 """The package installs like one: a wheel, installed outside the clone, runs the application.
 
 The wheel is built from a copy of what it is made of (no build files land in the checkout), installed
-with ``--no-deps`` into a fresh virtualenv that sees this interpreter's packages (torch, lightning, hydra:
-nothing is downloaded), and both entry points print the composed config from a directory outside the
-clone. That venv's own site-packages come before the system ones, so it imports the wheel's copy, not an
-editable install of the checkout; the test checks that first.
+with ``--no-deps`` into a fresh virtualenv that sees the packages of the environment running the tests
+(torch, lightning, hydra: nothing is downloaded), and both entry points print the composed config from a
+directory outside the clone. That venv's own site-packages come before the borrowed ones, so it imports the
+wheel's copy, not an editable install of the checkout; the test checks that first.
+
+The borrowed packages are this interpreter's site-packages, named in a ``.pth`` file, not
+``system_site_packages=True``: a venv made from inside another venv would then see the *base* Python's
+packages, which on a fresh machine has none of the dependencies.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -23,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What the wheel is built from.
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "lightning_dynmo")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "lightning_dynmo", "conf")
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 300) -> str:
@@ -50,7 +55,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_ships_the_config_the_type_marker_the_license_and_the_script(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    configs = {p.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_dynmo" / "conf").rglob("*.yaml")}
+    configs = {f"lightning_dynmo/{p.relative_to(ROOT).as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert configs and configs <= names, sorted(configs - names)
     assert "lightning_dynmo/py.typed" in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)[-8:]
@@ -61,9 +66,11 @@ def test_the_wheel_ships_the_config_the_type_marker_the_license_and_the_script(w
 
 def test_the_installed_wheel_runs_the_app_outside_the_clone(wheel: Path, tmp_path: Path) -> None:
     env_dir = tmp_path / "venv"
-    # pip comes from the system site-packages the venv sees; no download.
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
+    # The test environment's packages (pip among them: no download), after the venv's own site-packages.
+    (venv_site,) = env_dir.glob("lib/python*/site-packages")
+    (venv_site / "borrowed.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     install = ["-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", str(wheel)]
