@@ -86,4 +86,5 @@ class EmulatedCost(torch.nn.Module):
         if self.fwd_ms == 0.0 and self.bwd_ms == 0.0:
             return x
         factor = hardware.emulated_slowdown()
-        return _Sleep.apply(x, factor * self.fwd_ms / 1e3, factor * self.bwd_ms / 1e3)
+        slept: Tensor = _Sleep.apply(x, factor * self.fwd_ms / 1e3, factor * self.bwd_ms / 1e3)  # type: ignore[no-untyped-call]
+        return slept

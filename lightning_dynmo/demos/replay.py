@@ -21,7 +21,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.trace import CostTrace, StepCosts
+from lightning_dynmo.demos.emulated_block import EmulatedBlock
 from lightning_dynmo.demos.gpt import DemoGPT
 
 __all__ = ["CallOverhead", "TraceReplay", "measure_call_overhead"]
@@ -98,7 +99,7 @@ def measure_call_overhead(
     Run it in the process that replays (same threads, same machine load) before the ranks start.
     The model's costs are restored afterwards.
     """
-    block = model.layers["0"]
+    block = cast(EmulatedBlock, model.layers["0"])
     d_model = model.config.d_model
     x = torch.randn(microbatch_size, seq_len, d_model)
     results = []

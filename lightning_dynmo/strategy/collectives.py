@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
+from torch.distributed import ReduceOp
 
 if TYPE_CHECKING:
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -48,5 +48,5 @@ def reduce(
 def reduce_boolean_decision(strategy: DynMoStrategy, decision: bool, all: bool) -> bool:
     if strategy._released:
         return decision
-    votes = strategy.reduce(torch.tensor(int(decision), device=strategy.root_device), reduce_op=ReduceOp.SUM)
+    votes = strategy.reduce(torch.tensor(int(decision), device=strategy.root_device), reduce_op="sum")
     return bool(votes == len(strategy._active_ranks)) if all else bool(votes)

@@ -27,19 +27,18 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed import ReduceOp
+from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_dynmo.balancing.placement import Placement
@@ -359,7 +358,9 @@ class DynMoStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # One object (Lightning's rank_zero_only is lightning_utilities'), typed as a function: its rank is
+        # the attribute Lightning's own strategies set.
+        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
         self._grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
 
@@ -387,7 +388,8 @@ class DynMoStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self._module()
         fitting = trainer.state.fn == TrainerFn.FITTING
-        check_trainer_setup(module, self.precision_plugin, self._layer_sync, trainer.callbacks, fitting)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        check_trainer_setup(module, self.precision_plugin, self._layer_sync, callbacks, fitting)
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
         if module is not self._cut_module:
             replacement.place_initially(self, module)
@@ -422,8 +424,8 @@ class DynMoStrategy(ParallelStrategy):
     # -- placement and units --------------------------------------------------------------------------
 
     def _resolve_placement(self, spec: ModelSpec, module: nn.Module) -> Placement:
-        layers = module.layers
-        sizes = [sum(p.numel() for p in layers[str(i)].parameters()) for i in range(spec.num_layers)]
+        blocks = [module.get_submodule(f"layers.{i}") for i in range(spec.num_layers)]
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
         return initial_placement(self._placement_arg, spec.num_layers, self._num_stages_of_run(), sizes)
 
     def _num_stages_of_run(self) -> int:

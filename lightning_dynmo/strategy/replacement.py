@@ -171,7 +171,7 @@ def announce_release(strategy: DynMoStrategy, event: ReleaseEvent) -> None:
     trainer = strategy._trainer()
     if trainer is None:
         return
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         hook = getattr(callback, "on_dynmo_ranks_released", None)
         if callable(hook):
             hook(trainer, strategy._module(), event)
