@@ -21,11 +21,11 @@ magnitudes differ as in a real run (a global threshold then prunes them unevenly
    pruning to 90% over ``--prune-steps`` steps: the static uniform split, ``DynMoCallback(partition,
    time)`` from the uniform split (it rebalances on the ``pruned`` events), and every fixed contiguous
    split within ``--spread`` layers of uniform (the candidates). Runs are interleaved over ``--rounds``
-   rounds (:mod:`benchmarks.harness`); a run's step time is the median of its steps after the last
+   rounds (:mod:`benchmarks._lib.harness`); a run's step time is the median of its steps after the last
    pruning step plus ``--settle``; ratios are taken within a round, each round's ideal being the
    candidate fastest in the other rounds. Every fixed split also runs with
    ``DynMoCallback(balancer="static")`` attached (measuring only): whether DynMo's steps after its
-   moves match the same placement run fixed (:func:`benchmarks.harness.after_move_lines`).
+   moves match the same placement run fixed (:func:`benchmarks._lib.harness.after_move_lines`).
 4. **Projection to 8 stages.** The pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`,
    1F1B) replays part 1's per-micro-batch costs (``auto`` and ``ideal``) at each level on
    ``min(8, layers)`` stages: the static uniform and parameter splits; DynMo re-partitioning after each
@@ -50,9 +50,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import harness
-from benchmarks.common import corpus_data, results_path
-from benchmarks.levels import (
+from benchmarks._lib import harness
+from benchmarks._lib.common import corpus_data, results_path
+from benchmarks._lib.levels import (
     LevelCosts,
     end_parts,
     fastest,

@@ -1,4 +1,4 @@
-"""Shared pieces of the end-to-end benchmarks: launching a 2-process job and timing its steps."""
+"""Shared pieces of the benchmarks: launching a 2-process job and timing its steps."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from lightning_dynmo.strategy import DynMoStrategy
 
 T = TypeVar("T")
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def write_report(report: str, name: str, out: Path | None = None) -> Path:
@@ -176,7 +176,7 @@ def fit_demo_gpt(
 def benchmark_trainer(
     strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, devices: int = 2
 ) -> pl.Trainer:
-    """The Trainer the end-to-end benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
+    """The Trainer the pipeline benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
 
     No validation, logger, checkpoints, progress bar or distributed sampler (every rank reads the same
     batches).

@@ -1,7 +1,7 @@
 """Two-process jobs that time one GPT configuration on a real-compute 2-stage CPU pipeline.
 
 Read in this order: :class:`JobSpec` (what a job runs), :func:`run_job` (the body of each rank, started
-by ``benchmarks.common.launch``), then :func:`sweep_schedule` and :func:`median_ms`.
+by ``benchmarks._lib.common.launch``), then :func:`sweep_schedule` and :func:`median_ms`.
 
 Three kinds of job, each one 2-rank launch (1F1B, the GPT's real blocks, no emulated cost):
 
@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds in the spawned ranks
-from benchmarks.common import StepTimer, benchmark_trainer, corpus_data
+from benchmarks._lib.common import StepTimer, benchmark_trainer, corpus_data
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
