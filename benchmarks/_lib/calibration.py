@@ -29,7 +29,6 @@ MODELS = ("gpt", "gpt2")
 PROFILE_FROM = 11  # a profile job's steps from ``skip`` to 10 (no hooks yet) measure the runtime's own cost
 PROFILE_STEPS = 3  # then one window of this many profiled steps
 SCHEDULES = ("1F1B", "ZBVZeroBubble")
-REPEAT = "uniform (repeat)"  # the repeat control's job name
 
 
 @dataclass(frozen=True)

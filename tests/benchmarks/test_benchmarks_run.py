@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# The sections of a per-case study (pruning, freezing).
+# The sections of the freezing study.
 STUDY_SECTIONS = (
     "### 1. Per-layer",
     "### 2. Stage-load imbalance",
@@ -41,30 +41,11 @@ def test_profiling_benchmark_runs(tmp_path: Path) -> None:
     assert "python -m benchmarks.profiling --quick" in text and "Figures: **real compute**." in text
 
 
-def test_migration_benchmark_runs() -> None:
-    from benchmarks import bench_migration
-
-    (line,) = bench_migration.main(["--quick"])
-    assert line.startswith("dim=64: ") and " MB per move, median " in line and line.endswith(" MB/s")
-
-
 def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
     from benchmarks.profiling import set_allocator
 
     with pytest.raises(ValueError, match=r"allocator must be one of \('default', 'steady'\), got 'tc'"):
         set_allocator("tc")
-
-
-def test_pruning_benchmark_runs(tmp_path: Path) -> None:
-    text = run_benchmark("pruning", tmp_path, "--quick")
-    assert_contains(text, *STUDY_SECTIONS)
-    assert_contains(
-        text, "| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"
-    )
-    # every layer and the first/last parts at 90% (anchored: a measured share elsewhere may print "| 90% |")
-    assert len(re.findall(r"^\| 90% \| (?:\d+|first / last parts) \|", text, flags=re.MULTILINE)) == 4 + 1
-    assert "python -m benchmarks.pruning --quick" in text
-    assert "Figures: **real compute**, **emulated**, **projected**." in text
 
 
 def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
