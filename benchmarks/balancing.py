@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from benchmarks import harness
-from benchmarks.common import results_path
+from benchmarks._lib import harness
+from benchmarks._lib.common import results_path
 from lightning_dynmo.balancing import (
     BalanceProblem,
     Hardware,

@@ -1,14 +1,14 @@
 """Calibration inside one job: each placement's predicted step against the step measured in the same job.
 
-:mod:`benchmarks.calibration` compares a profile job's prediction with other jobs' measurements. On this
+The retired fixed-job calibration compared a profile job's prediction with other jobs' measurements. On this
 2-core VM one process can run a whole step 15-30% slower than the next (the repeat control there: two
 jobs of the same placement in one round differ by up to 31%), and that noise is as large as what the
 model is judged on. DynMo never predicts for another process: it profiles a job and moves that job. This
 benchmark asks that question. In each job (2 ranks, pinned, one torch thread each):
 
 1. the uniform split runs ``PROFILE_FROM`` steps and one profile window (``DynMoCallback(min_gain=0.99)``,
-   as the profile jobs of :mod:`benchmarks.calibration`: it decides and moves nothing); its costs predict
-   every candidate (:func:`benchmarks.calibration.predicted_ms`, the runtime's cost per action fitted on
+   the profile of :mod:`benchmarks._lib.calibration`: it decides and moves nothing); its costs predict
+   every candidate (:func:`benchmarks._lib.calibration.predicted_ms`, the runtime's cost per action fitted on
    this job's own steps before the window);
 2. the callback is then detached (no hooks, no windows), and :class:`PlacementSweep` visits every
    candidate in turn with :meth:`~lightning_dynmo.strategy.DynMoStrategy.apply_placement`: ``settle``
@@ -41,8 +41,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from benchmarks import harness
-from benchmarks.calibration import (
+from benchmarks._lib import harness
+from benchmarks._lib.calibration import (
     FULL,
     MODELS,
     PROFILE_FROM,
@@ -57,7 +57,7 @@ from benchmarks.calibration import (
     parts_line,
     predicted_ms,
 )
-from benchmarks.common import StepTimer, benchmark_trainer, results_path
+from benchmarks._lib.common import StepTimer, benchmark_trainer, results_path
 from lightning_dynmo.balancing import uniform
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
@@ -151,7 +151,7 @@ class PlacementSweep(pl.Callback):
 
 
 def run_sweep_job(job: SweepJob) -> dict[str, Any]:
-    """Body of one rank (started by :func:`benchmarks.common.launch`)."""
+    """Body of one rank (started by :func:`benchmarks._lib.common.launch`)."""
     torch.set_num_threads(1)
     timer = StepTimer()
     window = ProfilingConfig(steps=PROFILE_STEPS, measure_comm=True)

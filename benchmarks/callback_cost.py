@@ -1,8 +1,8 @@
 """What attaching DynMoCallback costs a real-compute pipeline that never moves, against no callback.
 
-One fixed 2-stage split of a dense GPT (the end-to-end benchmark's sizes) on 2 gloo CPU ranks, 1F1B, real
+One fixed 2-stage split of a dense GPT (the harness's full sizes) on 2 gloo CPU ranks, 1F1B, real
 compute, four jobs per round, interleaved over ``--rounds`` rounds (order rotated every round,
-:mod:`benchmarks.harness`):
+:mod:`benchmarks._lib.harness`):
 
 - ``no callback``: the placement alone;
 - ``DynMo idle``: ``DynMoCallback(every_n_steps=10_000)``: its always-on parts only (the busy timer, one
@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks.common import results_path
-from benchmarks.e2e import FULL, QUICK, Sizes
-from benchmarks.gpt_pipeline import JobSpec, run_job
+from benchmarks._lib import harness
+from benchmarks._lib.common import results_path
+from benchmarks._lib.gpt_pipeline import JobSpec, run_job
 from lightning_dynmo.models import GPTConfig
 
 PLACEMENT = "0-3|4-7"  # 8 blocks, the uniform split
@@ -51,7 +50,12 @@ QUICK_PLACEMENT = "0-1|2-3"  # 4 blocks
 
 
 def jobs(
-    config: GPTConfig, placement: str, steps: int, skip: int, sizes: Sizes, min_gain: float
+    config: GPTConfig,
+    placement: str,
+    steps: int,
+    skip: int,
+    sizes: harness.ModelSizes,
+    min_gain: float,
 ) -> dict[str, JobSpec]:
     """The four configurations, each one job of ``steps`` steps at ``placement``."""
     every_step = {**EVERY_STEP, "min_gain": min_gain}
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the ranks are forked from this process (common.launch)
     parser = harness.argument_parser(__doc__, "tiny model and one round", "rounds", "steps", "skip")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
+    sizes = harness.QUICK_SIZES if args.quick else harness.FULL_SIZES
     placement = QUICK_PLACEMENT if args.quick else PLACEMENT
     steps = args.steps or (8 if args.quick else 24)
     skip = args.skip if args.skip is not None else (3 if args.quick else 8)

@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks import harness
-from benchmarks.common import results_path, write_report
+from benchmarks._lib import harness
+from benchmarks._lib.common import results_path, write_report
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.placement import Placement

@@ -18,11 +18,11 @@ the model is not trained first):
    ``DynMoCallback(partition, time)`` from the uniform split (it rebalances on the ``frozen`` event) and
    every fixed contiguous split from one layer below uniform to ``--spread`` layers above it (freezing
    the front makes the first stage light, so the good splits give it more layers): the measured
-   candidates. Runs are interleaved over ``--rounds`` rounds (:mod:`benchmarks.harness`); a run's step
+   candidates. Runs are interleaved over ``--rounds`` rounds (:mod:`benchmarks._lib.harness`); a run's step
    time is the median of its steps after the freeze plus ``--settle``; ratios are taken within a round,
    each round's ideal being the candidate fastest in the other rounds. Every fixed split also runs with
    ``DynMoCallback(balancer="static")`` attached (measuring only), so the report can say whether DynMo's
-   steps after its move match the same placement run fixed (:func:`benchmarks.harness.after_move_lines`).
+   steps after its move match the same placement run fixed (:func:`benchmarks._lib.harness.after_move_lines`).
 4. **Projection to 8 stages.** The pipeline simulator (:func:`~lightning_dynmo.balancing.simulate_pipeline`,
    1F1B) replays part 1's per-micro-batch costs at each frozen fraction on ``min(8, layers)`` stages:
    the static uniform and parameter splits; DynMo re-partitioning after each freeze (the exact min-max
@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks import levels as study
-from benchmarks.common import results_path
+from benchmarks._lib import harness
+from benchmarks._lib import levels as study
+from benchmarks._lib.common import results_path
 from lightning_dynmo.balancing import LayerCost, Placement, uniform
 from lightning_dynmo.dynamism.freezing import FreezingConfig
 from lightning_dynmo.dynamism_callbacks import FreezingCallback

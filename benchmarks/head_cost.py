@@ -15,7 +15,7 @@ torch's elastic launcher, interleaved over ``--rounds`` rounds:
   own per-step cost in both.
 
 A run's step time is the median of its steps after ``--skip`` (past the DynMo run's profiling window
-and rebalance); ratios are taken within a round (:mod:`benchmarks.harness`), each round's ideal being
+and rebalance); ratios are taken within a round (:mod:`benchmarks._lib.harness`), each round's ideal being
 the candidate fastest in the other rounds. The report gives every candidate's step time and its paired
 ratios to the uniform split and the ideal, names the callback's choice and the block-only optimum
 (the exact partition of the same measured block costs without the parts, which is what a head-blind
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks.common import StepTimer, benchmark_trainer, results_path
+from benchmarks._lib import harness
+from benchmarks._lib.common import StepTimer, benchmark_trainer, results_path
 from lightning_dynmo.balancing import BalanceProblem, partition
 from lightning_dynmo.balancing.placement import Placement
 
@@ -126,7 +126,7 @@ def candidates(num_layers: int) -> list[str]:
 
 
 def compare(sizes: Sizes, steps: int, skip: int, rounds: int, window_at: int) -> dict[str, Any]:
-    """Every candidate and the DynMo run in interleaved rounds (:mod:`benchmarks.harness`), compared."""
+    """Every candidate and the DynMo run in interleaved rounds (:mod:`benchmarks._lib.harness`), compared."""
     half = sizes.num_layers // 2
     uniform = str(Placement.from_sizes([half, sizes.num_layers - half]))
     jobs = {f"fixed `{p}`": Job(f"fixed `{p}`", sizes, steps, p) for p in candidates(sizes.num_layers)}

@@ -10,7 +10,7 @@
    worker: ``ProfilingConfig(measure_speed=True)`` with the emulated probe; slow link: the default link
    measurement), and every fixed contiguous split (the candidates: the best of them is the placement that
    knows the slowdown, found by measuring). A run's figure is the median of its
-   steps after ``--skip``; ratios are taken within a round (:mod:`benchmarks.harness`), each round's
+   steps after ``--skip``; ratios are taken within a round (:mod:`benchmarks._lib.harness`), each round's
    ideal being the candidate fastest in the other rounds.
 2. **Step time after a re-pack, with and without the re-tune.** The GPT of :mod:`lightning_dynmo.models`
    (real compute) trains on 2 ranks; ``DynMoCallback(repack=RepackConfig(target_num_stages=1, ...))``
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks.common import StepTimer, benchmark_trainer, fit_demo_gpt, results_path
+from benchmarks._lib import harness
+from benchmarks._lib.common import StepTimer, benchmark_trainer, fit_demo_gpt, results_path
 from lightning_dynmo.balancing.placement import Placement
 
 BLOCK_MS = 5.0  # forward sleep of every DemoGPT block per micro-batch (backward: twice that)
@@ -91,7 +91,7 @@ def candidates(num_layers: int) -> list[str]:
 
 
 def compare_scenario(base: Job, skip: int, rounds: int) -> str:
-    """Static, DynMo and every candidate of one scenario in rounds (:mod:`benchmarks.harness`), compared."""
+    """Static, DynMo and every candidate of one scenario in rounds (``_lib.harness``), compared."""
     static = "static (uniform)"
     jobs = {
         static: replace(base, label=static),

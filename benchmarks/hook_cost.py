@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks import harness
-from benchmarks.common import results_path, write_report
+from benchmarks._lib import harness
+from benchmarks._lib.common import results_path, write_report
 from lightning_dynmo.models import GPT, GPTConfig
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.profiling.layer_timer import LayerTimer

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
-from benchmarks.common import results_path, write_report
+from benchmarks._lib import harness
+from benchmarks._lib.common import results_path, write_report
 from benchmarks.hook_cost import blocks, stage_step
 
 MICROBATCHES = 4

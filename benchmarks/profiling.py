@@ -58,8 +58,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from benchmarks import harness
-from benchmarks.common import launch, results_path, write_report
+from benchmarks._lib import harness
+from benchmarks._lib.common import launch, results_path, write_report
 from lightning_dynmo.profiling import LayerProfiler
 
 WIDTH, TOKENS, MICROBATCH_ROWS = 128, 64, 4

@@ -5,7 +5,7 @@ synthetic one with ``--quick``) and per pipeline shape (ranks x schedule; Interl
 per rank), every step of the trace is simulated by
 :func:`~lightning_dynmo.balancing.step_prediction.predict_step` under the schedule's own action lists
 (:func:`lightning_dynmo.pipeline.schedule_order`, so interleaving is kept), with the embedding and the
-head + loss costed (:mod:`benchmarks.trace_cases`). The model keeps its real layer count (SmolLM2-135M:
+head + loss costed (:mod:`benchmarks._lib.trace_cases`). The model keeps its real layer count (SmolLM2-135M:
 30 layers; no runs of copies); shapes with more stages than layers are left out. Placements:
 
 - **static uniform** (equal layer counts) and **static params** (equal parameters): fixed;
@@ -37,8 +37,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks.common import results_path, write_report
-from benchmarks.trace_cases import CASES, cost_trace, dense_trace, load_traces, synthetic_trace, trace_parser
+from benchmarks._lib.common import results_path, write_report
+from benchmarks._lib.trace_cases import (
+    CASES,
+    cost_trace,
+    dense_trace,
+    load_traces,
+    synthetic_trace,
+    trace_parser,
+)
 from lightning_dynmo.balancing import Placement, by_parameters, partition, uniform
 from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
 from lightning_dynmo.balancing.trace import CostTrace, StepCosts

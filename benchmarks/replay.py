@@ -5,8 +5,9 @@ model without dynamism, which shows the head's static imbalance alone; a synthet
 ``--quick``) and per pipeline size (``--ranks``, 8 and 16 by default; 1F1B), every block of a
 :class:`~lightning_dynmo.demos.DemoGPT` with the model's real layer count sleeps, at every step, what
 the trace says its layer costs at that step (:class:`~lightning_dynmo.demos.TraceReplay`), and so do
-the embedding and the head + loss (the parts, costed from the model's shape: :mod:`benchmarks.trace_cases`).
-Sleeping uses no CPU, so 8-16 ranks run on 2 cores (``start_method="forkserver"``). The costs are scaled so a
+the embedding and the head + loss (the parts, costed from the model's shape:
+:mod:`benchmarks._lib.trace_cases`). Sleeping uses no CPU, so 8-16 ranks run on 2 cores
+(``start_method="forkserver"``). The costs are scaled so a
 dense block sleeps ``--block-ms`` per micro-batch forward, less what a call costs beyond its sleep (the
 block's compute, the sleep's wake-up: :func:`~lightning_dynmo.demos.measure_call_overhead`, measured
 before the ranks start), so a layer costs what the trace says; the few cheaper than that overhead cost the
@@ -22,7 +23,7 @@ a run shorter than the trace skips rows evenly):
 - **DynMo**: ``DynMoCallback`` live (it profiles the sleeps, decides and migrates), from uniform.
 
 ``--rounds`` interleaved rounds (the job order reversed every other round); every ratio is taken within
-a round and summarised by its median (:mod:`benchmarks.paired`; the ideal is the best fixed placement,
+a round and summarised by its median (:mod:`benchmarks._lib.paired`; the ideal is the best fixed placement,
 one candidate: nothing to hold out). Per job the idle (bubble) share per iteration two ways: *simulated*
 (:func:`~lightning_dynmo.balancing.step_prediction.predict_step` on the true costs of each replayed step,
 the placement the job ended at) and *measured*, ``(ranks x step - work) / (ranks x step)`` with ``work``
@@ -47,10 +48,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import paired
-from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
-from benchmarks.projection import Shape, best_placement
-from benchmarks.trace_cases import (
+from benchmarks._lib import paired
+from benchmarks._lib.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks._lib.trace_cases import (
     DENSE_FWD,
     cost_trace,
     dense_trace,
@@ -58,6 +58,7 @@ from benchmarks.trace_cases import (
     synthetic_trace,
     trace_parser,
 )
+from benchmarks.projection import Shape, best_placement
 from lightning_dynmo.balancing import Placement, by_parameters, uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace
@@ -80,7 +81,8 @@ REFINE_BUDGET = 256  # step-model simulations that refine the best fixed placeme
 REPACK = "DynMo + re-pack"
 SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sleeps
 #: A job still running after this many times the slowest job so far (at least MIN_JOB_TIMEOUT_S) is
-#: stopped and run once more (:func:`benchmarks.common.launch`): a rank stuck in its launch costs minutes.
+#: stopped and run once more (:func:`benchmarks._lib.common.launch`): a rank stuck in its launch costs
+#: minutes.
 JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 3.0, 240.0
 
 
@@ -132,7 +134,7 @@ class ReplayJob:
 
 
 def run_replay(job: ReplayJob) -> dict[str, Any]:
-    """Body of one rank (started by ``benchmarks.common.launch``)."""
+    """Body of one rank (started by ``benchmarks._lib.common.launch``)."""
     torch.set_num_threads(1)
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None

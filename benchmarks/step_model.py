@@ -64,8 +64,8 @@ import torch.distributed as dist
 # compute as the schedule runs it; private in torch 2.13.
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from benchmarks.common import StepTimer, benchmark_trainer, launch, results_path, write_report
-from benchmarks.gpt_pipeline import PlacementSweep, visit_schedule
+from benchmarks._lib.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks._lib.gpt_pipeline import PlacementSweep, visit_schedule
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
 from lightning_dynmo.balancing.hardware import Hardware
@@ -239,7 +239,7 @@ class _SleepsOfEveryRank(pl.Callback):
 
 
 def run_job(job: StepModelJob) -> dict[str, Any]:
-    """Body of one rank (started by ``benchmarks.common.launch``)."""
+    """Body of one rank (started by ``benchmarks._lib.common.launch``)."""
     torch.set_num_threads(1)
     o = job.options
     sweep = visit_schedule(job.candidates, o.warm, o.measure, o.rounds, lead_steps=1)

@@ -1,5 +1,5 @@
-"""``python -m benchmarks.trained``: see :mod:`benchmarks.trained.record`."""
+"""``python -m benchmarks.trained``: record the traces (see :mod:`benchmarks._lib.trained.record`)."""
 
-from benchmarks.trained.record import main
+from benchmarks._lib.trained.record import main
 
 main()

@@ -5,7 +5,7 @@ depend on trained values). Per case, a block is timed (medians of repeats after 
 of its statistic; the points become the case's :class:`~lightning_dynmo.balancing.trace.CostCurve` (a
 measured table, piecewise linear) and a least-squares line through them gives the fit's error. The parts
 (embedding; final norm + head + cross-entropy) are timed too. The dated result file
-``benchmarks/results/cost_curves-<date>.json`` (+ ``.md``) is what :mod:`benchmarks.trace_cases` loads.
+``benchmarks/results/cost_curves-<date>.json`` (+ ``.md``) is what :mod:`benchmarks._lib.trace_cases` loads.
 
 ``python -m benchmarks.trained.cost_curves [--quick] [--out FOLDER] [--force]``; ``--quick`` is a tiny
 shape with 2 repeats (a smoke run for the tests, not figures).
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from benchmarks.trained.moe import upcycle
-from benchmarks.trained.traces import hardware
+from benchmarks._lib.trained.moe import upcycle
+from benchmarks._lib.trained.traces import hardware
 from lightning_dynmo.dynamism.moe import MoEOptions
 from lightning_dynmo.dynamism.sparse_attention import TilePlan, block_sparse_attention
 

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# The sections of a per-case study (pruning, freezing).
+# The sections of the freezing study.
 STUDY_SECTIONS = (
     "### 1. Per-layer",
     "### 2. Stage-load imbalance",
@@ -32,27 +32,6 @@ def assert_contains(text: str, *labels: str) -> None:
     assert not missing, f"missing from the report: {missing}"
 
 
-def test_rebalance_benchmark_runs(tmp_path: Path) -> None:
-    argv = ["--quick", "--steps", "9", "--change-at", "3", "--settle", "2", "--layers", "4", "--fwd-ms", "1"]
-    text = run_benchmark("rebalance", tmp_path, *argv)
-    for label in (
-        "static",
-        "DynMo partition/time",
-        "DynMo diffusion/time",
-        "DynMo partition/params",
-        "ideal",
-    ):
-        assert f"| {label}" in text
-    assert "python -m benchmarks.rebalance --quick" in text
-
-
-def test_overhead_benchmark_runs(tmp_path: Path) -> None:
-    text = run_benchmark("overhead", tmp_path, "--quick", "--steps", "12")
-    assert "| every_n_steps=40 | 12 |" in text and "| every_step (routing noise +-50%) | 12 |" in text
-    assert "| round | no callback (ms) | idle DynMoCallback (ms) | difference (ms) | ratio |" in text
-    assert text.count("\n| 1 | ") == 1 and "| median | | | | **" in text  # one idle round, then the median
-
-
 def test_profiling_benchmark_runs(tmp_path: Path) -> None:
     from benchmarks import profiling
 
@@ -62,78 +41,11 @@ def test_profiling_benchmark_runs(tmp_path: Path) -> None:
     assert "python -m benchmarks.profiling --quick" in text and "Figures: **real compute**." in text
 
 
-def test_migration_benchmark_runs() -> None:
-    from benchmarks import bench_migration
-
-    (line,) = bench_migration.main(["--quick"])
-    assert line.startswith("dim=64: ") and " MB per move, median " in line and line.endswith(" MB/s")
-
-
 def test_profiling_benchmark_rejects_an_unknown_allocator() -> None:
     from benchmarks.profiling import set_allocator
 
     with pytest.raises(ValueError, match=r"allocator must be one of \('default', 'steady'\), got 'tc'"):
         set_allocator("tc")
-
-
-def test_moe_benchmark_runs(tmp_path: Path) -> None:
-    argv = ["--quick", "--spread", "0", "--steps", "5", "--skip", "2", "--projection-steps", "3"]
-    text = run_benchmark("moe", tmp_path, *argv)
-    assert_contains(
-        text,
-        "| static (uniform) |",
-        "| DynMo every_step |",
-        "| static uniform split |",
-        "Linear fit",
-        "Figures: **real compute**, **projected**.",
-        "of the ideal (medians over 1 round(s)",
-    )
-    assert text.count("| per-step min-max partition") == 1
-    assert "python -m benchmarks.moe --quick --spread 0" in text
-
-
-def test_sparse_attention_benchmark_runs(tmp_path: Path) -> None:
-    argv = ["--quick", "--spread", "0", "--steps", "5", "--measure-steps", "5", "--repeats", "1"]
-    text = run_benchmark("sparse_attention", tmp_path, *argv)
-    for label in (
-        "| dense (SDPA) | 1.000 |",
-        "Linear fit over the hashed rows",
-        "| lag-1 autocorrelation |",
-        "| 2 | parameters |",
-        "| DynMo every 2 steps (",
-        "| static (uniform) |",
-        "| DynMo every_n_steps=2 |",
-        "Figures: **real compute**, **projected**.",
-        "of the ideal (medians over 1 round(s)",
-        "| DynMo every_step |",
-    ):
-        assert label in text
-    assert text.count("| per-step min-max partition") == 1
-    assert "python -m benchmarks.sparse_attention --quick --spread 0" in text
-
-
-def test_pruning_benchmark_runs(tmp_path: Path) -> None:
-    text = run_benchmark("pruning", tmp_path, "--quick")
-    assert_contains(text, *STUDY_SECTIONS)
-    assert_contains(
-        text, "| static uniform |", "| DynMo partition/time |", "| DynMo (re-partition per level) |"
-    )
-    # every layer and the first/last parts at 90% (anchored: a measured share elsewhere may print "| 90% |")
-    assert len(re.findall(r"^\| 90% \| (?:\d+|first / last parts) \|", text, flags=re.MULTILINE)) == 4 + 1
-    assert "python -m benchmarks.pruning --quick" in text
-    assert "Figures: **real compute**, **emulated**, **projected**." in text
-
-
-def test_e2e_benchmark_runs_every_mode(tmp_path: Path) -> None:
-    text = run_benchmark("e2e", tmp_path, "--quick")
-    assert "python -m benchmarks.e2e --quick" in text and "load average at start" in text
-    assert "Figures: **real compute**, **emulated**, **projected**." in text
-    assert "**Real compute**, 2 stages (the `ideal` row" in text
-    assert "**Emulated cost**, 8 blocks on 2 stages" in text
-    assert text.count("| 24 x 8 |") == text.count("| 48 x 16 |") == text.count("| 48 x 24 |") == 1
-    for label in ("| static uniform |", "| static params |", "| DynMo partition/time |", "| ideal |"):
-        assert text.count("\n" + label) == 2  # rows of the real and the emulated tables
-    assert "| early_exit |" in text and "4.52x |" in text
 
 
 def test_head_cost_benchmark_runs(tmp_path: Path) -> None:
@@ -160,7 +72,7 @@ def test_heterogeneous_benchmark_runs(tmp_path: Path) -> None:
 
 
 def test_a_dated_results_file_is_kept_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks import common
+    from benchmarks._lib import common
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     path = common.results_path("x", None, force=False)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from benchmarks import trace_cases
+from benchmarks._lib import trace_cases
 from benchmarks.trained import cost_curves
 from lightning_dynmo.balancing.trace import StatisticTrace
 

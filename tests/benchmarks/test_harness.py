@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import harness
-from benchmarks.common import launch
+from benchmarks._lib import harness
+from benchmarks._lib.common import launch
 
 
 def test_every_job_takes_every_slot_of_a_round_in_turn() -> None:
@@ -56,13 +56,15 @@ def test_two_stage_splits_around_half() -> None:
 
 
 def test_the_header_names_the_command_the_hardware_and_the_kind_of_figures() -> None:
-    text = harness.header("Title", "moe", ["--quick", "--spread", "0"], [harness.REAL, harness.PROJECTED])
+    text = harness.header(
+        "Title", "freezing", ["--quick", "--spread", "0"], [harness.REAL, harness.PROJECTED]
+    )
     assert text.startswith("## Title (")
-    assert "Command: `python -m benchmarks.moe --quick --spread 0`" in text
+    assert "Command: `python -m benchmarks.freezing --quick --spread 0`" in text
     assert "Hardware: " in text and "CPU cores" in text and "load average at start" in text
     assert "Figures: **real compute**, **projected**." in text
     with pytest.raises(ValueError, match=r"each must be one of \('real compute', 'emulated', 'projected'\)"):
-        harness.header("Title", "moe", [], ["measured"])
+        harness.header("Title", "freezing", [], ["measured"])
 
 
 def test_the_shared_options_parse_and_an_unknown_one_is_refused() -> None:

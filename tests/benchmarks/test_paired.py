@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from benchmarks import paired
+from benchmarks._lib import paired
 
 
 def test_the_held_out_ideal_is_not_the_lucky_winner_of_its_own_round() -> None:

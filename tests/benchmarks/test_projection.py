@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from benchmarks._lib.trace_cases import cost_trace, dense_trace, head_blocks, load_traces, synthetic_trace
 from benchmarks.projection import Shape, best_placement, main, project, step_s
-from benchmarks.trace_cases import cost_trace, dense_trace, head_blocks, load_traces, synthetic_trace
 from lightning_dynmo.balancing import uniform
 from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.pipeline import schedule_order

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
+from benchmarks._lib.trace_cases import TRACES, cost_trace, synthetic_trace
 from benchmarks.replay import ReplayJob, fixed_placements, repack_line, select_traces
 from benchmarks.replay import main as replay_main
-from benchmarks.trace_cases import TRACES, cost_trace, synthetic_trace
 
 
 @pytest.mark.parametrize("compute", ["dense", "linear"])

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from benchmarks.trained import early_exit, mod, moe, pruning, sparse_attention
-from benchmarks.trained.record import CASES, main
-from benchmarks.trained.smollm import find_gguf, tiny_llama
-from benchmarks.trained.traces import Trace, TraceRow, format_spread, spread
+from benchmarks._lib.trained import early_exit, mod, moe, pruning, sparse_attention
+from benchmarks._lib.trained.record import CASES, main
+from benchmarks._lib.trained.smollm import find_gguf, tiny_llama
+from benchmarks._lib.trained.traces import Trace, TraceRow, format_spread, spread
 from lightning_dynmo.dynamism.moe import MoEOptions
 
 

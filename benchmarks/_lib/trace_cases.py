@@ -29,7 +29,7 @@ from typing import Any
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostCurve, CostTrace, StatisticTrace
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 TRACES = RESULTS / "traces"
 DENSE_FWD = 1.0  # a dense block's forward, the unit of every cost here (backward: twice)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.text import token_batches
-from benchmarks.trained.traces import Trace, TraceRow
-from benchmarks.trained.training import PRETRAINED_LR, adamw, decoder_layers, lm_step
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.text import token_batches
+from benchmarks._lib.trained.traces import Trace, TraceRow
+from benchmarks._lib.trained.training import PRETRAINED_LR, adamw, decoder_layers, lm_step
 from lightning_dynmo.dynamism.magnitude_select import PrunableWeight, select_global_pruning
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 

@@ -6,8 +6,8 @@ import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.trained.smollm import PretrainedModel
-from benchmarks.trained.traces import Trace, hardware
+from benchmarks._lib.trained.smollm import PretrainedModel
+from benchmarks._lib.trained.traces import Trace, hardware
 
 __all__ = ["CaseRun", "encoder"]
 

@@ -2,9 +2,9 @@
 
 Read in this order: :class:`ModelSizes` (a mode's sizes, as data), :func:`run_rounds` (the one loop every
 measured comparison runs), :func:`step_ms` (a job's figure per round), :func:`compare_runs` (the one
-statistic, :func:`benchmarks.paired.compare`: ratios within a round, the ideal held out of the round it
+statistic, :func:`benchmarks._lib.paired.compare`: ratios within a round, the ideal held out of the round it
 judges), :func:`table` and :func:`verdict` (how a comparison is written), :func:`compare_placements` (all
-of it for fixed 2-stage splits against DynMo, jobs of :func:`benchmarks.gpt_pipeline.run_job` built by
+of it for fixed 2-stage splits against DynMo, jobs of :func:`benchmarks._lib.gpt_pipeline.run_job` built by
 :func:`fixed_job`), then the report: :func:`argument_parser` (the options every script shares),
 :func:`header` (what every report starts with) and :func:`finish` (how it ends and is written).
 
@@ -31,9 +31,9 @@ from typing import Any, Self, TypeVar
 
 import torch
 
-from benchmarks import paired
-from benchmarks.common import launch, write_report
-from benchmarks.gpt_pipeline import JobSpec, run_job
+from benchmarks._lib import paired
+from benchmarks._lib.common import launch, write_report
+from benchmarks._lib.gpt_pipeline import JobSpec, run_job
 from lightning_dynmo.balancing import Placement
 from lightning_dynmo.models import GPTConfig, OptimizerConfig
 
@@ -99,7 +99,7 @@ def run_rounds(
 ) -> dict[str, list[dict[str, Any]]]:
     """Launch every job once per round, in :func:`rotated` order; per job, rank 0's report of each round.
 
-    Each job is a fresh ``nproc``-rank launch (:func:`benchmarks.common.launch`, ranks pinned to cores
+    Each job is a fresh ``nproc``-rank launch (:func:`benchmarks._lib.common.launch`, ranks pinned to cores
     where there are enough): timing placements one after the other inside one job favours the later ones.
 
     Args:
@@ -108,7 +108,7 @@ def run_rounds(
         rounds: How many times each job runs.
         tag: Prefix of the progress lines (stderr).
         nproc: Ranks per job.
-        start_method: ``"spawn"`` or ``"fork"`` (see :func:`benchmarks.common.launch`).
+        start_method: ``"spawn"`` or ``"fork"`` (see :func:`benchmarks._lib.common.launch`).
         log: Lines worth printing after a job (its decisions, say).
     """
     if rounds < 1:
@@ -138,7 +138,7 @@ def compare_runs(
     held_out: bool = True,
     gap: float = IMBALANCE_GAP,
 ) -> paired.PairedComparison:
-    """The paired comparison of the named runs of ``per_round`` (see :func:`benchmarks.paired.compare`)."""
+    """The paired comparison of the named runs of ``per_round`` (see :func:`.paired.compare`)."""
     return paired.compare(
         statics={k: per_round[k] for k in statics},
         dynmo={k: per_round[k] for k in dynmo},
@@ -211,7 +211,7 @@ def table(
 def verdict(comparison: paired.PairedComparison, gap: float = IMBALANCE_GAP) -> tuple[list[str], bool | None]:
     """Paired ratios against the better static split and the ideal; ``None`` when not imbalanced.
 
-    Every ratio is a median over rounds of a ratio taken within one round (see :mod:`benchmarks.paired`).
+    Every ratio is a median over rounds of a ratio taken within one round (see :mod:`benchmarks._lib.paired`).
     """
     c = comparison
     ideal = "the ideal held out of each round" if c.held_out else "the ideal"
@@ -272,7 +272,7 @@ def fixed_job(
         config: The GPT.
         steps: Steps of every job.
         optimizer: Its learning rate and weight decay (a rate that learns, unless the case needs it still).
-        extra: Further :class:`~benchmarks.gpt_pipeline.JobSpec` fields (the case's callbacks, its data).
+        extra: Further :class:`~benchmarks._lib.gpt_pipeline.JobSpec` fields (the case's callbacks, its data).
     """
     return JobSpec(
         kind="fixed",
@@ -319,7 +319,7 @@ def compare_placements(
 ) -> str:
     """A real-compute 2-stage comparison as a report section: fixed splits and DynMo variants, in rounds.
 
-    One :func:`~benchmarks.gpt_pipeline.run_job` job per fixed split (``static`` under ``static_label``,
+    One :func:`~benchmarks._lib.gpt_pipeline.run_job` job per fixed split (``static`` under ``static_label``,
     every other candidate as ``fixed <placement>``) and per DynMo variant (starting at ``static``), all
     ``base`` otherwise; each round's ideal is the fixed split fastest in the other rounds.
 

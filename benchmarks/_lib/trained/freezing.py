@@ -9,10 +9,10 @@ allows tens of steps, not thousands); the gradient-norm ratios of every decision
 
 from __future__ import annotations
 
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.text import token_batches
-from benchmarks.trained.traces import Trace, TraceRow
-from benchmarks.trained.training import PRETRAINED_LR, adamw, decoder_layers, lm_step
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.text import token_batches
+from benchmarks._lib.trained.traces import Trace, TraceRow
+from benchmarks._lib.trained.training import PRETRAINED_LR, adamw, decoder_layers, lm_step
 from lightning_dynmo.dynamism.freezing import FreezingConfig, FreezingScope, LayerFreezer, is_frozen
 
 __all__ = ["record"]

@@ -1,7 +1,7 @@
 """Two-process jobs that time one GPT configuration on a real-compute 2-stage CPU pipeline.
 
 Read in this order: :class:`JobSpec` (what a job runs), :func:`run_job` (the body of each rank, started
-by ``benchmarks.common.launch``), then :func:`sweep_schedule` and :func:`median_ms`.
+by ``benchmarks._lib.common.launch``), then :func:`sweep_schedule`.
 
 Three kinds of job, each one 2-rank launch (1F1B, the GPT's real blocks, no emulated cost):
 
@@ -21,7 +21,6 @@ them which tokens exit or are routed, should not drift during the measurement.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import lightning_dynmo.dynamism  # noqa: F401  # registers the block kinds in the spawned ranks
-from benchmarks.common import StepTimer, benchmark_trainer, corpus_data
+from benchmarks._lib.common import StepTimer, benchmark_trainer, corpus_data
 from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.data import TextDataModule
 from lightning_dynmo.models import GPT, GPTConfig, OptimizerConfig
@@ -40,7 +39,6 @@ from lightning_dynmo.strategy import DynMoStrategy
 __all__ = [
     "JobSpec",
     "PlacementSweep",
-    "median_ms",
     "random_tokens",
     "run_job",
     "sweep_schedule",
@@ -195,8 +193,3 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
                 timed.setdefault(placement_text, []).append(step_s)
         report["sweep_s"] = timed
     return report
-
-
-def median_ms(step_s: Sequence[float]) -> float:
-    """The median of step times in seconds, in milliseconds."""
-    return 1e3 * statistics.median(step_s)

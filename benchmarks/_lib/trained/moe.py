@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.text import token_batches
-from benchmarks.trained.traces import Trace, TraceRow
-from benchmarks.trained.training import FRESH_LR, PRETRAINED_LR, adamw, decoder_layers, lm_step
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.text import token_batches
+from benchmarks._lib.trained.traces import Trace, TraceRow
+from benchmarks._lib.trained.training import FRESH_LR, PRETRAINED_LR, adamw, decoder_layers, lm_step
 from lightning_dynmo.dynamism.moe import MoEOptions, load_balance_loss, route
 
 __all__ = ["UpcycledMoE", "record", "upcycle"]

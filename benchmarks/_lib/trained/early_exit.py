@@ -22,10 +22,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.text import token_batches
-from benchmarks.trained.traces import Trace, TraceRow
-from benchmarks.trained.training import PRETRAINED_LR, adamw, decoder_layers
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.text import token_batches
+from benchmarks._lib.trained.traces import Trace, TraceRow
+from benchmarks._lib.trained.training import PRETRAINED_LR, adamw, decoder_layers
 
 __all__ = ["AGREEMENT_TARGET", "active_shares", "calibrate", "exit_layers", "record", "saturation"]
 

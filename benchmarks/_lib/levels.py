@@ -1,10 +1,10 @@
 """A dynamism measured at a few levels (sparsities, frozen fractions): stage loads, imbalance, projection.
 
-The per-case studies (:mod:`benchmarks.pruning`, :mod:`benchmarks.freezing`) time every block at each
-level of their dynamism (:func:`fwd_bwd_s`, the :func:`fastest` repeat), then share what follows: each
-stage's load under a placement (its blocks plus the pinned first/last-stage parts), the imbalance of
-static splits, and the pipeline simulator's step time of static splits, of DynMo re-partitioning at each
-level and of the best single placement for the whole run. Everything after the timing is **projected**
+The freezing study (:mod:`benchmarks.freezing`) times every block at each level of its dynamism
+(:func:`fwd_bwd_s`, the :func:`fastest` repeat); what follows is shared: each stage's load under a
+placement (its blocks plus the pinned first/last-stage parts), the imbalance of static splits, and the
+pipeline simulator's step time of static splits, of DynMo re-partitioning at each level and of the best
+single placement for the whole run. Everything after the timing is **projected**
 from measured per-layer costs (no job runs).
 """
 

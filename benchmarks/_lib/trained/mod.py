@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.text import token_batches
-from benchmarks.trained.traces import Trace, TraceRow
-from benchmarks.trained.training import FRESH_LR, PRETRAINED_LR, adamw, lm_step
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.text import token_batches
+from benchmarks._lib.trained.traces import Trace, TraceRow
+from benchmarks._lib.trained.training import FRESH_LR, PRETRAINED_LR, adamw, lm_step
 
 __all__ = ["CAPACITY", "CAP_MULTIPLE", "MoDLayer", "capped_decision", "record", "route_every_other"]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.trained import early_exit, freezing, mod, moe, pruning, sparse_attention
-from benchmarks.trained.common import CaseRun
-from benchmarks.trained.smollm import load_smollm2, tiny_llama
-from benchmarks.trained.traces import Trace, format_spread
+from benchmarks._lib.trained import early_exit, freezing, mod, moe, pruning, sparse_attention
+from benchmarks._lib.trained.common import CaseRun
+from benchmarks._lib.trained.smollm import load_smollm2, tiny_llama
+from benchmarks._lib.trained.traces import Trace, format_spread
 
 __all__ = ["CASES", "main"]
 
@@ -30,7 +30,7 @@ CASES: dict[str, Callable[[CaseRun], Trace]] = {
     "mod": mod.record,
     "early_exit": early_exit.record,
 }
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "traces"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "results" / "traces"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

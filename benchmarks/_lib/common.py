@@ -1,4 +1,4 @@
-"""Shared pieces of the end-to-end benchmarks: launching a 2-process job and timing its steps."""
+"""Shared pieces of the benchmarks: launching a 2-process job and timing its steps."""
 
 from __future__ import annotations
 
@@ -16,18 +16,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
-import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from lightning_dynmo.callback import DynMoCallback
 from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
 from lightning_dynmo.strategy import DynMoStrategy
 
 T = TypeVar("T")
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def write_report(report: str, name: str, out: Path | None = None) -> Path:
@@ -176,7 +174,7 @@ def fit_demo_gpt(
 def benchmark_trainer(
     strategy: DynMoStrategy, callbacks: list[pl.Callback], steps: int, devices: int = 2
 ) -> pl.Trainer:
-    """The Trainer the end-to-end benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
+    """The Trainer the pipeline benchmarks share: ``devices`` CPU ranks, ``steps`` steps, only training.
 
     No validation, logger, checkpoints, progress bar or distributed sampler (every rank reads the same
     batches).
@@ -200,28 +198,6 @@ def corpus_data(seq_len: int, batch_size: int, cache_dir: str, max_bytes: int = 
     """The offline standard-library corpus (its first ``max_bytes``) as token rows cached in ``cache_dir``."""
     corpus = StdlibCorpus(max_bytes=max_bytes)
     return TextDataModule(corpus=corpus, seq_len=seq_len, batch_size=batch_size, cache_dir=cache_dir)
-
-
-def job_report(timer: StepTimer, strategy: DynMoStrategy, dynmo: DynMoCallback | None) -> dict[str, Any]:
-    """What one pipeline job reports: its step times, its last placement and what DynMo applied and cost."""
-    return {
-        "step_s": timer.step_s,
-        "placement": str(strategy.placement),
-        "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
-        "overhead_s": dynmo.overhead_s if dynmo else 0.0,
-    }
-
-
-def block_fwd_bwd_s(block: torch.nn.Module, x: torch.Tensor) -> float:
-    """Wall seconds of one forward + backward of ``block`` on ``x`` (the output's sum as the loss).
-
-    The block's gradients are cleared after, so repeated calls time the same work.
-    """
-    start = time.perf_counter()
-    block(x.requires_grad_(True)).sum().backward()
-    elapsed = time.perf_counter() - start
-    block.zero_grad(set_to_none=True)
-    return elapsed
 
 
 class StepTimer(pl.Callback):
