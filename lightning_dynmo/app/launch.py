@@ -118,7 +118,7 @@ def check_multi_node(num_nodes: Any, environ: Mapping[str, str] | None = None) -
             f"trainer.num_nodes={num_nodes} needs its ranks started on every node by a launcher: run "
             "`torchrun --nnodes N --nproc-per-node G --rdzv-id ID --rdzv-backend c10d --rdzv-endpoint "
             "HOST:PORT -m lightning_dynmo.train ...` on each node, or `srun python -m lightning_dynmo.train "
-            "...` under SLURM (README: Configuration and launch); on one node, set trainer.num_nodes=1."
+            "...` under SLURM (docs/guides/configuration.md); on one node, set trainer.num_nodes=1."
         )
 
 

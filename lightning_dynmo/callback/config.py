@@ -136,7 +136,7 @@ def refuse_moved_keywords(init: Callable[P, R]) -> Callable[P, R]:
     """Wrap ``DynMoCallback.__init__`` so an old flat keyword fails naming its new place.
 
     The wrapper keeps the wrapped signature (``inspect.signature`` follows ``__wrapped__``), so the
-    Hydra schema and the README checks read the real arguments.
+    Hydra schema and the generated API reference read the real arguments.
     """
 
     @functools.wraps(init)

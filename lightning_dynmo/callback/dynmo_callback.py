@@ -1,7 +1,7 @@
 """DynMoCallback: notice that the model changed, measure it, rebalance it, and say what it gained.
 
-Read in this order: the constructor (every knob; the grouped ones in :mod:`.config`), then the per-step
-cycle:
+Read in this order: the constructor (every knob; the grouped ones in
+:mod:`~lightning_dynmo.callback.config`), then the per-step cycle:
 
 1. ``on_train_batch_start``: apply a decision taken at the end of the previous step (migration happens
    at a step boundary, on every rank), then ask the trigger whether to start a profiling window

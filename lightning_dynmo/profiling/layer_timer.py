@@ -119,7 +119,7 @@ class LayerTimer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def attach(self, stages: Sequence[Any] = ()) -> None:
-        """Attach the hooks; ``stages`` (this rank's ``PipelineStage``s) let weight passes be timed."""
+        """Attach the hooks; ``stages`` (this rank's ``PipelineStage`` objects) let weight passes be timed."""
         if self.attached:
             raise RuntimeError("LayerTimer.attach() called twice; call detach() first.")
         for index, layer in self._layers.items():

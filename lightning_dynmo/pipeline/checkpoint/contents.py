@@ -1,9 +1,10 @@
 """Placement-independent Lightning checkpoints: the pieces of a checkpoint DynMo writes and reads.
 
 A DynMo checkpoint is a directory in which each rank wrote its own units (the default, see
-:mod:`.sharded`) or, with ``DynMoStrategy(save_distributed_checkpoint=False)``, one file gathered on
-global rank 0. Both carry checksums, verified before anything is loaded (:mod:`.checksums`). Read from a
-directory, or exported to a file, it is an ordinary Lightning checkpoint whose
+:mod:`~lightning_dynmo.pipeline.checkpoint.sharded`) or, with
+``DynMoStrategy(save_distributed_checkpoint=False)``, one file gathered on global rank 0. Both carry
+checksums, verified before anything is loaded (:mod:`.checksums`). Read from a directory, or exported to
+a file, it is an ordinary Lightning checkpoint whose
 
 * ``"state_dict"`` has exactly the keys of the single-process model's ``state_dict()``
   (``layers.7.fc1.weight``, ``tok_emb.weight``, ...), gathered from every stage, so plain

@@ -23,8 +23,9 @@ positional ids, so it survives any change of placement or pipeline size.
 Extra per-unit state. Non-tensor state of a unit (a freezing flag, router statistics, a call counter)
 is saved through torch's own protocol: a module that defines ``get_extra_state()`` / ``set_extra_state()``
 gets an ``"<prefix>_extra_state"`` entry in its ``state_dict`` and receives it back on load. Note that a
-live migration (:mod:`.migration`) carries plain attributes even without this protocol; a checkpoint only
-carries what ``state_dict`` carries (parameters, persistent buffers, extra state).
+live migration (:mod:`~lightning_dynmo.pipeline.migration`) carries plain attributes even without this
+protocol; a checkpoint only carries what ``state_dict`` carries (parameters, persistent buffers, extra
+state).
 
 Why not ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``/``set_...``: they key state
 by FQN too, but expect one ``nn.Module`` whose FQNs match (our units are named ``layers.7``, which no

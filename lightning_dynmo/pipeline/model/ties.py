@@ -111,7 +111,7 @@ class TiedCopies:
         return [module.get_parameter(t.first_name if first else t.last_name) for t in self.ties]
 
     def second_copies(self, module: nn.Module) -> set[int]:
-        """``id``s of the parameters a global gradient norm must not count (the last stage's copies)."""
+        """The ``id`` of each parameter a global gradient norm must not count (the last stage's copies)."""
         return {id(p) for p in self.local_params(module)} if self.side == "last" else set()
 
     def sync_grads(

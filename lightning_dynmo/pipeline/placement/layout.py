@@ -23,7 +23,7 @@ from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.balancing.placement import Placement
 
-#: The old name of :data:`~lightning_dynmo.balancing.moves.UnitMove` (README: "Moves").
+#: The old name of :data:`~lightning_dynmo.balancing.moves.UnitMove` (docs/guides/balancing.md).
 PlannedMove = UnitMove
 
 StageStyle = Literal["loop", "v"]
