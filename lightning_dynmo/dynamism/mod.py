@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from lightning_dynmo.dynamism.tokens import (
     TokenCounts,
     attend_within_subset,
+    check_token_bucket,
     select_tokens,
     touch_parameters,
     training_forward,
@@ -93,6 +94,7 @@ class MoDOptions:
     routing: str = "topk"
     predictor_hidden: int | None = None
     predictor_loss_weight: float = 1.0
+    token_bucket: int | None = 64
 
     def __post_init__(self) -> None:
         if not _is_number(self.capacity) or not 0 < self.capacity <= 1:
@@ -113,6 +115,7 @@ class MoDOptions:
         weight = self.predictor_loss_weight
         if not _is_number(weight) or not math.isfinite(weight) or weight < 0:
             raise ValueError(f"MoDOptions.predictor_loss_weight={weight!r} must be a finite number >= 0.")
+        check_token_bucket("MoDOptions.token_bucket", self.token_bucket)
 
     def capacity_tokens(self, seq: int) -> int:
         """Tokens per sequence of length ``seq`` that ``"topk"`` routing sends through the block."""
@@ -155,7 +158,7 @@ class MoDBlock(DenseBlock):
         chosen = self._top_k(weights.detach())
         logits = self.predictor(hidden.detach()).squeeze(-1)
         routed = chosen if self.options.routing == "topk" else logits.detach() > 0
-        selection = select_tokens(routed)
+        selection = select_tokens(routed, self.options.token_bucket)
         if training_forward(self):
             self.token_counts.record(selection.count, routed.numel())
         if selection.count == 0:  # nothing routed: every parameter still gets a (zero) gradient
@@ -182,6 +185,7 @@ def mod_config(
     capacity: float = 0.125,
     routing: str = "predictor",
     predictor_loss_weight: float = 1.0,
+    token_bucket: int | None = 64,
     **gpt: Any,
 ) -> GPTConfig:
     """The ready Mixture-of-Depths GPT: every other block routed (layers 1, 3, 5, ...), as in the paper.
@@ -195,9 +199,15 @@ def mod_config(
         capacity: See :class:`MoDOptions`.
         routing: See :class:`MoDOptions`.
         predictor_loss_weight: See :class:`MoDOptions`.
+        token_bucket: See :class:`MoDOptions`.
         **gpt: Any other :class:`~lightning_dynmo.models.GPTConfig` field (``d_model``, ``seq_len``, ...).
     """
-    options = MoDOptions(capacity=capacity, routing=routing, predictor_loss_weight=predictor_loss_weight)
+    options = MoDOptions(
+        capacity=capacity,
+        routing=routing,
+        predictor_loss_weight=predictor_loss_weight,
+        token_bucket=token_bucket,
+    )
     blocks = ["dense" if i % 2 == 0 else options for i in range(num_layers)]
     return GPTConfig(num_layers=num_layers, blocks=blocks, **gpt)
 
