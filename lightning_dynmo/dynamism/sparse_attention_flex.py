@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -156,7 +156,7 @@ def flex_bucket_attention(q: Tensor, k: Tensor, v: Tensor, plan: TilePlan) -> Te
         return x.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, d))
 
     block_mask = plan_block_mask(plan)
-    attend: Callable[..., Tensor] = _compiled() if q.is_cuda else flex_attention
+    attend = _compiled() if q.is_cuda else cast(Callable[..., Tensor], flex_attention)
     out = attend(
         sort(q, plan.q_order),
         sort(k, plan.k_order),
@@ -171,7 +171,7 @@ def _compiled() -> Callable[..., Tensor]:
     """One compiled FlexAttention for the process (torchtitan keeps one too: compiling is per callable)."""
     global _compiled_flex
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = cast(Callable[..., Tensor], torch.compile(flex_attention, dynamic=False))
     return _compiled_flex
 
 
