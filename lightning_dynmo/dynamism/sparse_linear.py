@@ -23,11 +23,12 @@ is cached until the mask changes (and rebuilt after a migration, which does not 
 compute the same function: ``tests/unit/dynamism/test_sparse_linear.py`` compares them forward and
 backward in float64.
 
-The structured kernels (:class:`_StructuredLinear`). Forward and the input gradient multiply by the
-masked weight converted to torch's sparse layout at each call (``to_sparse_bsr`` or
-``to_sparse_semi_structured``; a pass over the weight, small next to the product with a micro-batch),
-so two of the three matrix products of a training step run sparse; the weight gradient is the dense
-product restricted to the mask (the optimizer needs a dense gradient anyway). Where a structured
+The structured kernels (:class:`_StructuredLinear`). The forward multiplies by the masked weight
+converted to torch's sparse layout at each call (``to_sparse_bsr`` or ``to_sparse_semi_structured``; a
+pass over the weight, small next to the product with a micro-batch). BSR also runs the input gradient
+on the transposed blocks (two of a training step's three products sparse); 2:4 runs it dense, since a
+transposed 2:4 mask is not 2:4. The weight gradient is the dense product restricted to the mask (the
+optimizer needs a dense gradient anyway). Where a structured
 kernel cannot run the layer's dtype or device (BSR on CPU needs float32/64; semi-structured needs CUDA
 and float16/bfloat16), the layer computes the same function on the dense kernel, as the CSR kernel
 does under autocast; the pruner refuses to force such a kernel
@@ -140,7 +141,8 @@ class _CSRLinear(torch.autograd.Function):
 
 
 class _StructuredLinear(torch.autograd.Function):
-    """``y = x (W * mask)^T + b``: forward and input gradient on ``to_sparse`` of the masked weight."""
+    """``y = x (W * mask)^T + b``: forward (and, if ``transposed_too``, the input gradient) on
+    ``to_sparse`` of the masked weight (of its transpose)."""
 
     @staticmethod
     def forward(
@@ -150,29 +152,39 @@ class _StructuredLinear(torch.autograd.Function):
         bias: Tensor | None,
         mask: Tensor,
         to_sparse: Callable[[Tensor], Tensor],
+        transposed_too: bool,
     ) -> Tensor:
         in_features = weight.shape[1]
         rows = x.reshape(-1, in_features)
         masked = weight.detach() * mask
         y = F.linear(rows, to_sparse(masked), bias)
         ctx.save_for_backward(rows, masked, mask)
-        ctx.to_sparse, ctx.x_shape, ctx.has_bias = to_sparse, x.shape, bias is not None
+        ctx.to_sparse, ctx.transposed_too = to_sparse, transposed_too
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(
         ctx: Any, grad_out: Tensor
-    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
         rows, masked, mask = ctx.saved_tensors
         grad_rows = grad_out.reshape(-1, masked.shape[0]).contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = F.linear(grad_rows, ctx.to_sparse(masked.t().contiguous())).reshape(ctx.x_shape)
+            weight_t = masked.t().contiguous()
+            sparse_t = ctx.to_sparse(weight_t) if ctx.transposed_too else weight_t
+            grad_x = F.linear(grad_rows, sparse_t).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = (grad_rows.t() @ rows) * mask
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_rows.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _bsr(weight: Tensor, block: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # torch warns (once) that BSR support is "beta"; we test what we use
+        warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta")
+        return weight.to_sparse_bsr(block)
 
 
 def _semi_structured(weight: Tensor) -> Tensor:
@@ -377,15 +389,18 @@ class MaskedLinear(nn.Linear):
     def forward_bsr(self, x: Tensor) -> Tensor:
         """The block-sparse kernel (BSR forward and input gradient; ``bsr_block`` must tile the mask)."""
         block = (self.bsr_block, self.bsr_block)
-        return self._structured(x, lambda w: w.to_sparse_bsr(block))
+        return self._structured(x, lambda w: _bsr(w, block), transposed_too=True)
 
     def forward_semi_structured(self, x: Tensor) -> Tensor:
         """The 2:4 semi-structured kernel (CUDA float16/bfloat16; the mask must be a 2:4 sub-pattern)."""
-        return self._structured(x, _semi_structured)
+        # A 2:4 mask transposed is not 2:4: the input gradient multiplies the dense masked weight.
+        return self._structured(x, _semi_structured, transposed_too=False)
 
-    def _structured(self, x: Tensor, to_sparse: Callable[[Tensor], Tensor]) -> Tensor:
+    def _structured(
+        self, x: Tensor, to_sparse: Callable[[Tensor], Tensor], *, transposed_too: bool
+    ) -> Tensor:
         mask = self.weight_mask.to(self.weight.dtype)
-        result: Tensor = _StructuredLinear.apply(x, self.weight, self.bias, mask, to_sparse)  # type: ignore[no-untyped-call]
+        result: Tensor = _StructuredLinear.apply(x, self.weight, self.bias, mask, to_sparse, transposed_too)  # type: ignore[no-untyped-call]
         return result
 
     def extra_repr(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_dynmo.dynamism import sparse_linear
 from lightning_dynmo.dynamism.magnitude_select import num_to_prune
 from lightning_dynmo.dynamism.pruning import (
     GlobalMagnitudePruner,
@@ -226,3 +227,48 @@ def test_shapes_the_pattern_cannot_tile_are_refused() -> None:
         ValueError, match=r"pattern='2:4' needs each weight's input size to be a multiple of 4; "
     ):
         pruner.prune_to(0.3, PruningScope(layers, 1))
+
+
+def _two_four_layer(dtype: torch.dtype = torch.float64, device: str = "cpu") -> MaskedLinear:
+    torch.manual_seed(0)
+    layer = MaskedLinear.convert_(torch.nn.Linear(32, 16)).to(device=device, dtype=dtype)
+    magnitude = layer.weight.detach().abs().reshape(16, 8, 4)
+    keep = magnitude.argsort(dim=-1).argsort(dim=-1) >= 2  # the 2 largest of every 4
+    layer.set_mask(keep.reshape(16, 32))
+    return layer
+
+
+def test_the_semi_structured_kernel_is_the_dense_function_with_the_storage_emulated_on_a_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torch's to_sparse_semi_structured is CUDA-only: on a CPU the compressed storage is emulated
+    # (compress, then rebuild), which checks the kernel's autograd wiring around it in float64.
+    def emulated(weight: torch.Tensor) -> torch.Tensor:
+        values, positions = compress_two_four(weight, weight != 0)
+        out_features, in_features = weight.shape
+        rebuilt = torch.zeros(out_features, in_features // 4, 4, dtype=weight.dtype)
+        rebuilt.scatter_(-1, positions.view(out_features, -1, 2), values.view(out_features, -1, 2))
+        return rebuilt.view(out_features, in_features)
+
+    monkeypatch.setattr(sparse_linear, "_semi_structured", emulated)
+    layer = _two_four_layer()
+    x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
+    results = []
+    for forward in (layer.forward_dense, layer.forward_semi_structured):
+        out = forward(x)
+        weight = torch.linspace(-1, 1, 16, dtype=torch.float64)
+        results.append((out, *torch.autograd.grad((out * weight).sum(), [x, layer.weight, layer.bias])))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    # Negative control: an emulation that keeps the wrong 2 of 4 computes something else.
+    monkeypatch.setattr(sparse_linear, "_semi_structured", lambda w: emulated(w).roll(1, dims=1))
+    assert (layer.forward_semi_structured(x) - results[0][0]).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_semi_structured_kernel_on_cuda_is_close_to_dense_in_bf16() -> None:
+    layer = _two_four_layer(torch.bfloat16, "cuda")
+    assert layer.supports("semi_structured")
+    x = torch.randn(64, 32, dtype=torch.bfloat16, device="cuda")
+    torch.testing.assert_close(layer.forward_semi_structured(x), layer.forward_dense(x), rtol=2e-2, atol=2e-2)
