@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from lightning_dynmo.gpu_check.kernels import cli, parts
+from lightning_dynmo.gpu_check.kernels.curves import read_cost_curves
 from lightning_dynmo.gpu_check.kernels.timing import DRY_RUN_SHAPE, PAPER_SHAPE, Timer
 
 
@@ -44,6 +45,30 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path: Path) -> None
     for name in ("sparse_attention", "mod", "early_exit", "dense_and_freezing"):
         assert len(curves[name]["points"]) == 2 and not curves[name]["failed"], name
     assert set(curves["head_loss_and_embedding"]["timed"]) == {"head_and_loss", "embedding"}
+    read = read_cost_curves(path)
+    assert set(read) == {"sparse_attention", "mod", "early_exit", "dense_and_freezing"}
+    assert read["mod"].statistic == "processed_fraction" and len(read["mod"].points) == 2
+
+
+def _report(points: list[dict[str, float]], ok: bool = True) -> dict[str, Any]:
+    curve = {"statistic": "active_fraction", "points": points, "failed": {}}
+    part = {"ok": True, "result": {"early_exit": curve}} if ok else {"ok": None, "skipped": "out of budget"}
+    return {"device": {"devices": [{"name": "NVIDIA H200"}]}, "parts": {"cost_curves": part}}
+
+
+def test_a_cost_curve_interpolates_between_measured_points_and_never_beyond(tmp_path: Path) -> None:
+    path = tmp_path / "kernels.json"
+    points = [{"active_fraction": 1.0, "median_ms": 10.0}, {"active_fraction": 0.25, "median_ms": 4.0}]
+    path.write_text(json.dumps(_report(points)))
+    curve = read_cost_curves(path)["early_exit"]
+    assert curve.device == "NVIDIA H200" and curve.points == ((0.25, 4.0), (1.0, 10.0))
+    assert curve.ms_at(0.25) == 4.0 and curve.ms_at(1.0) == 10.0
+    assert curve.ms_at(0.5) == pytest.approx(6.0, abs=1e-12)
+    with pytest.raises(ValueError, match=r"active_fraction was measured on \[0.25, 1.0\] only"):
+        curve.ms_at(0.1)
+    path.write_text(json.dumps(_report(points, ok=False)))
+    with pytest.raises(ValueError, match=r"has no measured cost curves \(cost_curves part: out of budget\)"):
+        read_cost_curves(path)
 
 
 def test_the_budget_skips_parts_and_a_failing_part_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:

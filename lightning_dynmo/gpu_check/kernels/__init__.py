@@ -2,7 +2,8 @@
 
 Read in this order: :mod:`.timing` (the shapes and the interleaved fwd+bwd timer), :mod:`.parts` (the
 measurements: sparse attention, pruning kernels, MoD / early-exit stalls, MoE experts, cost curves),
-then :mod:`.cli` (the command, its budget and the JSON it writes).
+then :mod:`.cli` (the command, its budget and the JSON it writes) and :mod:`.curves` (the cost curves
+read back, for the projection and the replay).
 
 Every figure is real compute on the device the command ran on (labelled ``"real compute"`` in the JSON),
 timed forward + backward with interleaved rounds (each round runs every variant once, so a change of
