@@ -79,7 +79,7 @@ def resolve_attention_kernel(
         RuntimeError: ``kernel="flex"`` where it cannot run: a CPU forward that needs a backward, a
             forward with attention dropout, or CUDA tiles that are not a multiple of 16 rows.
     """
-    if kernel == "gather":
+    if kernel == "gather" or device.type == "meta":  # meta: torch's shape inference, shapes only
         return "gather"
     cuda = device.type == "cuda"
     if kernel == "auto":
