@@ -12,9 +12,10 @@ Modeling"; the anchors are in ``shared/notes/dynamism_anchors.md``, A5):
    an earlier layer. Their hidden state is carried unchanged, bit for bit. Only the still-active tokens
    get attention queries, the output projection and the MLP, computed on the gathered tokens
    (:mod:`lightning_dynmo.dynamism.tokens`), so a layer with a fraction ``a`` of active tokens costs
-   about ``(2 + 10 a) / 12`` of a dense block's matrix work. Exited tokens still provide keys and values
-   (from their carried state), as CALM's state propagation does, so the tokens after them see the same
-   context.
+   about ``(2 + 10 a) / 12`` of a dense block's matrix work (the count padded to a multiple of
+   ``token_bucket``, so a GPU sees few shapes; the padding is dropped). Exited tokens still provide
+   keys and values (from their carried state), as CALM's state propagation does, so the tokens after
+   them see the same context.
 2. **Confidence.** A per-layer exit head (``exit_norm``, a LayerNorm, then ``exit_head``, a linear map to
    the vocabulary) predicts each active token's next token; the confidence is CALM's ``softmax_diff``,
    the top-1 minus the top-2 softmax probability. A token leaves when its confidence reaches the

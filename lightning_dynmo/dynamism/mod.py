@@ -15,7 +15,9 @@ What a routed block does, per micro-batch (anchors in ``shared/notes/dynamism_an
    MLP. The block's output (attention plus MLP contributions) is multiplied by the token's raw router
    output and added to the residual: ``x + r * f(x)``, which puts the router on the gradient path. The
    other tokens pass unchanged, bit for bit. The router's bias starts at 1, so a routed block starts as
-   a plain block on the tokens it processes.
+   a plain block on the tokens it processes. The gathered token count (and the attention's row
+   width) is padded to a multiple of ``token_bucket`` so a GPU sees few shapes; the padding is
+   dropped (:mod:`lightning_dynmo.dynamism.tokens`).
 3. **Causal predictor.** Top-k over the sequence looks at future tokens, which autoregressive use
    cannot. A small MLP ``predictor`` on the detached input (stop-gradient: it trains only itself)
    learns, with a binary cross-entropy auxiliary loss (``train_aux/mod_predictor``), whether the token

@@ -151,3 +151,18 @@ def test_flex_refuses_what_it_cannot_run() -> None:
         ValueError, match=r"SparseAttentionOptions.kernel='triton' is not one of \('auto', 'flex', 'gather'\)"
     ):
         SparseAttentionOptions(kernel="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_flex_trains_like_the_gather_kernel_on_cuda() -> None:
+    q, k, v = (x.float().cuda().requires_grad_(True) for x in _qkv(seq=64, dim=16))
+    rotations = random_rotations(7, 3, 16, 4)
+    plan = plan_tiles(hash_buckets(q, rotations), hash_buckets(k, rotations), 16)
+    weight = torch.randn(2, 3, 64, 16, device="cuda")
+    grads = []
+    for attend in (flex_bucket_attention, block_sparse_attention):
+        out = attend(q, k, v, plan)
+        grads.append((out, *torch.autograd.grad((out * weight).sum(), [q, k, v])))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
