@@ -39,7 +39,12 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path: Path) -> None
     stalls = results["stalls"]
     for name in ("mod/bucket=64", "mod/bucket=None", "early_exit/bucket=64", "early_exit/bucket=None"):
         steps = stalls[name]["steps"]
-        assert steps and {"wall_ms", "processed_tokens", "allocator"} <= set(steps[0])
+        assert steps and {"wall_ms", "processed_tokens", "mlp_rows", "allocator"} <= set(steps[0])
+        bucket = 64 if name.endswith("=64") else None
+        for step in steps:  # the MLP's rows are the real count, or it rounded up to the bucket
+            for layer, count in step["processed_tokens"].items():
+                want = count if bucket is None or count == 0 else min(-(-count // bucket) * bucket, 128)
+                assert step["mlp_rows"][layer] == ([want] if count else []), (name, step)
     assert set(results["moe"]["router_scale=20.0"]["timed"]) == {"padded", "grouped"}
     curves = results["cost_curves"]
     for name in ("sparse_attention", "mod", "early_exit", "dense_and_freezing"):

@@ -295,37 +295,56 @@ def _stall_model(case: str, bucket: int | None, shape: Shape) -> GPT:
 
 
 def _stall_run(case: str, bucket: int | None, shape: Shape, device: str) -> dict[str, Any]:
+    """Train ``STALL_STEPS`` steps; per step its wall time, allocator work, token counts and MLP rows."""
     torch.manual_seed(0)
     model = _on(_stall_model(case, bucket, shape), shape, device)
+    assert isinstance(model, GPT)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    cuda = device == "cuda"
-    rows: list[dict[str, Any]] = []
-    for step in range(STALL_STEPS if cuda else STALL_WARMUP + 2):
-        before = torch.cuda.memory_stats() if cuda else {}
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        tokens = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
-        idx, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        logits = model(idx, labels)
-        _backward(F.cross_entropy(logits.float().reshape(-1, shape.vocab_size), labels.reshape(-1)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        after = torch.cuda.memory_stats() if cuda else {}
-        counts = {i: c.last_processed for i, c in token_counts(model).items()}
-        rows.append(
-            {
-                "step": step,
-                "wall_ms": round(1e3 * (time.perf_counter() - start), 3),
-                "processed_tokens": counts,
-                "allocator": {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_COUNTERS},
-            }
+    mlp_rows: dict[int, list[int]] = {}  # the rows each routed block's MLP multiplied: its kernel shape
+    handles = []
+    for index in token_counts(model):
+        seen = mlp_rows.setdefault(index, [])
+        mlp = model.layers[str(index)].mlp
+        assert isinstance(mlp, nn.Module)
+        handles.append(
+            mlp.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].shape[0]))
         )
+    try:
+        steps = STALL_STEPS if device == "cuda" else STALL_WARMUP + 2
+        rows = [_stall_step(model, optimizer, shape, device, mlp_rows) | {"step": n} for n in range(steps)]
+    finally:
+        for handle in handles:
+            handle.remove()
     steady = sorted(float(r["wall_ms"]) for r in rows[STALL_WARMUP:])
     median = steady[len(steady) // 2]
     return {"steps": rows, "median_ms": median, "max_ms": steady[-1], "max_over_median": steady[-1] / median}
+
+
+def _stall_step(
+    model: GPT, optimizer: torch.optim.Optimizer, shape: Shape, device: str, mlp_rows: dict[int, list[int]]
+) -> dict[str, Any]:
+    cuda = device == "cuda"
+    for seen in mlp_rows.values():
+        seen.clear()
+    before = torch.cuda.memory_stats() if cuda else {}
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tokens = torch.randint(0, shape.vocab_size, (shape.micro_batch, shape.seq_len + 1), device=device)
+    idx, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    logits = model(idx, labels)
+    _backward(F.cross_entropy(logits.float().reshape(-1, shape.vocab_size), labels.reshape(-1)))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    after = torch.cuda.memory_stats() if cuda else {}
+    return {
+        "wall_ms": round(1e3 * (time.perf_counter() - start), 3),
+        "processed_tokens": {i: c.last_processed for i, c in token_counts(model).items()},
+        "mlp_rows": {i: list(seen) for i, seen in mlp_rows.items()},
+        "allocator": {key: after.get(key, 0) - before.get(key, 0) for key in ALLOCATOR_COUNTERS},
+    }
 
 
 # -- MoE ------------------------------------------------------------------------------------------------
