@@ -110,11 +110,12 @@ class EarlyExitOptions:
             once per optimizer step, in ``[0, 1)``.
         token_bucket: Round the number of tokens the block computes on (and its attention's row width)
             up to a multiple of this, capped at the micro-batch: on a GPU each new count is a new kernel
-            shape and allocation size, and bounding them removes the steps that stall when the count
-            moves. The padding repeats a real token and is dropped (no output, gradient, loss or
-            statistic changes); it costs at most ``token_bucket - 1`` extra tokens per call. On by
-            default (64, a tensor-core multiple) because GPU training is what this block is for; ``None``
-            computes on the exact count (tiny CPU models, where 64 may be the whole micro-batch).
+            shape and allocation size, the suspects of the steps that stalled when the count moved
+            (``python -m lightning_dynmo.gpu_check.kernels`` measures steps with and without buckets).
+            The padding repeats a real token and is dropped (no output, gradient, loss or statistic
+            changes); it costs at most ``token_bucket - 1`` extra tokens per call (and as many
+            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU training is what this block is for; ``None`` computes on
+            the exact count (tiny CPU models, where 64 may be the whole micro-batch).
     """
 
     threshold: float = 0.9

@@ -90,6 +90,14 @@ class MoDOptions:
         predictor_hidden: Hidden width of the predictor MLP; ``None``: ``max(1, d_model // 8)``.
         predictor_loss_weight: Scale of the predictor's binary cross-entropy; it trains only the
             predictor (its input is detached). 0 leaves the predictor untrained.
+        token_bucket: Round the number of tokens the block computes on (and its attention's row width)
+            up to a multiple of this, capped at the micro-batch: on a GPU each new count is a new kernel
+            shape and allocation size, the suspects of the steps that stalled when the count moved
+            (``python -m lightning_dynmo.gpu_check.kernels`` measures steps with and without buckets).
+            The padding repeats a real token and is dropped (no output, gradient, loss or statistic
+            changes); it costs at most ``token_bucket - 1`` extra tokens per call (and as many
+            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU training is what this block is for; ``None`` computes on
+            the exact count (tiny CPU models, where 64 may be the whole micro-batch).
     """
 
     capacity: float = 0.125

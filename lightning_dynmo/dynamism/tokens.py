@@ -13,7 +13,8 @@ padded to the busiest row (``width`` = its count). Rows of one micro-batch rarel
 padding is small next to what is saved.
 
 **Shape buckets.** On a GPU every new token count is a new matrix shape and a new allocation size (the
-GPU check saw single steps stall at 3-20x the steady cost when the count moved). With a ``bucket``,
+GPU check saw single steps of these blocks stall at 3-20x their steady cost as the counts moved; new
+shapes and the allocator are the suspects). With a ``bucket``,
 :func:`select_tokens` rounds both the number of gathered tokens and the row width up to a multiple of
 it (capped at the grid), so a block sees at most ``batch * seq / bucket`` shapes. The extra gathered
 rows repeat the first selected token and the extra row slots are marked invalid: their results are
