@@ -114,8 +114,9 @@ class EarlyExitOptions:
             (``python -m lightning_dynmo.gpu_check.kernels`` measures steps with and without buckets).
             The padding repeats a real token and is dropped (no output, gradient, loss or statistic
             changes); it costs at most ``token_bucket - 1`` extra tokens per call (and as many
-            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU training is what this block is for; ``None`` computes on
-            the exact count (tiny CPU models, where 64 may be the whole micro-batch).
+            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU
+            training is what this block is for; ``None`` computes on the exact count (tiny CPU models,
+            where 64 may be the whole micro-batch).
     """
 
     threshold: float = 0.9
