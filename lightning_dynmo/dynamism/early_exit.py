@@ -12,9 +12,10 @@ Modeling"; the anchors are in ``shared/notes/dynamism_anchors.md``, A5):
    an earlier layer. Their hidden state is carried unchanged, bit for bit. Only the still-active tokens
    get attention queries, the output projection and the MLP, computed on the gathered tokens
    (:mod:`lightning_dynmo.dynamism.tokens`), so a layer with a fraction ``a`` of active tokens costs
-   about ``(2 + 10 a) / 12`` of a dense block's matrix work. Exited tokens still provide keys and values
-   (from their carried state), as CALM's state propagation does, so the tokens after them see the same
-   context.
+   about ``(2 + 10 a) / 12`` of a dense block's matrix work (the count padded to a multiple of
+   ``token_bucket``, so a GPU sees few shapes; the padding is dropped). Exited tokens still provide
+   keys and values (from their carried state), as CALM's state propagation does, so the tokens after
+   them see the same context.
 2. **Confidence.** A per-layer exit head (``exit_norm``, a LayerNorm, then ``exit_head``, a linear map to
    the vocabulary) predicts each active token's next token; the confidence is CALM's ``softmax_diff``,
    the top-1 minus the top-2 softmax probability. A token leaves when its confidence reaches the
@@ -58,6 +59,7 @@ from torch import Tensor, nn
 from lightning_dynmo.dynamism.tokens import (
     TokenCounts,
     attend_from_subset,
+    check_token_bucket,
     select_tokens,
     touch_parameters,
     training_forward,
@@ -85,6 +87,8 @@ EXITED = "exited"
 EXIT_LOSS = "exit_ce"
 #: The name of the per-layer work signal (:attr:`TokenCounts.processed` of each layer).
 WORK_SIGNAL = "active_tokens"
+#: The label the exit loss ignores (cross-entropy's default): unlabelled tokens and shape padding.
+IGNORED_LABEL = -100
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +108,15 @@ class EarlyExitOptions:
             by at least this since its last event; ``None``: never.
         event_smoothing: Weight of the history in the exponential moving average of that share, updated
             once per optimizer step, in ``[0, 1)``.
+        token_bucket: Round the number of tokens the block computes on (and its attention's row width)
+            up to a multiple of this, capped at the micro-batch: on a GPU each new count is a new kernel
+            shape and allocation size, the suspects of the steps that stalled when the count moved
+            (``python -m lightning_dynmo.gpu_check.kernels`` measures steps with and without buckets).
+            The padding repeats a real token and is dropped (no output, gradient, loss or statistic
+            changes); it costs at most ``token_bucket - 1`` extra tokens per call (and as many
+            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU
+            training is what this block is for; ``None`` computes on the exact count (tiny CPU models,
+            where 64 may be the whole micro-batch).
     """
 
     threshold: float = 0.9
@@ -111,6 +124,7 @@ class EarlyExitOptions:
     loss_weight: float = 1.0
     event_shift: float | None = 0.1
     event_smoothing: float = 0.5
+    token_bucket: int | None = 64
 
     def __post_init__(self) -> None:
         _require(
@@ -137,6 +151,7 @@ class EarlyExitOptions:
             _is_number(self.event_smoothing) and 0 <= self.event_smoothing < 1,
             f"EarlyExitOptions.event_smoothing={self.event_smoothing!r} must be in [0, 1)",
         )
+        check_token_bucket("EarlyExitOptions.token_bucket", self.token_bucket)
 
 
 def no_token_exited(hidden: Tensor) -> Tensor:
@@ -184,7 +199,7 @@ class EarlyExitBlock(DenseBlock):
         self, hidden: Tensor, labels: Tensor, exited: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """``hidden`` ``[batch, seq, d_model]``, ``labels`` and ``exited`` ``[batch, seq]`` -> new both."""
-        active = select_tokens(~exited)
+        active = select_tokens(~exited, self.options.token_bucket)
         self._observe(active.count, exited.numel())
         if active.count == 0:  # every token left: nothing to compute, but every parameter gets a gradient
             return hidden + touch_parameters(self, hidden), {EXITED: exited}
@@ -196,9 +211,11 @@ class EarlyExitBlock(DenseBlock):
             return out, {EXITED: exited}
         logits = self.exit_head(self.exit_norm(x))
         if self.loss_weight > 0:
-            loss = F.cross_entropy(logits, active.gather(labels), reduction="sum") / exited.numel()
+            targets = active.fill_padding(active.gather(labels), IGNORED_LABEL)
+            loss = F.cross_entropy(logits, targets, ignore_index=IGNORED_LABEL, reduction="sum")
+            loss = loss / exited.numel()
             out = add_aux_loss(EXIT_LOSS, self.loss_weight * loss, out)
-        return out, {EXITED: self._exits(logits.detach(), active.flat, exited)}
+        return out, {EXITED: self._exits(logits[: active.count].detach(), active.flat, exited)}
 
     def exit_thresholds(self, positions: Tensor) -> Tensor:
         """The threshold at each sequence position in ``positions`` (a float64 tensor of their shape)."""
@@ -254,6 +271,7 @@ def early_exit_config(
     position_temperature: float | None = 4.0,
     loss_weight: float = 1.0,
     event_shift: float | None = 0.1,
+    token_bucket: int | None = 64,
     **gpt: Any,
 ) -> GPTConfig:
     """The ready early-exit GPT: dense blocks up to ``first_exit_layer``, early-exit blocks after.
@@ -270,6 +288,7 @@ def early_exit_config(
         position_temperature: See :class:`EarlyExitOptions` (CALM's 4 by default here).
         loss_weight: See :class:`EarlyExitOptions`.
         event_shift: See :class:`EarlyExitOptions`.
+        token_bucket: See :class:`EarlyExitOptions`.
         **gpt: Any other :class:`~lightning_dynmo.models.GPTConfig` field (``d_model``, ``seq_len``, ...).
     """
     if not isinstance(first_exit_layer, int) or not 0 <= first_exit_layer < num_layers:
@@ -282,6 +301,7 @@ def early_exit_config(
         position_temperature=position_temperature,
         loss_weight=loss_weight,
         event_shift=event_shift,
+        token_bucket=token_bucket,
     )
     blocks = ["dense"] * first_exit_layer + [options] * (num_layers - first_exit_layer)
     return GPTConfig(num_layers=num_layers, blocks=blocks, **gpt)

@@ -15,7 +15,9 @@ What a routed block does, per micro-batch (anchors in ``shared/notes/dynamism_an
    MLP. The block's output (attention plus MLP contributions) is multiplied by the token's raw router
    output and added to the residual: ``x + r * f(x)``, which puts the router on the gradient path. The
    other tokens pass unchanged, bit for bit. The router's bias starts at 1, so a routed block starts as
-   a plain block on the tokens it processes.
+   a plain block on the tokens it processes. The gathered token count (and the attention's row
+   width) is padded to a multiple of ``token_bucket`` so a GPU sees few shapes; the padding is
+   dropped (:mod:`lightning_dynmo.dynamism.tokens`).
 3. **Causal predictor.** Top-k over the sequence looks at future tokens, which autoregressive use
    cannot. A small MLP ``predictor`` on the detached input (stop-gradient: it trains only itself)
    learns, with a binary cross-entropy auxiliary loss (``train_aux/mod_predictor``), whether the token
@@ -47,6 +49,7 @@ from torch import Tensor, nn
 from lightning_dynmo.dynamism.tokens import (
     TokenCounts,
     attend_within_subset,
+    check_token_bucket,
     select_tokens,
     touch_parameters,
     training_forward,
@@ -87,12 +90,22 @@ class MoDOptions:
         predictor_hidden: Hidden width of the predictor MLP; ``None``: ``max(1, d_model // 8)``.
         predictor_loss_weight: Scale of the predictor's binary cross-entropy; it trains only the
             predictor (its input is detached). 0 leaves the predictor untrained.
+        token_bucket: Round the number of tokens the block computes on (and its attention's row width)
+            up to a multiple of this, capped at the micro-batch: on a GPU each new count is a new kernel
+            shape and allocation size, the suspects of the steps that stalled when the count moved
+            (``python -m lightning_dynmo.gpu_check.kernels`` measures steps with and without buckets).
+            The padding repeats a real token and is dropped (no output, gradient, loss or statistic
+            changes); it costs at most ``token_bucket - 1`` extra tokens per call (and as many
+            attention slots per sequence). On by default (64, a tensor-core multiple) because GPU
+            training is what this block is for; ``None`` computes on the exact count (tiny CPU models,
+            where 64 may be the whole micro-batch).
     """
 
     capacity: float = 0.125
     routing: str = "topk"
     predictor_hidden: int | None = None
     predictor_loss_weight: float = 1.0
+    token_bucket: int | None = 64
 
     def __post_init__(self) -> None:
         if not _is_number(self.capacity) or not 0 < self.capacity <= 1:
@@ -113,6 +126,7 @@ class MoDOptions:
         weight = self.predictor_loss_weight
         if not _is_number(weight) or not math.isfinite(weight) or weight < 0:
             raise ValueError(f"MoDOptions.predictor_loss_weight={weight!r} must be a finite number >= 0.")
+        check_token_bucket("MoDOptions.token_bucket", self.token_bucket)
 
     def capacity_tokens(self, seq: int) -> int:
         """Tokens per sequence of length ``seq`` that ``"topk"`` routing sends through the block."""
@@ -155,7 +169,7 @@ class MoDBlock(DenseBlock):
         chosen = self._top_k(weights.detach())
         logits = self.predictor(hidden.detach()).squeeze(-1)
         routed = chosen if self.options.routing == "topk" else logits.detach() > 0
-        selection = select_tokens(routed)
+        selection = select_tokens(routed, self.options.token_bucket)
         if training_forward(self):
             self.token_counts.record(selection.count, routed.numel())
         if selection.count == 0:  # nothing routed: every parameter still gets a (zero) gradient
@@ -182,6 +196,7 @@ def mod_config(
     capacity: float = 0.125,
     routing: str = "predictor",
     predictor_loss_weight: float = 1.0,
+    token_bucket: int | None = 64,
     **gpt: Any,
 ) -> GPTConfig:
     """The ready Mixture-of-Depths GPT: every other block routed (layers 1, 3, 5, ...), as in the paper.
@@ -195,9 +210,15 @@ def mod_config(
         capacity: See :class:`MoDOptions`.
         routing: See :class:`MoDOptions`.
         predictor_loss_weight: See :class:`MoDOptions`.
+        token_bucket: See :class:`MoDOptions`.
         **gpt: Any other :class:`~lightning_dynmo.models.GPTConfig` field (``d_model``, ``seq_len``, ...).
     """
-    options = MoDOptions(capacity=capacity, routing=routing, predictor_loss_weight=predictor_loss_weight)
+    options = MoDOptions(
+        capacity=capacity,
+        routing=routing,
+        predictor_loss_weight=predictor_loss_weight,
+        token_bucket=token_bucket,
+    )
     blocks = ["dense" if i % 2 == 0 else options for i in range(num_layers)]
     return GPTConfig(num_layers=num_layers, blocks=blocks, **gpt)
 

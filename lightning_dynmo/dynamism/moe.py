@@ -26,6 +26,10 @@ waits for its busiest expert. So the layer's time follows the routing and change
 over experts on exactly their tokens would do ``T * k`` rows every step on one device: constant work).
 The stacked parameters also mean that an expert which receives no token still gets a (zero) gradient,
 never ``None``: data-parallel gradient averaging sees the same tensors on every replica.
+``expert_kernel="grouped"`` computes the same function with one grouped GEMM over the real rows
+(``torch._grouped_mm``, what torchtitan's experts run); on one device it does only ``T * k`` rows, so it
+is the faster kernel where it runs, but the work signal still models the expert-parallel wait
+(``num_experts * max kept load``), which is what a pipeline of expert-parallel stages waits for.
 
 Auxiliary losses (:func:`~lightning_dynmo.pipeline.add_aux_loss`, gradients applied on the stage
 where the block runs), per micro-batch of ``T`` tokens:
@@ -93,6 +97,8 @@ Z_LOSS = "moe_z_loss"
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
+EXPERT_KERNELS = ("padded", "grouped")
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +120,13 @@ class MoEOptions:
         bias_update_rate: Step of the aux-loss-free expert bias after each optimizer step (0: no bias).
         routing_event_threshold: Publish a ``"routing"`` dynamism event when the layer's work ratio moved
             by more than this since its last event (``None``: never; see the module docstring).
+        expert_kernel: How the experts are computed. ``"padded"``: one batched product over
+            ``[E, max kept load, d_model]`` (every expert padded to the busiest). ``"grouped"``: one
+            grouped GEMM (``torch._grouped_mm``) over the kept assignments sorted by expert, which does
+            only the ``T * k`` real rows; float32/bfloat16/float16 only, and ``d_model`` and the expert
+            width must make 16-byte rows (torch's constraint). Both compute the same function (tested);
+            the work signal stays ``num_experts * max kept load`` either way, because under expert
+            parallelism the busiest expert sets the pace whatever kernel each device runs.
     """
 
     num_experts: int = 8
@@ -127,6 +140,7 @@ class MoEOptions:
     z_loss_coef: float = 0.001
     bias_update_rate: float = 0.0
     routing_event_threshold: float | None = None
+    expert_kernel: str = "padded"
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -141,6 +155,11 @@ class MoEOptions:
             raise ValueError(f"MoEOptions.expert_width={width!r} must be an integer >= 1 or None.")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"MoEOptions.score_func={self.score_func!r} must be one of {SCORE_FUNCS}.")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise ValueError(
+                f"MoEOptions.expert_kernel={self.expert_kernel!r} must be one of {EXPERT_KERNELS}: 'padded' "
+                "(batched, padded to the busiest expert) or 'grouped' (torch._grouped_mm on the real rows)."
+            )
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"MoEOptions.drop_policy={self.drop_policy!r} must be one of {DROP_POLICIES}.")
         cf = self.capacity_factor
@@ -267,6 +286,40 @@ class ExpertMLPs(nn.Module):
             if bias is not None:
                 nn.init.zeros_(bias)
 
+    def forward_grouped(self, rows: Tensor, expert_of_row: Tensor, group_ends: Tensor) -> Tensor:
+        """``[N, d_model] -> [N, d_model]`` with rows sorted by expert: one grouped GEMM per matrix.
+
+        Args:
+            rows: The kept assignments' inputs, expert 0's first.
+            expert_of_row: ``[N]`` the expert of each row (for the biases).
+            group_ends: ``[E]`` int32 cumulative row counts (where each expert's rows end).
+
+        Raises:
+            ValueError: a dtype or width ``torch._grouped_mm`` does not take.
+        """
+        self._check_grouped(rows)
+        hidden = torch._grouped_mm(_contiguous_grad(rows), self.w_in, offs=group_ends)
+        if self.b_in is not None:
+            hidden = hidden + self.b_in[expert_of_row]
+        out = torch._grouped_mm(_contiguous_grad(F.gelu(hidden)), self.w_out, offs=group_ends)
+        if self.b_out is not None:
+            out = out + self.b_out[expert_of_row]
+        return _contiguous_grad(out)
+
+    def _check_grouped(self, rows: Tensor) -> None:
+        if rows.dtype not in _GROUPED_DTYPES:
+            raise ValueError(
+                f"MoEOptions.expert_kernel='grouped' runs torch._grouped_mm, which takes {_GROUPED_DTYPES}; "
+                f"this block computes in {rows.dtype}. Use expert_kernel='padded' (e.g. for float64 tests)."
+            )
+        per_row = 16 // rows.element_size()
+        if self.d_model % per_row or self.width % per_row:
+            raise ValueError(
+                f"MoEOptions.expert_kernel='grouped' needs 16-byte rows: d_model={self.d_model} and expert "
+                f"width={self.width} must be multiples of {per_row} in {rows.dtype}. Use expert_kernel="
+                "'padded', or widths that are multiples of 8."
+            )
+
     def forward(self, rows: Tensor) -> Tensor:
         """``[E, M, d_model] -> [E, M, d_model]``: expert ``e`` on ``rows[e]``."""
         hidden = torch.bmm(rows, self.w_in)
@@ -276,6 +329,27 @@ class ExpertMLPs(nn.Module):
         if self.b_out is not None:
             out = out + self.b_out.unsqueeze(1)
         return out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    ``torch._grouped_mm``'s backward refuses a gradient with zero strides (what ``y.sum().backward()``
+    sends), on CPU in torch 2.13.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_grad(x: Tensor) -> Tensor:
+    result: Tensor = _ContiguousGrad.apply(x)  # type: ignore[no-untyped-call]
+    return result
 
 
 class MoEBlock(nn.Module):
@@ -352,12 +426,25 @@ class MoEBlock(nn.Module):
         token_of_slot = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(
             self.options.top_k
         )[kept]
+        self.rows_computed = e * rows  # the signal: the busiest expert sets the pace (module docstring)
+        if self.options.expert_kernel == "grouped":
+            return self._dispatch_grouped(tokens, routing, kept, token_of_slot)
         slot = (routing.experts.reshape(-1) * rows + routing.position.reshape(-1))[kept]
         grid = tokens.new_zeros(e * rows, d).index_copy(0, slot, tokens[token_of_slot])
         computed = self.experts(grid.view(e, rows, d)).reshape(e * rows, d)
         weighted = computed[slot] * routing.gates.reshape(-1)[kept].unsqueeze(-1)
-        self.rows_computed = e * rows
         return tokens.new_zeros(tokens.shape).index_add(0, token_of_slot, weighted)
+
+    def _dispatch_grouped(
+        self, tokens: Tensor, routing: Routing, kept: Tensor, token_of_slot: Tensor
+    ) -> Tensor:
+        """The kept assignments sorted by expert (then position) through one grouped GEMM, scattered back."""
+        expert = routing.experts.reshape(-1)[kept]
+        order = torch.argsort(expert * (routing.position.max() + 1) + routing.position.reshape(-1)[kept])
+        ends = torch.cumsum(routing.kept_load, 0).to(torch.int32)
+        computed = self.experts.forward_grouped(tokens[token_of_slot[order]], expert[order], ends)
+        weighted = computed * routing.gates.reshape(-1)[kept][order].unsqueeze(-1)
+        return tokens.new_zeros(tokens.shape).index_add(0, token_of_slot[order], weighted)
 
     def _observe(self, routing: Routing, num_tokens: int) -> None:
         if in_shape_inference():

@@ -9,7 +9,11 @@ A pruning step (at each step of the :class:`~lightning_dynmo.dynamism.pruning_sc
 1. **Select** one global magnitude threshold over every prunable weight of the model, on all pipeline
    stages at once, without gathering weights
    (:func:`~lightning_dynmo.dynamism.magnitude_select.select_global_pruning`: exact, ties broken in
-   global order). Prunable weights are the matrices of every ``nn.Linear`` inside the blocks
+   global order). What is ranked depends on ``PruningConfig.pattern``
+   (:mod:`~lightning_dynmo.dynamism.pruning_patterns`: entries, entries that keep a 2:4 layout, or
+   square blocks); the selection and its threshold are the same exact, distributed computation in
+   every pattern, and no kernel choice changes them. Prunable weights are the matrices of every
+   ``nn.Linear`` inside the blocks
    (``layers.<i>``: attention ``qkv`` / ``proj`` and MLP ``fc_in`` / ``fc_out`` of a dense GPT block);
    embeddings, the head, norms and biases are not pruned.
 2. **Apply** the masks: each such Linear is a :class:`~lightning_dynmo.dynamism.sparse_linear.MaskedLinear`
@@ -20,9 +24,11 @@ A pruning step (at each step of the :class:`~lightning_dynmo.dynamism.pruning_sc
    first moment left from before pruning would keep moving the "pruned" weight for many steps
    (tested both ways). Pruning is monotone: a pruned weight is never revived.
 3. **Choose kernels**: every layer whose mask changed measures its forward + backward on the dense and
-   on the CSR kernel at its own shape and sparsity on this device
+   on the pattern's sparse kernel (CSR for unstructured masks, BSR for blocks, 2:4 semi-structured on
+   CUDA for 2:4) at its own shape and sparsity on this device
    (:func:`~lightning_dynmo.dynamism.sparse_linear.time_kernels`), data-parallel replicas add up their
-   timings so they choose alike, and the CSR kernel is kept where it is ``csr_min_speedup`` times faster.
+   timings so they choose alike, and the sparse kernel is kept where it is ``csr_min_speedup`` times
+   faster.
    The choice lives in the module (it migrates and is checkpointed) and is logged per layer.
 4. **Tell** the balancer: ``notify_dynamism("pruned", layers=<this rank's changed layers>)``, so that
    :class:`~lightning_dynmo.DynMoCallback` profiles at the next step and rebalances (the paper's
@@ -47,6 +53,12 @@ from torch import nn
 
 from lightning_dynmo.balancing.fields import check_fields, int_field
 from lightning_dynmo.dynamism.magnitude_select import PrunableWeight, select_global_pruning
+from lightning_dynmo.dynamism.pruning_patterns import (
+    PATTERNS,
+    check_pattern_shape,
+    expand_unit_mask,
+    pattern_scores,
+)
 from lightning_dynmo.dynamism.pruning_schedule import PruningSchedule
 from lightning_dynmo.dynamism.sparse_linear import KERNELS, MaskedLinear, time_kernels
 from lightning_dynmo.events import EventBus, notify_dynamism
@@ -67,6 +79,8 @@ __all__ = [
 
 #: ``PruningConfig.kernel`` values: measure and choose, or force one kernel on every pruned layer.
 KERNEL_POLICIES = ("auto", *KERNELS)
+#: The sparse kernel each pattern's masks can run (``"auto"`` measures it against dense).
+PATTERN_KERNELS = {"unstructured": "csr", "2:4": "semi_structured", "block": "bsr"}
 #: Input rows the kernels are timed at when a layer has not run a forward yet.
 DEFAULT_TIMING_ROWS = 512
 
@@ -77,15 +91,24 @@ class PruningConfig:
 
     Attributes:
         schedule: When to prune and to which global sparsity (Zhu & Gupta's cubic schedule).
-        kernel: ``"auto"`` (measure dense vs CSR per pruned layer, keep the faster), ``"dense"`` (masked
-            dense everywhere) or ``"csr"`` (the sparse kernel on every pruned layer).
+        kernel: ``"auto"`` (measure dense vs the pattern's sparse kernel per pruned layer, keep the
+            faster), ``"dense"`` (masked dense everywhere), or one sparse kernel on every pruned layer:
+            ``"csr"`` (any pattern), ``"bsr"`` (``pattern="block"``) or ``"semi_structured"``
+            (``pattern="2:4"``; CUDA float16/bfloat16 weights).
         csr_min_sparsity: With ``"auto"``, layers less sparse than this stay dense without being
             measured (sparse kernels only pay at high sparsity).
-        csr_min_speedup: With ``"auto"``, the CSR kernel is chosen when ``dense time / CSR time`` is at
-            least this (above 1: a margin against noise, so a layer does not flip on a tie).
+        csr_min_speedup: With ``"auto"``, the sparse kernel is chosen when ``dense time / sparse time``
+            is at least this (above 1: a margin against noise, so a layer does not flip on a tie).
         timing_repeats: Timed forward + backward passes per kernel and layer (the fastest counts).
         timing_rows: Input rows (tokens) to time the kernels at; ``None``: the rows of the layer's last
             forward (one micro-batch), or ``DEFAULT_TIMING_ROWS`` before its first.
+        pattern: What is pruned together (:mod:`~lightning_dynmo.dynamism.pruning_patterns`):
+            ``"unstructured"`` (single entries; mask-only on a GPU, where no kernel pays at these
+            sizes), ``"2:4"`` (at most 2 of every 4 consecutive inputs, the layout of the 2:4
+            semi-structured GPU kernels; ``final_sparsity`` at most 0.5) or ``"block"`` (square
+            blocks of ``block_size``, the layout of the BSR kernels).
+        block_size: The block side for ``pattern="block"``; it must divide every prunable weight's
+            sizes.
     """
 
     schedule: PruningSchedule = field(default_factory=PruningSchedule)
@@ -94,6 +117,8 @@ class PruningConfig:
     csr_min_speedup: float = 1.1
     timing_repeats: int = int_field(5, minimum=1)
     timing_rows: int | None = int_field(None, minimum=1, optional=True)
+    pattern: str = "unstructured"
+    block_size: int = int_field(32, minimum=1, hint="the side of the pruned blocks, e.g. 32 or 64")
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, PruningSchedule):
@@ -103,6 +128,20 @@ class PruningConfig:
             )
         if self.kernel not in KERNEL_POLICIES:
             raise ValueError(f"PruningConfig.kernel={self.kernel!r} must be one of {KERNEL_POLICIES}.")
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"PruningConfig.pattern={self.pattern!r} must be one of {PATTERNS}.")
+        needs = {"bsr": "block", "semi_structured": "2:4"}.get(self.kernel)
+        if needs is not None and self.pattern != needs:
+            raise ValueError(
+                f"PruningConfig.kernel={self.kernel!r} multiplies {needs!r} masks only, but pattern="
+                f"{self.pattern!r}. Set pattern={needs!r}, or kernel='auto' (the pattern's own kernel)."
+            )
+        if self.pattern == "2:4" and self.schedule.final_sparsity > 0.5:
+            raise ValueError(
+                f"PruningConfig.pattern='2:4' prunes at most 2 of every 4 weights, but the schedule's "
+                f"final_sparsity={self.schedule.final_sparsity}. Use final_sparsity <= 0.5 (0.5 is the "
+                "full 2:4 pattern), or pattern='block' / 'unstructured' for higher sparsity."
+            )
         if not 0.0 <= self.csr_min_sparsity <= 1.0:
             raise ValueError(f"PruningConfig.csr_min_sparsity={self.csr_min_sparsity} must be in [0, 1].")
         if not self.csr_min_speedup > 0:
@@ -144,9 +183,10 @@ class LayerKernel:
         name: Its global name, e.g. ``"layers.3.mlp.fc_in"``.
         layer: Its layer's global index.
         sparsity: Its own sparsity after the step.
-        kernel: ``"dense"`` or ``"csr"``.
+        kernel: One of :data:`~lightning_dynmo.dynamism.sparse_linear.KERNELS`.
         dense_s: Measured seconds of forward + backward on the dense kernel (``None``: not measured).
-        csr_s: The same on the CSR kernel.
+        csr_s: The same on the pattern's sparse kernel (CSR, BSR or semi-structured; the name is kept
+            for saved reports).
     """
 
     name: str
@@ -271,7 +311,12 @@ class GlobalMagnitudePruner:
         start = self._clock()
         self.prepare(scope.layers)
         linears = prunable_linears(scope.layers)
-        weights = [PrunableWeight(i, f"{n}.weight", m.weight, m.weight_mask) for i, n, m in linears]
+        pattern, block = self.config.pattern, self.config.block_size
+        weights = []
+        for index, name, module in linears:
+            check_pattern_shape(f"{name}.weight", tuple(module.weight.shape), pattern, block)
+            scores, kept = pattern_scores(module.weight, module.weight_mask, pattern, block)
+            weights.append(PrunableWeight(index, f"{name}.weight", scores, kept))
         selection = select_global_pruning(
             weights,
             sparsity,
@@ -279,7 +324,8 @@ class GlobalMagnitudePruner:
             group=scope.pipeline_group,
             device=scope.device,
         )
-        changed = self._apply_masks(linears, selection.masks, scope.optimizers)
+        masks = [expand_unit_mask(m, pattern, block) for m in selection.masks]
+        changed = self._apply_masks(linears, masks, scope.optimizers)
         kernels = self._choose_kernels(changed, scope)
         changed_layers = tuple(sorted({index for index, _, _ in changed}))
         report = PruningReport(
@@ -341,15 +387,26 @@ class GlobalMagnitudePruner:
         self, linears: list[tuple[int, str, MaskedLinear]], scope: PruningScope
     ) -> list[LayerKernel]:
         policy = self.config.kernel
+        sparse = PATTERN_KERNELS[self.config.pattern]
+        for module in (m for _, _, m in linears):
+            module.bsr_block = self.config.block_size if self.config.pattern == "block" else 0
+        if policy != "auto":
+            for _, name, module in linears:
+                if not module.supports(policy):
+                    raise ValueError(
+                        f"PruningConfig.kernel={policy!r} cannot run {name} ({module.weight.dtype} on "
+                        f"{module.weight.device.type}); see MaskedLinear.supports. Use kernel='auto', which "
+                        "measures the kernels that run here."
+                    )
         timed = [
             (i, n, m)
             for i, n, m in linears
             if policy == "auto"
-            and m.csr_supported
+            and m.supports(sparse)
             and m.sparsity >= self.config.csr_min_sparsity
             and m.sparsity > 0
         ]
-        times = self._time(timed, scope)
+        times = self._time(timed, scope, sparse)
         chosen = []
         for index, name, module in linears:
             dense_s = csr_s = None
@@ -357,7 +414,7 @@ class GlobalMagnitudePruner:
                 kernel = policy
             elif name in times:
                 dense_s, csr_s = times[name]
-                kernel = "csr" if dense_s >= self.config.csr_min_speedup * csr_s else "dense"
+                kernel = sparse if dense_s >= self.config.csr_min_speedup * csr_s else "dense"
             else:
                 kernel = "dense"
             module.set_kernel(kernel)
@@ -365,16 +422,18 @@ class GlobalMagnitudePruner:
         return chosen
 
     def _time(
-        self, linears: list[tuple[int, str, MaskedLinear]], scope: PruningScope
+        self, linears: list[tuple[int, str, MaskedLinear]], scope: PruningScope, sparse: str
     ) -> dict[str, tuple[float, float]]:
-        """Measured (dense, CSR) seconds per Linear, summed over the data-parallel replicas."""
+        """Measured (dense, sparse kernel) seconds per Linear, summed over the data-parallel replicas."""
         if not linears:
             return {}
         rows = []
         for _, _, module in linears:
             rows_in = self._timing_rows(module)
-            measured = time_kernels(module, rows_in, repeats=self.config.timing_repeats, clock=self._clock)
-            rows.append([measured["dense"], measured["csr"]])
+            measured = time_kernels(
+                module, rows_in, repeats=self.config.timing_repeats, clock=self._clock, sparse_kernel=sparse
+            )
+            rows.append([measured["dense"], measured[sparse]])
         table = torch.tensor(rows, dtype=torch.float64, device=scope.device)
         if scope.data_parallel_group is not None:
             dist.all_reduce(table, group=scope.data_parallel_group)
@@ -404,7 +463,7 @@ def _describe(kernel: LayerKernel) -> str:
     short = kernel.name.split(".", 2)[-1]
     timing = ""
     if kernel.dense_s is not None and kernel.csr_s is not None:
-        timing = f" (dense {1e3 * kernel.dense_s:.3g} ms, csr {1e3 * kernel.csr_s:.3g} ms)"
+        timing = f" (dense {1e3 * kernel.dense_s:.3g} ms, sparse {1e3 * kernel.csr_s:.3g} ms)"
     return f"{short} {kernel.sparsity:.3f} -> {kernel.kernel}{timing}"
 
 

@@ -15,8 +15,10 @@ in bucket ``argmax([x R, -x R])`` (one of ``num_buckets``). Query ``t`` attends 
 keys are sorted by ``(bucket, position)``; cut into tiles of ``block_size`` rows, the sorted attention
 matrix is block sparse: a tile pair can hold a visible pair only if its query and key bucket ranges
 overlap and its first key position is not after its last query position. Those tiles are *active*;
-only they are gathered and computed (scores, softmax statistics, values), so the attention work is
-``active tiles x block_size^2 x head_dim`` instead of the dense causal triangle. With
+only they are computed (scores, softmax statistics, values), so the attention work is
+``active tiles x block_size^2 x head_dim`` instead of the dense causal triangle. Two kernels compute
+them (``SparseAttentionOptions.kernel``): the gather kernel here, and FlexAttention with the active
+tiles as its block mask (:mod:`~lightning_dynmo.dynamism.sparse_attention_flex`). With
 ``num_buckets=1`` every key is in the query's bucket: it is exactly dense causal attention.
 
 Seeding. The rotations of a forward come from a generator seeded by :func:`rotation_seed` of the
@@ -53,6 +55,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dynmo.dynamism.sparse_attention_flex import (
+    ATTENTION_KERNELS,
+    flex_bucket_attention,
+    resolve_attention_kernel,
+)
 from lightning_dynmo.models.config import GPTConfig, check_positive_int, split_block_options
 from lightning_dynmo.models.dense import MLP, AttentionProjections
 from lightning_dynmo.models.registry import register_block
@@ -84,11 +91,21 @@ class SparseAttentionOptions:
         block_size: Rows of a tile of the sorted queries and keys; it must divide the sequence length.
         hash_seed: Mixed into every rotation seed with the model's seed (two models that differ only in
             it draw different rotations).
+        kernel: Which kernel computes the active tiles. ``"gather"``: :func:`block_sparse_attention`
+            (gathers the active tiles and runs batched matmuls; any device, forward and backward).
+            ``"flex"``: torch's FlexAttention with the active tiles as its block mask
+            (:mod:`~lightning_dynmo.dynamism.sparse_attention_flex`); compiled on CUDA, and on a CPU
+            only for forwards without a backward (torch has no CPU backward for it: a CPU training
+            forward raises). ``"auto"`` (default): FlexAttention on CUDA (unless attention dropout is
+            on or ``block_size`` is not a multiple of 16), the gather kernel elsewhere, logged once.
+            Every kernel computes the same attention on the same tiles (float64 tests), so the choice
+            changes time, not results or statistics.
     """
 
     num_buckets: int = 8
     block_size: int = 16
     hash_seed: int = 0
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_buckets", "block_size"):
@@ -101,6 +118,11 @@ class SparseAttentionOptions:
         seed = self.hash_seed
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"SparseAttentionOptions.hash_seed={seed!r} must be an integer >= 0.")
+        if self.kernel not in ATTENTION_KERNELS:
+            raise ValueError(
+                f"SparseAttentionOptions.kernel={self.kernel!r} is not one of {ATTENTION_KERNELS}; use "
+                "'auto' (FlexAttention on CUDA, the gather kernel elsewhere), 'flex' or 'gather'."
+            )
 
     def check_sequence(self, seq_len: int, where: str) -> None:
         """Raise if ``block_size`` does not divide ``seq_len`` (``where`` names the length in the error)."""
@@ -320,7 +342,18 @@ class HashedCausalSelfAttention(AttentionProjections):
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, d // self.num_heads).permute(2, 0, 3, 1, 4)
         plan = plan_tiles(hash_buckets(q, rotations), hash_buckets(k, rotations), self.options.block_size)
         p = self.dropout if self.training else 0.0
-        out = block_sparse_attention(q, k, v, plan, dropout_p=p)
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        kernel = resolve_attention_kernel(
+            self.options.kernel,
+            q.device,
+            block_size=self.options.block_size,
+            needs_grad=needs_grad,
+            dropout_p=p,
+        )
+        if kernel == "flex":
+            out = flex_bucket_attention(q, k, v, plan)
+        else:
+            out = block_sparse_attention(q, k, v, plan, dropout_p=p)
         result: Tensor = self.resid_drop(self.proj(out.transpose(1, 2).reshape(b, t, d)))
         return result, plan
 

@@ -1,4 +1,4 @@
-"""A Linear layer with a pruning mask that can run on a sparse (CSR) kernel, forward and backward.
+"""A Linear layer with a pruning mask that can run on a sparse kernel: CSR, BSR or 2:4 semi-structured.
 
 Read in this order: :class:`MaskedLinear` (the module: its state and its two kernels), :class:`_CSRLinear`
 (the sparse autograd function), then :func:`time_kernels` (the measurement that picks a kernel).
@@ -8,8 +8,9 @@ State, all in the module so that it migrates, re-packs and checkpoints with the 
 - ``weight_mask``: a boolean buffer, ``False`` where the weight is pruned. Pruned entries of ``weight``
   are also exactly zero (:meth:`MaskedLinear.set_mask` zeroes them) and stay zero: both kernels give
   them a zero gradient, so AdamW (whose moments the pruner zeroes too) leaves them at zero.
-- ``kernel``: ``"dense"`` (``F.linear`` on ``weight * weight_mask``) or ``"csr"`` (the sparse kernel),
-  saved in checkpoints through ``get_extra_state``.
+- ``kernel``: ``"dense"`` (``F.linear`` on ``weight * weight_mask``), ``"csr"`` (the CSR kernel, any
+  mask), ``"bsr"`` (block-sparse, for block-pruned masks) or ``"semi_structured"`` (2:4, for 2:4 masks;
+  CUDA float16/bfloat16 only), saved in checkpoints through ``get_extra_state`` with ``bsr_block``.
 - ``rows_seen``: how many rows (tokens) the last forward multiplied, the shape the kernel choice is
   measured at.
 
@@ -21,6 +22,17 @@ checkpoints are unchanged); the CSR values are gathered from it at each forward,
 is cached until the mask changes (and rebuilt after a migration, which does not carry it). Both kernels
 compute the same function: ``tests/unit/dynamism/test_sparse_linear.py`` compares them forward and
 backward in float64.
+
+The structured kernels (:class:`_StructuredLinear`). The forward multiplies by the masked weight
+converted to torch's sparse layout at each call (``to_sparse_bsr`` or ``to_sparse_semi_structured``; a
+pass over the weight, small next to the product with a micro-batch). BSR also runs the input gradient
+on the transposed blocks (two of a training step's three products sparse); 2:4 runs it dense, since a
+transposed 2:4 mask is not 2:4. The weight gradient is the dense product restricted to the mask (the
+optimizer needs a dense gradient anyway). Where a structured
+kernel cannot run the layer's dtype or device (BSR on CPU needs float32/64; semi-structured needs CUDA
+and float16/bfloat16), the layer computes the same function on the dense kernel, as the CSR kernel
+does under autocast; the pruner refuses to force such a kernel
+(:class:`~lightning_dynmo.dynamism.pruning.PruningConfig`).
 """
 
 from __future__ import annotations
@@ -35,10 +47,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dynmo.dynamism.pruning_patterns import is_two_four
+
 __all__ = ["KERNELS", "MaskedLinear", "SparsePattern", "time_kernels"]
 
 #: The kernels a :class:`MaskedLinear` can run.
-KERNELS = ("dense", "csr")
+KERNELS = ("dense", "csr", "bsr", "semi_structured")
 
 
 @dataclass(frozen=True)
@@ -126,6 +140,58 @@ class _CSRLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
+class _StructuredLinear(torch.autograd.Function):
+    """``y = x (W * mask)^T + b``: forward (and, if ``transposed_too``, the input gradient) on
+    ``to_sparse`` of the masked weight (of its transpose)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        mask: Tensor,
+        to_sparse: Callable[[Tensor], Tensor],
+        transposed_too: bool,
+    ) -> Tensor:
+        in_features = weight.shape[1]
+        rows = x.reshape(-1, in_features)
+        masked = weight.detach() * mask
+        y = F.linear(rows, to_sparse(masked), bias)
+        ctx.save_for_backward(rows, masked, mask)
+        ctx.to_sparse, ctx.transposed_too = to_sparse, transposed_too
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_out: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None, None]:
+        rows, masked, mask = ctx.saved_tensors
+        grad_rows = grad_out.reshape(-1, masked.shape[0]).contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            weight_t = masked.t().contiguous()
+            sparse_t = ctx.to_sparse(weight_t) if ctx.transposed_too else weight_t
+            grad_x = F.linear(grad_rows, sparse_t).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad_rows.t() @ rows) * mask
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _bsr(weight: Tensor, block: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # torch warns (once) that BSR support is "beta"; we test what we use
+        warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta")
+        return weight.to_sparse_bsr(block)
+
+
+def _semi_structured(weight: Tensor) -> Tensor:
+    result: Tensor = torch.sparse.to_sparse_semi_structured(weight)
+    return result
+
+
 class MaskedLinear(nn.Linear):
     """``nn.Linear`` whose weight is masked by ``weight_mask`` and that runs a dense or a CSR kernel.
 
@@ -176,8 +242,10 @@ class MaskedLinear(nn.Linear):
 
     def _init_flags(self) -> None:
         self.kernel = "dense"
+        self.bsr_block = 0  # the block side of a block-pruned mask (set with the "bsr" kernel)
         self.rows_seen = 0
         self._pruned = False
+        self._two_four = False
         self._pattern: SparsePattern | None = None
 
     def reset_parameters(self) -> None:
@@ -221,26 +289,40 @@ class MaskedLinear(nn.Linear):
         self.weight_mask.copy_(mask)
         self.weight.mul_(mask)
         self._pruned = not bool(mask.all())
+        self._two_four = is_two_four(mask)
         self._pattern = None
 
-    def set_kernel(self, kernel: str) -> None:
-        """Run ``"dense"`` or ``"csr"`` from the next forward on."""
+    def set_kernel(self, kernel: str, *, bsr_block: int | None = None) -> None:
+        """Run ``kernel`` (one of :data:`KERNELS`) from the next forward on.
+
+        Args:
+            kernel: The kernel.
+            bsr_block: The block side of the mask's blocks; required with ``"bsr"``.
+        """
         if kernel not in KERNELS:
             raise ValueError(f"MaskedLinear.set_kernel(kernel={kernel!r}): use one of {KERNELS}.")
+        if bsr_block is not None:
+            self.bsr_block = bsr_block
+        if kernel == "bsr" and self.bsr_block < 1:
+            raise ValueError(
+                "MaskedLinear.set_kernel(kernel='bsr') needs bsr_block, the side of the mask's square blocks "
+                "(PruningConfig.block_size), e.g. set_kernel('bsr', bsr_block=32)."
+            )
         self.kernel = kernel
 
     def get_extra_state(self) -> dict[str, Any]:
         """The kernel choice, saved with the mask in checkpoints."""
-        return {"kernel": self.kernel}
+        return {"kernel": self.kernel, "bsr_block": self.bsr_block}
 
     def set_extra_state(self, state: Any) -> None:
         """Restore the kernel choice of a checkpoint (the mask is a buffer, loaded by torch)."""
-        self.set_kernel(state["kernel"])
+        self.set_kernel(state["kernel"], bsr_block=state.get("bsr_block", 0))
         self._pattern = None
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         super()._load_from_state_dict(*args, **kwargs)
         self._pruned = not bool(self.weight_mask.all())  # the mask may have changed on load
+        self._two_four = is_two_four(self.weight_mask)
         self._pattern = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -256,6 +338,16 @@ class MaskedLinear(nn.Linear):
         """Whether the CSR kernel can run this layer's dtype here (torch's CPU CSR kernels: float32/64)."""
         return self.weight.device.type != "cpu" or self.weight.dtype in (torch.float32, torch.float64)
 
+    def supports(self, kernel: str) -> bool:
+        """Whether ``kernel`` can run this layer here (BSR and CSR on CPU: float32/64; semi-structured:
+        CUDA float16/bfloat16, and a mask that keeps at most 2 of every 4 consecutive inputs)."""
+        if kernel == "semi_structured":  # and only once the mask keeps at most 2 of every 4
+            half = self.weight.dtype in (torch.float16, torch.bfloat16)
+            return self.weight.is_cuda and half and self._two_four
+        if kernel in ("csr", "bsr"):
+            return self.csr_supported
+        return kernel == "dense"
+
     def forward(self, x: Tensor) -> Tensor:
         """``x W^T + b`` with the pruned entries of ``W`` left out, on the chosen kernel.
 
@@ -265,13 +357,23 @@ class MaskedLinear(nn.Linear):
         self.rows_seen = x.numel() // self.in_features
         if not self._pruned:
             return F.linear(x, self.weight, self.bias)
-        if self.kernel == "csr" and self._csr_runs(x):
-            return self.forward_csr(x)
+        if self.kernel != "dense" and self._sparse_runs(x):
+            return self.forward_kernel(self.kernel)(x)
         return self.forward_dense(x)
 
-    def _csr_runs(self, x: Tensor) -> bool:
+    def _sparse_runs(self, x: Tensor) -> bool:
         autocast = torch.is_autocast_enabled(x.device.type)
-        return not autocast and x.dtype == self.weight.dtype and self.csr_supported
+        return not autocast and x.dtype == self.weight.dtype and self.supports(self.kernel)
+
+    def forward_kernel(self, kernel: str) -> Callable[[Tensor], Tensor]:
+        """The forward of ``kernel`` (one of :data:`KERNELS`), whatever the layer's current choice."""
+        kernels = {
+            "dense": self.forward_dense,
+            "csr": self.forward_csr,
+            "bsr": self.forward_bsr,
+            "semi_structured": self.forward_semi_structured,
+        }
+        return kernels[kernel]
 
     def forward_dense(self, x: Tensor) -> Tensor:
         """The dense kernel: ``F.linear`` on the masked weight."""
@@ -284,6 +386,23 @@ class MaskedLinear(nn.Linear):
         result: Tensor = _CSRLinear.apply(x, self.weight, self.bias, self._pattern)  # type: ignore[no-untyped-call]
         return result
 
+    def forward_bsr(self, x: Tensor) -> Tensor:
+        """The block-sparse kernel (BSR forward and input gradient; ``bsr_block`` must tile the mask)."""
+        block = (self.bsr_block, self.bsr_block)
+        return self._structured(x, lambda w: _bsr(w, block), transposed_too=True)
+
+    def forward_semi_structured(self, x: Tensor) -> Tensor:
+        """The 2:4 semi-structured kernel (CUDA float16/bfloat16; the mask must be a 2:4 sub-pattern)."""
+        # A 2:4 mask transposed is not 2:4: the input gradient multiplies the dense masked weight.
+        return self._structured(x, _semi_structured, transposed_too=False)
+
+    def _structured(
+        self, x: Tensor, to_sparse: Callable[[Tensor], Tensor], *, transposed_too: bool
+    ) -> Tensor:
+        mask = self.weight_mask.to(self.weight.dtype)
+        result: Tensor = _StructuredLinear.apply(x, self.weight, self.bias, mask, to_sparse, transposed_too)  # type: ignore[no-untyped-call]
+        return result
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sparsity={self.sparsity:.3f}, kernel={self.kernel}"
 
@@ -294,8 +413,9 @@ def time_kernels(
     *,
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
+    sparse_kernel: str = "csr",
 ) -> dict[str, float]:
-    """Seconds of one forward + backward of ``layer`` on each kernel, for ``rows`` input rows.
+    """Seconds of one forward + backward of ``layer`` on dense and on ``sparse_kernel``, at ``rows`` rows.
 
     Runs on the layer's device and dtype with a random input, without touching the layer's ``.grad``
     (gradients come from ``torch.autograd.grad``). The kernels alternate, after one warm-up of each, so
@@ -304,13 +424,13 @@ def time_kernels(
     of what the kernel costs. On CUDA each timing synchronises the device.
 
     Returns:
-        ``{"dense": seconds, "csr": seconds}``.
+        ``{"dense": seconds, sparse_kernel: seconds}``.
     """
     weight = layer.weight
     x = torch.randn(rows, layer.in_features, device=weight.device, dtype=weight.dtype, requires_grad=True)
     grad_out = torch.randn(rows, layer.out_features, device=weight.device, dtype=weight.dtype)
     inputs = [t for t in (x, weight, layer.bias) if t is not None and t.requires_grad]
-    kernels = {"dense": layer.forward_dense, "csr": layer.forward_csr}
+    kernels = {"dense": layer.forward_dense, sparse_kernel: layer.forward_kernel(sparse_kernel)}
     on_cuda = weight.device.type == "cuda"
 
     def sync() -> None:

@@ -12,6 +12,17 @@ runs on a ``[batch, width, ...]`` layout where each row holds its selected token
 padded to the busiest row (``width`` = its count). Rows of one micro-batch rarely differ much, so the
 padding is small next to what is saved.
 
+**Shape buckets.** On a GPU every new token count is a new matrix shape and a new allocation size (the
+GPU check saw single steps of these blocks stall at 3-20x their steady cost as the counts moved; new
+shapes and the allocator are the suspects). With a ``bucket``,
+:func:`select_tokens` rounds both the number of gathered tokens and the row width up to a multiple of
+it (capped at the grid), so a block sees at most ``batch * seq / bucket`` shapes. The extra gathered
+rows repeat the first selected token and the extra row slots are marked invalid: their results are
+dropped by :meth:`TokenSelection.scatter` and :meth:`TokenSelection.pad`, so they change no output and
+no gradient (a dropped row's gradient is exactly zero), and :attr:`TokenSelection.count` stays the real
+count, which is what the statistics record. A loss computed on gathered rows must ignore the padding
+(:meth:`TokenSelection.fill_padding`).
+
 Where the results go back (:meth:`TokenSelection.scatter`), the tokens not selected keep their input
 values bit for bit: they are copied, not recomputed.
 """
@@ -32,6 +43,7 @@ __all__ = [
     "TokenSelection",
     "attend_from_subset",
     "attend_within_subset",
+    "check_token_bucket",
     "select_tokens",
     "token_counts",
     "touch_parameters",
@@ -43,6 +55,9 @@ __all__ = [
 class TokenSelection:
     """The selected tokens of a ``[batch, seq]`` grid, flat and per row (see :func:`select_tokens`).
 
+    Gathered tensors have :attr:`padded_count` rows: the :attr:`count` selected tokens in :attr:`flat`
+    order, then (with a bucket) copies of the first one, whose results are dropped.
+
     Attributes:
         flat: ``[n]`` index of each selected token in the row-major ``[batch * seq]`` grid, ascending.
         slots: ``[n]`` index of each selected token in the row-major ``[batch * width]`` padded layout.
@@ -50,7 +65,9 @@ class TokenSelection:
         valid: ``[batch, width]`` whether the slot holds a selected token.
         batch: Rows of the grid.
         seq: Tokens per row.
-        width: The most tokens selected in one row.
+        width: The most tokens selected in one row, rounded up to the bucket (capped at ``seq``).
+        padded_count: Rows of a gathered tensor: the count rounded up to the bucket (capped at
+            ``batch * seq``); the count itself without a bucket.
     """
 
     flat: Tensor
@@ -60,47 +77,91 @@ class TokenSelection:
     batch: int
     seq: int
     width: int
+    padded_count: int
 
     @property
     def count(self) -> int:
-        """How many tokens are selected."""
+        """How many tokens are selected (padding excluded)."""
         return int(self.flat.numel())
 
     def gather(self, x: Tensor) -> Tensor:
-        """``[batch, seq, ...] -> [n, ...]``: the selected tokens' entries, in :attr:`flat` order."""
-        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.flat)
+        """``[batch, seq, ...] -> [padded_count, ...]``: the selected tokens' entries, then the padding."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self._padded(self.flat))
 
     def scatter(self, base: Tensor, values: Tensor) -> Tensor:
-        """A copy of ``base`` (``[batch, seq, ...]``) whose selected tokens hold ``values`` (``[n, ...]``)."""
+        """A copy of ``base`` (``[batch, seq, ...]``) whose selected tokens hold ``values``' first rows.
+
+        ``values`` is ``[padded_count, ...]`` (or ``[count, ...]``); padding rows are dropped.
+        """
         flat = base.reshape(self.batch * self.seq, *base.shape[2:])
-        return flat.index_copy(0, self.flat, values).view_as(base)
+        return flat.index_copy(0, self.flat, values[: self.count]).view_as(base)
 
     def pad(self, values: Tensor) -> Tensor:
-        """``[n, ...] -> [batch, width, ...]`` with zeros on padding."""
+        """``[padded_count, ...] -> [batch, width, ...]`` with zeros on padding (padding rows dropped)."""
         padded = values.new_zeros((self.batch * self.width, *values.shape[1:]))
-        return padded.index_copy(0, self.slots, values).view(self.batch, self.width, *values.shape[1:])
+        rows = values[: self.count]
+        return padded.index_copy(0, self.slots, rows).view(self.batch, self.width, *values.shape[1:])
 
     def unpad(self, padded: Tensor) -> Tensor:
-        """``[batch, width, ...] -> [n, ...]``: the inverse of :meth:`pad`."""
-        return padded.reshape(self.batch * self.width, *padded.shape[2:]).index_select(0, self.slots)
+        """``[batch, width, ...] -> [padded_count, ...]``: the inverse of :meth:`pad`."""
+        flat = padded.reshape(self.batch * self.width, *padded.shape[2:])
+        return flat.index_select(0, self._padded(self.slots))
+
+    def fill_padding(self, gathered: Tensor, value: float) -> Tensor:
+        """A copy of ``gathered`` (``[padded_count, ...]``) whose padding rows hold ``value``.
+
+        E.g. ``fill_padding(selection.gather(labels), -100)``: cross-entropy then ignores the padding.
+        """
+        if self.padded_count == self.count:
+            return gathered
+        filled = gathered.clone()
+        filled[self.count :] = value
+        return filled
+
+    def _padded(self, index: Tensor) -> Tensor:
+        extra = self.padded_count - self.count
+        return index if extra == 0 else torch.cat([index, index[:1].expand(extra)])
 
 
-def select_tokens(mask: Tensor) -> TokenSelection:
-    """Index the ``True`` entries of ``mask`` (``[batch, seq]``, bool), flat and padded per row."""
+def select_tokens(mask: Tensor, bucket: int | None = None) -> TokenSelection:
+    """Index the ``True`` entries of ``mask`` (``[batch, seq]``, bool), flat and padded per row.
+
+    Args:
+        mask: Which tokens to select.
+        bucket: Round the gathered row count and the row width up to a multiple of this (capped at
+            ``batch * seq`` and ``seq``; see the module docstring); ``None``: exact sizes.
+    """
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(
             f"select_tokens needs a [batch, seq] bool mask, got {mask.dtype} of shape {tuple(mask.shape)}."
         )
+    check_token_bucket("select_tokens(bucket)", bucket)
     batch, seq = mask.shape
     flat = mask.reshape(-1).nonzero().squeeze(1)
     counts = mask.sum(dim=1)
-    width = int(counts.max().item()) if batch else 0
+    width = _round_up(int(counts.max().item()) if batch else 0, bucket, seq)
     slot_in_row = (mask.cumsum(dim=1) - 1).reshape(-1).index_select(0, flat)
     slots = torch.div(flat, seq, rounding_mode="floor") * width + slot_in_row
     positions = torch.zeros(batch * width, dtype=torch.long, device=mask.device)
     positions = positions.index_copy(0, slots, flat % seq).view(batch, width)
     valid = torch.arange(width, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
-    return TokenSelection(flat, slots, positions, valid, batch, seq, width)
+    padded_count = _round_up(int(flat.numel()), bucket, batch * seq)
+    return TokenSelection(flat, slots, positions, valid, batch, seq, width, padded_count)
+
+
+def check_token_bucket(key: str, bucket: int | None) -> None:
+    """Raise ``ValueError`` naming ``key`` unless ``bucket`` is ``None`` or an integer >= 1."""
+    if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1):
+        raise ValueError(
+            f"{key}={bucket!r} must be None (exact token counts) or an integer >= 1 (round token counts up "
+            "to a multiple of it, e.g. 64)."
+        )
+
+
+def _round_up(count: int, bucket: int | None, cap: int) -> int:
+    if bucket is None or count == 0:
+        return count
+    return min(cap, -(-count // bucket) * bucket)
 
 
 def attend_from_subset(attn: CausalSelfAttention, normed: Tensor, selection: TokenSelection) -> Tensor:
@@ -116,7 +177,8 @@ def attend_from_subset(attn: CausalSelfAttention, normed: Tensor, selection: Tok
         selection: The query tokens.
 
     Returns:
-        ``[n, d_model]``: the attention output of the selected tokens, after ``proj`` and its dropout.
+        ``[padded_count, d_model]``: the attention output of the selected tokens (then padding rows),
+        after ``proj`` and its dropout.
     """
     d = normed.shape[-1]
     weight, bias = attn.qkv.weight, attn.qkv.bias
@@ -133,11 +195,12 @@ def attend_within_subset(attn: CausalSelfAttention, normed: Tensor, selection: T
 
     Args:
         attn: The block's attention.
-        normed: ``[n, d_model]``: the selected tokens' attention inputs (after the block's LayerNorm).
+        normed: ``[padded_count, d_model]``: the selected tokens' attention inputs (after the block's
+            LayerNorm), as :meth:`TokenSelection.gather` returns them.
         selection: Which tokens they are.
 
     Returns:
-        ``[n, d_model]``: their attention output, after ``proj`` and its dropout.
+        ``[padded_count, d_model]``: their attention output, after ``proj`` and its dropout.
     """
     q, k, v = selection.pad(attn.qkv(normed)).chunk(3, dim=-1)
     out = _attend(attn, q, k, v, selection, selection.positions, selection.valid)

@@ -16,7 +16,7 @@ from lightning_dynmo.dynamism.early_exit import (
     EarlyExitOptions,
     early_exit_config,
 )
-from lightning_dynmo.dynamism.tokens import token_counts
+from lightning_dynmo.dynamism.tokens import TokenSelection, token_counts
 from lightning_dynmo.events import DynamismEvent, default_bus
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
 from lightning_dynmo.pipeline.model.contract import HIDDEN, check_model_contract
@@ -95,8 +95,10 @@ def test_an_exited_token_is_carried_bit_identically_through_later_blocks() -> No
     assert not torch.equal(states[-1][HIDDEN][staying], states[2][HIDDEN][staying])
 
 
-def _block_and_dense(threshold: float = EXITING) -> tuple[EarlyExitBlock, DenseBlock]:
-    model = _model(threshold)
+def _block_and_dense(
+    threshold: float = EXITING, token_bucket: int | None = 64
+) -> tuple[EarlyExitBlock, DenseBlock]:
+    model = _model(threshold, token_bucket=token_bucket)
     block = model.layers["2"]
     assert isinstance(block, EarlyExitBlock)
     dense = DenseBlock(model.config).double()
@@ -131,7 +133,7 @@ def test_active_tokens_get_what_a_dense_block_computes_with_exited_tokens_as_key
 
 
 def test_later_blocks_compute_on_the_gathered_active_tokens_only() -> None:
-    block, _ = _block_and_dense()
+    block, _ = _block_and_dense(token_bucket=None)
     hidden, labels, exited = _inputs(exit_share=0.75)
     rows: list[int] = []
     handle = block.mlp.fc_in.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
@@ -256,6 +258,7 @@ def test_a_layer_announces_when_its_share_of_active_tokens_moves(events: list[Dy
         ({"loss_weight": -0.5}, r"loss_weight=-0.5 must be a finite number >= 0"),
         ({"event_shift": 0.0}, r"event_shift=0.0 must be None or in \(0, 1\]"),
         ({"event_smoothing": 1.0}, r"event_smoothing=1.0 must be in \[0, 1\)"),
+        ({"token_bucket": -3}, r"EarlyExitOptions.token_bucket=-3 must be None \(exact token counts\)"),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any], match: str) -> None:
@@ -287,3 +290,35 @@ def test_labels_of_minus_100_serve_a_forward_without_targets() -> None:
         blind = model(inputs, torch.full_like(target, -100))
     assert torch.equal(blind, model(inputs, target)), "labels feed the exit loss only"
     assert float(aux.totals()[EXIT_LOSS]) == 0.0
+
+
+def _training_run(token_bucket: int | None) -> tuple[Tensor, dict[str, Tensor], dict[int, int], list[int]]:
+    """Loss, gradients, per-layer active counts and the MLP row counts of one float64 training step."""
+    model = _model(EXITING, token_bucket=token_bucket)
+    model.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    rows: list[int] = []
+    for block in model.layers.values():
+        if isinstance(block, EarlyExitBlock):
+            block.mlp.fc_in.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    loss = model.training_step(_batch(), 0)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    counts = {i: c.last_processed for i, c in token_counts(model).items()}
+    return loss.detach(), grads, counts, rows
+
+
+def test_token_buckets_change_no_loss_gradient_or_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    loss, grads, counts, exact_rows = _training_run(None)
+    bucketed_loss, bucketed_grads, bucketed_counts, rows = _training_run(5)
+    assert any(n % 5 for n in exact_rows), "some layer's count is not a multiple of the bucket"
+    assert rows == [min(48, -(-n // 5) * 5) for n in exact_rows], "the blocks compute on bucketed counts"
+    assert bucketed_counts == counts, "the statistics count real tokens only"
+    assert torch.allclose(bucketed_loss, loss, rtol=0, atol=1e-12)
+    assert bucketed_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(bucketed_grads[name], grad, rtol=0, atol=1e-12), name
+    # Negative control: padding rows copy a real token and its label; counted in the exit loss, they
+    # change it.
+    monkeypatch.setattr(TokenSelection, "fill_padding", lambda self, gathered, value: gathered)
+    leaky_loss, *_ = _training_run(5)
+    assert (leaky_loss - loss).abs().item() > 1e-6

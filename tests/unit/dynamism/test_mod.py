@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from lightning_dynmo.dynamism import mod
 from lightning_dynmo.dynamism.mod import PREDICTOR_LOSS, MoDBlock, MoDOptions, mod_config
-from lightning_dynmo.dynamism.tokens import token_counts
+from lightning_dynmo.dynamism.tokens import TokenSelection, select_tokens, token_counts
 from lightning_dynmo.models import GPT, DenseBlock, GPTConfig
 from lightning_dynmo.pipeline.model.contract import check_model_contract
 from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
@@ -17,12 +19,19 @@ from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
 SHAPE = {"vocab_size": 32, "seq_len": 16, "d_model": 16, "num_heads": 2}
 
 
-def _model(capacity: float = 0.25, routing: str = "topk", num_layers: int = 4) -> GPT:
-    return GPT(mod_config(num_layers=num_layers, capacity=capacity, routing=routing, **SHAPE)).double()
+def _model(
+    capacity: float = 0.25, routing: str = "topk", num_layers: int = 4, token_bucket: int | None = 64
+) -> GPT:
+    config = mod_config(
+        num_layers=num_layers, capacity=capacity, routing=routing, token_bucket=token_bucket, **SHAPE
+    )
+    return GPT(config).double()
 
 
-def _block(capacity: float = 0.25, routing: str = "topk") -> tuple[MoDBlock, DenseBlock]:
-    model = _model(capacity, routing)
+def _block(
+    capacity: float = 0.25, routing: str = "topk", token_bucket: int | None = 64
+) -> tuple[MoDBlock, DenseBlock]:
+    model = _model(capacity, routing, token_bucket=token_bucket)
     block = model.layers["1"]
     assert isinstance(block, MoDBlock)
     dense = DenseBlock(model.config).double()
@@ -91,13 +100,13 @@ def test_routed_tokens_get_the_block_run_on_them_alone_times_the_router_output()
 
 
 def test_topk_routing_processes_a_fixed_count_and_predictor_routing_a_varying_one() -> None:
-    block, _ = _block(capacity=0.25)
+    block, _ = _block(capacity=0.25, token_bucket=None)
     rows: list[int] = []
     block.mlp.fc_in.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
     for seed in range(3):
         block(_hidden(seed))
     assert rows == [3 * 4] * 3
-    block.options = MoDOptions(capacity=0.25, routing="predictor")
+    block.options = MoDOptions(capacity=0.25, routing="predictor", token_bucket=None)
     rows.clear()
     predicted = []
     for seed in range(3):
@@ -169,8 +178,53 @@ def test_capacity_tokens(capacity: float, seq: int, k: int) -> None:
             r"MoDOptions.predictor_hidden=0 must be None \(d_model // 8\) or an integer",
         ),
         ({"predictor_loss_weight": -1.0}, r"predictor_loss_weight=-1.0 must be a finite number >= 0"),
+        ({"token_bucket": 0}, r"MoDOptions.token_bucket=0 must be None \(exact token counts\) or an integer"),
+        ({"token_bucket": 8.0}, r"MoDOptions.token_bucket=8.0 must be None"),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MoDOptions(**options)
+
+
+def _routed_run(token_bucket: int | None, hidden: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
+    """Output, input gradient, parameter gradients and aux loss of a predictor-routed block."""
+    block, _ = _block(capacity=0.25, routing="predictor", token_bucket=token_bucket)
+    hidden = hidden.clone().requires_grad_(True)
+    with collect_aux_losses(attach=False) as aux:
+        out = block(hidden)
+    aux_loss = torch.as_tensor(aux.total())
+    ((out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum() + aux_loss).backward()
+    grads = {name: p.grad.clone() for name, p in block.named_parameters() if p.grad is not None}
+    assert hidden.grad is not None
+    return out.detach(), hidden.grad, grads, aux_loss.detach()
+
+
+def test_token_buckets_pad_the_computed_shape_and_change_no_output_gradient_or_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hidden = _hidden(rows=3)
+    exact = _routed_run(None, hidden)
+    block, _ = _block(capacity=0.25, routing="predictor", token_bucket=5)
+    rows: list[int] = []
+    block.mlp.fc_in.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
+    with collect_aux_losses(attach=False):
+        block(hidden)
+    count = block.token_counts.last_processed
+    assert count % 5 != 0 and rows == [-(-count // 5) * 5], "the block computes on the bucketed count"
+    bucketed = _routed_run(5, hidden)
+    assert torch.allclose(bucketed[0], exact[0], rtol=0, atol=1e-12)
+    assert torch.allclose(bucketed[1], exact[1], rtol=0, atol=1e-12)
+    assert bucketed[2].keys() == exact[2].keys()
+    for name, grad in exact[2].items():
+        assert torch.allclose(bucketed[2][name], grad, rtol=0, atol=1e-12), name
+    assert torch.allclose(bucketed[3], exact[3], rtol=0, atol=1e-12)
+
+    # Negative control: the padded attention slots, if they counted as keys, would change the result.
+    def padding_as_keys(mask: Tensor, bucket: int | None = None) -> TokenSelection:
+        selection = select_tokens(mask, bucket)
+        return dataclasses.replace(selection, valid=torch.ones_like(selection.valid))
+
+    monkeypatch.setattr(mod, "select_tokens", padding_as_keys)
+    leaky = _routed_run(5, hidden)
+    assert (leaky[0] - exact[0]).abs().max().item() > 1e-6

@@ -340,6 +340,10 @@ def test_the_gpt_updates_the_expert_bias_after_each_optimizer_step(tokens: DataL
         ({"load_balance_coef": -1.0}, r"MoEOptions.load_balance_coef=-1.0 must be a number >= 0"),
         ({"bias_update_rate": -0.1}, r"MoEOptions.bias_update_rate=-0.1 must be a number >= 0"),
         ({"routing_event_threshold": 0}, r"MoEOptions.routing_event_threshold=0 must be a number > 0"),
+        (
+            {"expert_kernel": "loop"},
+            r"MoEOptions.expert_kernel='loop' must be one of \('padded', 'grouped'\)",
+        ),
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any], match: str) -> None:
@@ -362,3 +366,56 @@ def test_moe_gpt_config_takes_options_and_gpt_fields_as_keywords() -> None:
         TypeError, match=r"moe_gpt_config\(\) got unknown keyword\(s\) \['num_expert'\]; pass MoEOptions"
     ):
         moe_gpt_config(num_expert=4)
+
+
+# -- the grouped GEMM kernel -------------------------------------------------------------------------
+
+
+def _float_pair(**options: Any) -> tuple[MoEBlock, MoEBlock]:
+    padded = _block(**options).float()
+    grouped = _block(expert_kernel="grouped", **options).float()
+    grouped.load_state_dict(padded.state_dict())
+    with torch.no_grad():
+        assert padded.experts.b_in is not None and grouped.experts.b_in is not None
+        padded.experts.b_in.normal_()
+        grouped.experts.b_in.copy_(padded.experts.b_in)
+    return padded, grouped
+
+
+def _run(block: MoEBlock, x: Tensor) -> tuple[Tensor, ...]:
+    x = x.clone().requires_grad_(True)
+    with collect_aux_losses(attach=False) as aux:
+        out = block(x)
+    loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + torch.as_tensor(aux.total())
+    params = [p for p in block.parameters() if p.requires_grad]
+    return (out, *torch.autograd.grad(loss, [x, *params]))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_the_grouped_kernel_computes_what_the_padded_one_does_in_float32(
+    capacity_factor: float | None,
+) -> None:
+    padded, grouped = _float_pair(num_experts=4, top_k=2, capacity_factor=capacity_factor)
+    x = _hidden().float()
+    expected, got = _run(padded, x), _run(grouped, x)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+    assert grouped.rows_computed == padded.rows_computed, "the signal is the busiest expert's, either way"
+    assert int(grouped.kept_load.min()) < int(grouped.kept_load.max()), "the test needs uneven loads"
+    # Negative control: rows sent to the wrong expert's weights change the output.
+    with torch.no_grad():
+        grouped.experts.w_in.copy_(grouped.experts.w_in.roll(1, dims=0))
+    assert (_run(grouped, x)[0] - expected[0]).abs().max().item() > 1e-3
+
+
+def test_the_grouped_kernel_refuses_what_grouped_mm_does_not_take() -> None:
+    block = _block(expert_kernel="grouped")
+    with pytest.raises(
+        ValueError, match=r"expert_kernel='grouped' runs torch._grouped_mm, which takes .* torch.float64"
+    ):
+        block(_hidden())
+    narrow = MoEBlock(CONFIG, MoEOptions(expert_kernel="grouped", expert_width=6))
+    with pytest.raises(
+        ValueError, match=r"needs 16-byte rows: d_model=16 and expert width=6 must be multiples of 4"
+    ):
+        narrow(_hidden().float())

@@ -210,7 +210,24 @@ def test_forced_kernels() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"kernel": "bsr"}, r"PruningConfig.kernel='bsr' must be one of \('auto', 'dense', 'csr'\)"),
+        (
+            {"kernel": "triton"},
+            r"kernel='triton' must be one of \('auto', 'dense', 'csr', 'bsr', 'semi_structured'\)",
+        ),
+        (
+            {"pattern": "1:4"},
+            r"PruningConfig.pattern='1:4' must be one of \('unstructured', '2:4', 'block'\)",
+        ),
+        (
+            {"kernel": "bsr"},
+            r"PruningConfig.kernel='bsr' multiplies 'block' masks only, but pattern='unstructured'",
+        ),
+        (
+            {"kernel": "semi_structured", "pattern": "block"},
+            r"kernel='semi_structured' multiplies '2:4' masks only, but pattern='block'",
+        ),
+        ({"pattern": "2:4"}, r"pattern='2:4' prunes at most 2 of every 4 weights, but .* final_sparsity=0.9"),
+        ({"block_size": 0}, r"block_size=0 must be an integer >= 1"),
         ({"schedule": 0.9}, r"PruningConfig.schedule=0.9 must be a PruningSchedule"),
         ({"csr_min_sparsity": 1.5}, r"csr_min_sparsity=1.5 must be in \[0, 1\]"),
         ({"csr_min_speedup": 0}, r"csr_min_speedup=0 must be > 0"),

@@ -107,8 +107,10 @@ def test_set_mask_zeroes_pruned_weights_and_never_revives_them() -> None:
         layer.set_mask(torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"the mask has shape \(4, 3\) but the weight \(4, 4\)"):
         layer.set_mask(torch.ones(4, 3, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"kernel='bsr'\): use one of \('dense', 'csr'\)"):
-        layer.set_kernel("bsr")
+    with pytest.raises(
+        ValueError, match=r"kernel='blocked'\): use one of \('dense', 'csr', 'bsr', 'semi_structured'\)"
+    ):
+        layer.set_kernel("blocked")
 
 
 def test_state_travels_in_a_migration_packet_without_the_pattern_cache() -> None:

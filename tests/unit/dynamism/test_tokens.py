@@ -49,3 +49,26 @@ def test_token_counts_sum_calls_and_refuse_a_model_without_layers() -> None:
     assert counts == TokenCounts()
     with pytest.raises(TypeError, match=r"needs a model with `layers: nn.ModuleDict`.*got Linear"):
         token_counts(nn.Linear(2, 2))
+
+
+def test_a_bucket_rounds_the_gathered_rows_and_the_width_up_and_caps_them_at_the_grid() -> None:
+    mask = torch.tensor([[1, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    sel = select_tokens(mask, bucket=3)
+    assert (sel.count, sel.padded_count, sel.width) == (4, 6, 3)
+    assert sel.valid.tolist() == [[True, True, True], [True, False, False]]
+    hidden = torch.arange(12, dtype=torch.float64).view(2, 6, 1)
+    gathered = sel.gather(hidden)
+    assert gathered.squeeze(-1).tolist() == [0.0, 2.0, 3.0, 7.0, 0.0, 0.0], "padding repeats the first"
+    assert torch.equal(sel.unpad(sel.pad(gathered))[:4], gathered[:4])
+    assert sel.fill_padding(gathered, -1.0).squeeze(-1).tolist() == [0.0, 2.0, 3.0, 7.0, -1.0, -1.0]
+    assert torch.equal(
+        sel.scatter(hidden, gathered + 100), torch.where(mask.unsqueeze(-1), hidden + 100, hidden)
+    )
+    capped = select_tokens(mask, bucket=5)
+    assert (capped.padded_count, capped.width) == (5, 5)
+    assert (select_tokens(mask, bucket=64).padded_count, select_tokens(mask, bucket=64).width) == (12, 6)
+
+
+def test_select_tokens_refuses_a_bad_bucket() -> None:
+    with pytest.raises(ValueError, match=r"select_tokens\(bucket\)=0 must be None \(exact token counts\)"):
+        select_tokens(torch.ones(2, 3, dtype=torch.bool), bucket=0)
