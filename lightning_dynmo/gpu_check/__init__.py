@@ -14,4 +14,6 @@ Modules:
 - :mod:`.stalls`: which steps stall when a block's shapes change every step (MoD, early exit), and why.
 - :mod:`.migration`: a migration of device tensors between two processes, and the NCCL one-device probe.
 - :mod:`.hardware`: the machine, named: device, memory, torch / CUDA / NCCL versions.
+- :mod:`.kernels`: the kernel check (``python -m lightning_dynmo.gpu_check.kernels``): what each case's
+  kernel saves at the paper's GPT shape, and the cost curves.
 """

@@ -358,9 +358,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # One object (Lightning's rank_zero_only is lightning_utilities'), typed as a function: its rank is
-        # the attribute Lightning's own strategies set.
-        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's rank_zero_only too
         # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
         self._grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
 
