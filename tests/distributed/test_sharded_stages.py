@@ -1,0 +1,275 @@
+"""FSDP2 inside pipeline stages on real gloo groups: training equals one process, sharded units migrate.
+
+Four ranks as 2 pipeline stages x 2 data-parallel shards (global rank = replica * 2 + stage, as
+:class:`~lightning_dynmo.pipeline.placement.layout.RankGrid` numbers them). Every unit is sharded with
+``fully_shard`` over its stage's data-parallel mesh, a stage runs torch's ``Schedule1F1B``, and a run with
+two migrations (a block moves forward, then two blocks move back) must give the losses and weights of
+single-process training on the whole batch, in float64. The negative control forgets the optimizer state
+of every unit that arrives and must fail the comparison.
+
+The comparison allows 1e-12: FSDP's reduce-scatter adds the two shards' gradients, which rounds
+differently from a single process averaging the whole batch (measured differences are ~1e-16).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.tensor import DTensor
+
+from lightning_dynmo.balancing.moves import UnitMove
+from lightning_dynmo.pipeline.placement.layout import RankGrid
+from lightning_dynmo.pipeline.sharding import local_bytes, migrate_sharded_units, shard_unit
+from tests.distributed.harness import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+WIDTH = 5  # odd: a weight's rows split 3 + 2 over two shards, so the uneven last shard is exercised
+BLOCKS = 4
+BATCH = 8
+MICROBATCHES = 2
+LR = 0.05
+#: Blocks per stage in each phase; two steps per phase, a migration between phases.
+PHASES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
+    ((0, 1), (2, 3)),
+    ((0,), (1, 2, 3)),
+    ((0, 1, 2), (3,)),
+)
+STEPS_PER_PHASE = 2
+TOLERANCE = {"rtol": 0.0, "atol": 1e-12}
+
+
+class Block(nn.Module):
+    """A residual tanh block with a buffer (FSDP2 leaves buffers unsharded; they must travel too)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH, dtype=torch.float64)
+        self.register_buffer("gain", torch.full((WIDTH,), 1.0 + 0.1 * index, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x)) * self.gain
+
+
+def _blocks() -> list[Block]:
+    torch.manual_seed(0)
+    return [Block(i) for i in range(BLOCKS)]
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
+            torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
+        )
+        for _ in range(len(PHASES) * STEPS_PER_PHASE)
+    ]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = nn.Sequential(*_blocks())
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches():
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = {f"layers.{k}": v.clone() for k, v in model.state_dict().items()}
+    return losses, weights
+
+
+class Chain(nn.Module):
+    """A stage: its sharded units in global order (a plain container; each unit is its own FSDP root)."""
+
+    def __init__(self, units: dict[str, nn.Module]) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(units[k] for k in sorted(units, key=lambda n: int(n.split(".")[1])))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+def _moves(
+    grid: RankGrid, before: tuple[tuple[int, ...], ...], after: tuple[tuple[int, ...], ...]
+) -> list[UnitMove]:
+    owner_before = {b: s for s, blocks in enumerate(before) for b in blocks}
+    owner_after = {b: s for s, blocks in enumerate(after) for b in blocks}
+    return [
+        UnitMove(
+            f"layers.{b}",
+            grid.global_rank(replica, owner_before[b]),
+            grid.global_rank(replica, owner_after[b]),
+        )
+        for replica in range(grid.data_parallel_size)
+        for b in range(BLOCKS)
+        if owner_before[b] != owner_after[b]
+    ]
+
+
+def _check_errors(
+    units: dict[str, nn.Module], mesh: Any, dp_mesh: Any, grid: RankGrid, opt: torch.optim.Optimizer
+) -> None:
+    """Bad input fails on every rank with a message naming the rule (nothing hangs)."""
+    with pytest.raises(ValueError, match=r"has 2 dimensions.*data-parallel slice"):
+        shard_unit(Block(0), mesh)
+    with pytest.raises(ValueError, match="already sharded"):
+        shard_unit(next(iter(units.values())), dp_mesh)
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "build_unit": Block,
+        "data_parallel_rank": grid.data_parallel_rank,
+    }
+    with pytest.raises(ValueError, match="data-parallel index 0 but rank 3 has 1"):
+        migrate_sharded_units([UnitMove("layers.1", 0, 3)], units, [opt], **kwargs)
+    with pytest.raises(ValueError, match="src == dst"):
+        migrate_sharded_units([UnitMove("layers.1", 0, 0)], units, [opt], **kwargs)
+    # Ranks 0 and 2 (stage 0) hold layers.0 and layers.1 only: every rank fails, the senders naming the unit.
+    rank = dist.get_rank()
+    match = "must send unit 'layers.3'" if rank in (0, 2) else "2 rank\\(s\\) could not pack"
+    with pytest.raises(ValueError, match=match):
+        migrate_sharded_units(
+            [UnitMove("layers.3", 0, 1), UnitMove("layers.3", 2, 3)], units, [opt], **kwargs
+        )
+    plain = {"layers.0": Block(0)} if rank in (0, 2) else units
+    match = "is not sharded" if rank in (0, 2) else "2 rank\\(s\\) could not pack"
+    with pytest.raises(TypeError if rank in (0, 2) else ValueError, match=match):
+        migrate_sharded_units(
+            [UnitMove("layers.0", 0, 1), UnitMove("layers.0", 2, 3)], plain, [opt], **kwargs
+        )
+
+
+def _worker(rank: int, world_size: int, forget_state: bool, check_errors: bool) -> dict[str, Any]:
+    grid = RankGrid(world_size=world_size, pipeline_size=2)
+    mesh = init_device_mesh("cpu", (grid.data_parallel_size, grid.pipeline_size), mesh_dim_names=("dp", "pp"))
+    dp_mesh, pp_group = mesh["dp"], mesh["pp"].get_group()
+    stage, replica = grid.pipeline_rank(rank), grid.data_parallel_rank(rank)
+    assert dp_mesh.mesh.tolist() == list(grid.data_parallel_ranks(stage))
+    blocks = _blocks()
+    units: dict[str, nn.Module] = {f"layers.{b}": blocks[b] for b in PHASES[0][stage]}
+    for unit in units.values():
+        shard_unit(unit, dp_mesh)
+    opt = torch.optim.Adam([p for u in units.values() for p in u.parameters()], lr=LR)
+    if check_errors:
+        _check_errors(units, mesh, dp_mesh, grid, opt)
+
+    losses: list[float] = []
+    held: list[dict[str, Any]] = []
+    batches = iter(_batches())
+    for phase, placement in enumerate(PHASES):
+        if phase > 0:
+            moves = _moves(grid, PHASES[phase - 1], placement)
+            received = migrate_sharded_units(
+                moves,
+                units,
+                [opt],
+                mesh=dp_mesh,
+                build_unit=lambda name: Block(int(name.split(".")[1])).to("meta"),
+                data_parallel_rank=grid.data_parallel_rank,
+            )
+            for move in moves:
+                if move.src == rank:
+                    del units[move.unit]
+            units.update(received)
+            if forget_state:  # the negative control
+                for unit in received.values():
+                    for p in unit.parameters():
+                        opt.state.pop(p, None)
+        assert sorted(units) == [f"layers.{b}" for b in placement[stage]]
+        pipe = PipelineStage(Chain(units), stage, grid.pipeline_size, torch.device("cpu"), group=pp_group)
+        schedule = Schedule1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=_loss)
+        for step in range(STEPS_PER_PHASE):
+            x, y = next(batches)
+            x, y = x.chunk(grid.data_parallel_size)[replica], y.chunk(grid.data_parallel_size)[replica]
+            out: list[torch.Tensor] = []
+            if stage == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=out)
+            if step == STEPS_PER_PHASE - 1:  # what this rank holds, gradients included
+                got = local_bytes(units.values(), [opt])
+                full = sum(p.numel() * p.element_size() for u in units.values() for p in u.parameters())
+                bound = sum(
+                    math.ceil(p.shape[0] / grid.data_parallel_size)
+                    * math.prod(p.shape[1:])
+                    * p.element_size()
+                    for u in units.values()
+                    for p in u.parameters()
+                )
+                tensors = sum(1 for u in units.values() for _ in u.parameters())
+                held.append({"bytes": got, "stage_full": full, "bound": bound, "tensors": tensors})
+            opt.step()
+            opt.zero_grad()
+            loss = torch.tensor(
+                sum(t.item() for t in out) / MICROBATCHES if out else 0.0, dtype=torch.float64
+            )
+            dist.all_reduce(loss)  # the two last-stage shards' losses, each over half the batch
+            losses.append(loss.item() / grid.data_parallel_size)
+        if phase > 0:
+            held[-1]["after_migration"] = True
+    assert all(isinstance(u, FSDPModule) for u in units.values())
+    weights = {}
+    for name, unit in units.items():
+        for key, value in unit.state_dict().items():
+            weights[f"{name}.{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+    return {"losses": losses, "weights": weights, "held": held, "stage": stage}
+
+
+def _train(tmp_path: Any, forget_state: bool, check_errors: bool = False) -> list[dict[str, Any]]:
+    return run_distributed(_worker, 4, tmp_path, timeout_s=120, args=(forget_state, check_errors))
+
+
+def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any) -> None:
+    ref_losses, ref_weights = _reference()
+    results = _train(tmp_path, forget_state=False, check_errors=True)
+    torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
+    for result in results:  # every shard's replica of its stage gathers the same weights
+        for key, value in result["weights"].items():
+            torch.testing.assert_close(value, ref_weights[key], **TOLERANCE, msg=key)
+    assert set().union(*(r["weights"] for r in results)) == set(ref_weights)
+
+    # Each rank holds 1/dp of its stage: the two shards add up to the stage, neither exceeds its rounded-up
+    # half; gradients the same; Adam's two moments twice that plus one scalar step per parameter.
+    for phase in range(len(PHASES)):
+        for stage in (0, 1):
+            ranks = [r for r in results if r["stage"] == stage]
+            held = [r["held"][phase] for r in ranks]
+            assert sum(h["bytes"].parameters for h in held) == held[0]["stage_full"] > 0
+            for h in held:
+                got = h["bytes"]
+                assert got.parameters <= h["bound"] < h["stage_full"], (phase, stage, h)
+                assert got.gradients == got.parameters
+                steps = got.optimizer_state - 2 * got.parameters
+                assert 0 < steps <= 8 * h["tensors"], (phase, stage, h)
+    assert [r["held"][1].get("after_migration") for r in results] == [True] * 4
+
+
+def test_sharded_migration_negative_control(tmp_path: Any) -> None:
+    """Forgetting the arrived units' Adam state must break the comparison (so it can fail)."""
+    ref_losses, ref_weights = _reference()
+    results = _train(tmp_path, forget_state=True)
+    steps_before = STEPS_PER_PHASE + 1  # the first migration's effect shows from the next step's update on
+    torch.testing.assert_close(results[0]["losses"][:steps_before], ref_losses[:steps_before], **TOLERANCE)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
+    stage1 = next(r for r in results if r["stage"] == 1)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(
+            stage1["weights"]["layers.3.lin.weight"], ref_weights["layers.3.lin.weight"], **TOLERANCE
+        )
