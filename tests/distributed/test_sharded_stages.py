@@ -1,11 +1,13 @@
 """FSDP2 inside pipeline stages on real gloo groups: training equals one process, sharded units migrate.
 
-Four ranks as 2 pipeline stages x 2 data-parallel shards (global rank = replica * 2 + stage, as
+Four ranks as 2 pipeline positions x 2 data-parallel shards (global rank = replica * 2 + position, as
 :class:`~lightning_dynmo.pipeline.placement.layout.RankGrid` numbers them). Every unit is sharded with
-``fully_shard`` over its stage's data-parallel mesh, a stage runs torch's ``Schedule1F1B``, and a run with
-two migrations (a block moves forward, then two blocks move back) must give the losses and weights of
-single-process training on the whole batch, in float64. The negative control forgets the optimizer state
-of every unit that arrives and must fail the comparison.
+``fully_shard`` over its position's data-parallel mesh, each stage's container is made the FSDP root the
+schedule drives, and a run with migrations must give the losses and weights of single-process training on
+the whole batch, in float64: under ``Schedule1F1B`` (a block moves forward, two move back, then a re-pack
+onto one stage) and under ``ScheduleInterleavedZeroBubble`` (two stages per rank, two migrations). Each rank
+must hold half of its position's parameters, gradients and Adam state in every phase. The negative control
+forgets the optimizer state of every unit that arrives and must fail the comparison.
 
 The comparison allows 1e-12: FSDP's reduce-scatter adds the two shards' gradients, which rounds
 differently from a single process averaging the whole batch (measured differences are ~1e-16).
@@ -22,27 +24,47 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
 from torch.distributed.tensor import DTensor
 
 from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.pipeline.placement.layout import RankGrid
-from lightning_dynmo.pipeline.sharding import local_bytes, migrate_sharded_units, shard_unit
+from lightning_dynmo.pipeline.sharding import (
+    ShardedBytes,
+    local_bytes,
+    migrate_sharded_units,
+    shard_stage,
+    shard_unit,
+)
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 WIDTH = 5  # odd: a weight's rows split 3 + 2 over two shards, so the uneven last shard is exercised
-BLOCKS = 4
+BLOCKS = 6
 BATCH = 8
 MICROBATCHES = 2
 LR = 0.05
-#: Blocks per stage in each phase; two steps per phase, a migration between phases.
-PHASES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
-    ((0, 1), (2, 3)),
-    ((0,), (1, 2, 3)),
-    ((0, 1, 2), (3,)),
-)
+#: A phase: ``(pipeline positions used, blocks of each stage)``; stage ``v`` runs on ``v % positions``.
+Phase = tuple[int, tuple[tuple[int, ...], ...]]
+#: Each case trains two steps per phase and migrates between phases.
+CASES: dict[str, tuple[Phase, ...]] = {
+    # Schedule1F1B: a block moves forward, two move back, then a re-pack onto one stage (positions 1 and 3
+    # hand everything to 0 and 2 and sit idle).
+    "1f1b": (
+        (2, ((0, 1, 2), (3, 4, 5))),
+        (2, ((0, 1), (2, 3, 4, 5))),
+        (2, ((0, 1, 2, 3), (4, 5))),
+        (1, ((0, 1, 2, 3, 4, 5),)),
+    ),
+    # ScheduleInterleavedZeroBubble, two stages per rank (the weight gradients run apart from the input
+    # gradients, so FSDP's reduce-scatter follows a split backward): every move crosses ranks.
+    "interleaved_zb": (
+        (2, ((0, 1), (2,), (3, 4), (5,))),
+        (2, ((0,), (1, 2), (3,), (4, 5))),
+        (2, ((0, 1), (2, 3), (4,), (5,))),
+    ),
+}
 STEPS_PER_PHASE = 2
 TOLERANCE = {"rtol": 0.0, "atol": 1e-12}
 
@@ -71,7 +93,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
             torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
         )
-        for _ in range(len(PHASES) * STEPS_PER_PHASE)
+        for _ in range(STEPS_PER_PHASE * max(len(c) for c in CASES.values()))
     ]
 
 
@@ -79,11 +101,11 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = nn.Sequential(*_blocks())
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
-    for x, y in _batches():
+    for x, y in _batches()[:steps]:
         loss = _loss(model(x), y)
         loss.backward()
         opt.step()
@@ -94,7 +116,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 class Chain(nn.Module):
-    """A stage: its sharded units in global order (a plain container; each unit is its own FSDP root)."""
+    """A stage: its sharded units in global order (made an FSDP root by ``shard_stage``, anew each phase)."""
 
     def __init__(self, units: dict[str, nn.Module]) -> None:
         super().__init__()
@@ -106,20 +128,23 @@ class Chain(nn.Module):
         return x
 
 
-def _moves(
-    grid: RankGrid, before: tuple[tuple[int, ...], ...], after: tuple[tuple[int, ...], ...]
-) -> list[UnitMove]:
-    owner_before = {b: s for s, blocks in enumerate(before) for b in blocks}
-    owner_after = {b: s for s, blocks in enumerate(after) for b in blocks}
+def _held(phase: Phase, position: int) -> tuple[int, ...]:
+    """The blocks pipeline position ``position`` holds in ``phase``."""
+    positions, stages = phase
+    return tuple(b for v, blocks in enumerate(stages) if v % positions == position for b in blocks)
+
+
+def _moves(grid: RankGrid, before: Phase, after: Phase) -> list[UnitMove]:
+    def owner(phase: Phase) -> dict[int, int]:
+        positions, stages = phase
+        return {b: v % positions for v, blocks in enumerate(stages) for b in blocks}
+
+    src, dst = owner(before), owner(after)
     return [
-        UnitMove(
-            f"layers.{b}",
-            grid.global_rank(replica, owner_before[b]),
-            grid.global_rank(replica, owner_after[b]),
-        )
+        UnitMove(f"layers.{b}", grid.global_rank(replica, src[b]), grid.global_rank(replica, dst[b]))
         for replica in range(grid.data_parallel_size)
         for b in range(BLOCKS)
-        if owner_before[b] != owner_after[b]
+        if src[b] != dst[b]
     ]
 
 
@@ -131,6 +156,10 @@ def _check_errors(
         shard_unit(Block(0), mesh)
     with pytest.raises(ValueError, match="already sharded"):
         shard_unit(next(iter(units.values())), dp_mesh)
+    with pytest.raises(ValueError, match="already an FSDP root; build a new container"):
+        shard_stage(next(iter(units.values())), dp_mesh)
+    with pytest.raises(ValueError, match=r"sharded over .* the stage over"):
+        shard_stage(Chain(units), mesh["pp"])
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,
         "build_unit": Block,
@@ -155,14 +184,22 @@ def _check_errors(
         )
 
 
-def _worker(rank: int, world_size: int, forget_state: bool, check_errors: bool) -> dict[str, Any]:
+def _stage_module(units: dict[str, nn.Module], blocks: tuple[int, ...], mesh: Any) -> nn.Module:
+    chain = Chain({f"layers.{b}": units[f"layers.{b}"] for b in blocks})
+    shard_stage(chain, mesh)
+    return chain
+
+
+def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_errors: bool) -> dict[str, Any]:
     grid = RankGrid(world_size=world_size, pipeline_size=2)
     mesh = init_device_mesh("cpu", (grid.data_parallel_size, grid.pipeline_size), mesh_dim_names=("dp", "pp"))
     dp_mesh, pp_group = mesh["dp"], mesh["pp"].get_group()
-    stage, replica = grid.pipeline_rank(rank), grid.data_parallel_rank(rank)
-    assert dp_mesh.mesh.tolist() == list(grid.data_parallel_ranks(stage))
+    alone = {r: dist.new_group([r]) for r in range(world_size)}  # the one-stage pipelines after the re-pack
+    position, replica = grid.pipeline_rank(rank), grid.data_parallel_rank(rank)
+    assert dp_mesh.mesh.tolist() == list(grid.data_parallel_ranks(position))
+    phases = CASES[case]
     blocks = _blocks()
-    units: dict[str, nn.Module] = {f"layers.{b}": blocks[b] for b in PHASES[0][stage]}
+    units: dict[str, nn.Module] = {f"layers.{b}": blocks[b] for b in _held(phases[0], position)}
     for unit in units.values():
         shard_unit(unit, dp_mesh)
     opt = torch.optim.Adam([p for u in units.values() for p in u.parameters()], lr=LR)
@@ -172,9 +209,9 @@ def _worker(rank: int, world_size: int, forget_state: bool, check_errors: bool) 
     losses: list[float] = []
     held: list[dict[str, Any]] = []
     batches = iter(_batches())
-    for phase, placement in enumerate(PHASES):
+    for phase, (ranks, stages) in enumerate(phases):
         if phase > 0:
-            moves = _moves(grid, PHASES[phase - 1], placement)
+            moves = _moves(grid, phases[phase - 1], phases[phase])
             received = migrate_sharded_units(
                 moves,
                 units,
@@ -191,16 +228,32 @@ def _worker(rank: int, world_size: int, forget_state: bool, check_errors: bool) 
                 for unit in received.values():
                     for p in unit.parameters():
                         opt.state.pop(p, None)
-        assert sorted(units) == [f"layers.{b}" for b in placement[stage]]
-        pipe = PipelineStage(Chain(units), stage, grid.pipeline_size, torch.device("cpu"), group=pp_group)
-        schedule = Schedule1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=_loss)
+        assert sorted(units, key=lambda n: int(n.split(".")[1])) == [
+            f"layers.{b}" for b in _held((ranks, stages), position)
+        ]
+        mine = [v for v in range(len(stages)) if v % ranks == position]
+        group = pp_group if ranks == grid.pipeline_size else alone[rank]
+        pipes = [
+            PipelineStage(
+                _stage_module(units, stages[v], dp_mesh), v, len(stages), torch.device("cpu"), group=group
+            )
+            for v in mine
+        ]
+        schedule: Any = None
+        if len(pipes) == 1:
+            schedule = Schedule1F1B(pipes[0], n_microbatches=MICROBATCHES, loss_fn=_loss)
+        elif pipes:
+            schedule = ScheduleInterleavedZeroBubble(pipes, n_microbatches=MICROBATCHES, loss_fn=_loss)
         for step in range(STEPS_PER_PHASE):
             x, y = next(batches)
             x, y = x.chunk(grid.data_parallel_size)[replica], y.chunk(grid.data_parallel_size)[replica]
             out: list[torch.Tensor] = []
-            if stage == 0:
+            first, last = 0 in mine, len(stages) - 1 in mine
+            if first and last:
+                schedule.step(x, target=y, losses=out)
+            elif first:
                 schedule.step(x)
-            else:
+            elif last:
                 schedule.step(target=y, losses=out)
             if step == STEPS_PER_PHASE - 1:  # what this rank holds, gradients included
                 got = local_bytes(units.values(), [opt])
@@ -219,57 +272,59 @@ def _worker(rank: int, world_size: int, forget_state: bool, check_errors: bool) 
             loss = torch.tensor(
                 sum(t.item() for t in out) / MICROBATCHES if out else 0.0, dtype=torch.float64
             )
-            dist.all_reduce(loss)  # the two last-stage shards' losses, each over half the batch
+            dist.all_reduce(loss)  # the last stage's shards' losses, each over its share of the batch
             losses.append(loss.item() / grid.data_parallel_size)
-        if phase > 0:
-            held[-1]["after_migration"] = True
     assert all(isinstance(u, FSDPModule) for u in units.values())
     weights = {}
     for name, unit in units.items():
         for key, value in unit.state_dict().items():
             weights[f"{name}.{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
-    return {"losses": losses, "weights": weights, "held": held, "stage": stage}
+    return {"losses": losses, "weights": weights, "held": held, "position": position}
 
 
-def _train(tmp_path: Any, forget_state: bool, check_errors: bool = False) -> list[dict[str, Any]]:
-    return run_distributed(_worker, 4, tmp_path, timeout_s=120, args=(forget_state, check_errors))
+def _train(tmp_path: Any, case: str, forget_state: bool, check_errors: bool = False) -> list[dict[str, Any]]:
+    return run_distributed(_worker, 4, tmp_path, timeout_s=120, args=(case, forget_state, check_errors))
 
 
-def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any) -> None:
-    ref_losses, ref_weights = _reference()
-    results = _train(tmp_path, forget_state=False, check_errors=True)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any, case: str) -> None:
+    phases = CASES[case]
+    steps = STEPS_PER_PHASE * len(phases)
+    ref_losses, ref_weights = _reference(steps)
+    results = _train(tmp_path, case, forget_state=False, check_errors=case == "1f1b")
     torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
-    for result in results:  # every shard's replica of its stage gathers the same weights
+    for result in results:  # every shard gathers its stage's weights; both replicas of a position agree
         for key, value in result["weights"].items():
             torch.testing.assert_close(value, ref_weights[key], **TOLERANCE, msg=key)
     assert set().union(*(r["weights"] for r in results)) == set(ref_weights)
 
-    # Each rank holds 1/dp of its stage: the two shards add up to the stage, neither exceeds its rounded-up
-    # half; gradients the same; Adam's two moments twice that plus one scalar step per parameter.
-    for phase in range(len(PHASES)):
-        for stage in (0, 1):
-            ranks = [r for r in results if r["stage"] == stage]
-            held = [r["held"][phase] for r in ranks]
-            assert sum(h["bytes"].parameters for h in held) == held[0]["stage_full"] > 0
+    # Each rank holds 1/dp of what its position holds: the two shards add up to it, neither exceeds its
+    # rounded-up half; gradients the same; Adam's two moments twice that plus a scalar step per parameter.
+    for phase in range(len(phases)):
+        for position in (0, 1):
+            held = [r["held"][phase] for r in results if r["position"] == position]
+            assert sum(h["bytes"].parameters for h in held) == held[0]["stage_full"]
+            if not _held(phases[phase], position):
+                assert all(h["bytes"] == ShardedBytes(0, 0, 0) for h in held)  # released by the re-pack
+                continue
             for h in held:
                 got = h["bytes"]
-                assert got.parameters <= h["bound"] < h["stage_full"], (phase, stage, h)
+                assert 0 < got.parameters <= h["bound"] < h["stage_full"], (phase, position, h)
                 assert got.gradients == got.parameters
-                steps = got.optimizer_state - 2 * got.parameters
-                assert 0 < steps <= 8 * h["tensors"], (phase, stage, h)
-    assert [r["held"][1].get("after_migration") for r in results] == [True] * 4
+                step_bytes = got.optimizer_state - 2 * got.parameters
+                assert 0 < step_bytes <= 8 * h["tensors"], (phase, position, h)
 
 
 def test_sharded_migration_negative_control(tmp_path: Any) -> None:
     """Forgetting the arrived units' Adam state must break the comparison (so it can fail)."""
-    ref_losses, ref_weights = _reference()
-    results = _train(tmp_path, forget_state=True)
-    steps_before = STEPS_PER_PHASE + 1  # the first migration's effect shows from the next step's update on
-    torch.testing.assert_close(results[0]["losses"][:steps_before], ref_losses[:steps_before], **TOLERANCE)
+    steps = STEPS_PER_PHASE * len(CASES["1f1b"])
+    ref_losses, ref_weights = _reference(steps)
+    results = _train(tmp_path, "1f1b", forget_state=True)
+    unspoiled = STEPS_PER_PHASE + 1  # the first migration shows from the update after the next step on
+    torch.testing.assert_close(results[0]["losses"][:unspoiled], ref_losses[:unspoiled], **TOLERANCE)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
-    stage1 = next(r for r in results if r["stage"] == 1)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(
-            stage1["weights"]["layers.3.lin.weight"], ref_weights["layers.3.lin.weight"], **TOLERANCE
+            results[0]["weights"]["layers.3.lin.weight"], ref_weights["layers.3.lin.weight"], **TOLERANCE
         )

@@ -1,7 +1,9 @@
 """FSDP2 inside a pipeline stage: shard each unit over the stage's data-parallel mesh, count what a rank
 holds, and move a sharded unit between stages shard for shard.
 
-- :mod:`.apply`: :func:`~.apply.shard_unit` applies torch's ``fully_shard`` to one unit.
+- :mod:`.apply`: :func:`~.apply.shard_unit` applies torch's ``fully_shard`` to one unit;
+  :func:`~.apply.shard_stage` makes a stage's container of sharded units the FSDP root the pipeline
+  schedules drive.
 - :mod:`.memory`: :func:`~.memory.local_bytes`, the bytes of parameters, gradients and optimizer state a
   rank holds for some units (its shards only).
 - :mod:`.migrate`: :func:`~.migrate.migrate_sharded_units`, data-parallel rank ``i`` of the source stage
@@ -9,14 +11,13 @@ holds, and move a sharded unit between stages shard for shard.
   the destination stage, which rebuilds the unit, shards it the same way and takes the shards in. No
   all-gather.
 
-Each unit is its own FSDP root (the stage module that :class:`~torch.distributed.pipelining.PipelineStage`
-runs is a plain container of sharded units), so a unit can arrive or leave without touching the state of
-the units that stay: FSDP2 records the states under a root once, at its first forward, and offers no
-public way to refresh that record.
+Each unit is sharded on its own (one all-gather and one reduce-scatter per unit), and the module a
+:class:`~torch.distributed.pipelining.PipelineStage` runs is a container of the stage's units, made an FSDP
+root with :func:`~.apply.shard_stage` and built anew after every migration.
 """
 
-from lightning_dynmo.pipeline.sharding.apply import shard_unit
+from lightning_dynmo.pipeline.sharding.apply import shard_stage, shard_unit
 from lightning_dynmo.pipeline.sharding.memory import ShardedBytes, local_bytes
 from lightning_dynmo.pipeline.sharding.migrate import migrate_sharded_units
 
-__all__ = ["ShardedBytes", "local_bytes", "migrate_sharded_units", "shard_unit"]
+__all__ = ["ShardedBytes", "local_bytes", "migrate_sharded_units", "shard_stage", "shard_unit"]

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_unit"]
+__all__ = ["shard_stage", "shard_unit"]
 
 
 def shard_unit(
@@ -47,3 +47,50 @@ def shard_unit(
     sharded = fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     assert isinstance(sharded, FSDPModule)
     return sharded
+
+
+def shard_stage(
+    stage: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> FSDPModule:
+    """Make a stage container of sharded units an FSDP root, so that torch's pipeline schedules drive it.
+
+    :class:`~torch.distributed.pipelining.PipelineStage` runs FSDP the pipelined way (no gradient
+    reduce-scatter nor re-sharding after each micro-batch's backward, one reduce-scatter after the last,
+    and weight gradients apart from input gradients under the zero-bubble schedules) only when the module
+    it runs is itself an ``FSDPModule``. Build a new container after every migration (units arrived or
+    left) and call this on it: its units are sharded already (:func:`shard_unit`); the container's own
+    parameters, if any, are sharded here.
+
+    FSDP2 records the states under a root at the root's first forward and keeps that record; a unit that
+    trained under a former container is marked as a non-root for good, and a new root would refuse it
+    ("FSDP state has already been lazily initialized for ..."). torch 2.13 offers no public reset, so this
+    function clears that one mark (``_is_root``) on the units' FSDP states; the new root's first forward
+    then records them afresh and shares its communication state with them.
+
+    Args:
+        stage: A new container holding this rank's units of one stage (not sharded itself yet).
+        mesh: The stage's data-parallel mesh, the one its units are sharded over.
+        mp_policy: The policy the units were sharded with.
+
+    Raises:
+        ValueError: ``stage`` is already an FSDP module, or a unit inside is sharded over another mesh.
+    """
+    if isinstance(stage, FSDPModule):
+        raise ValueError(
+            f"stage {type(stage).__name__} is already an FSDP root; build a new container of the units "
+            "after a migration and shard that one."
+        )
+    for name, module in stage.named_modules():
+        if isinstance(module, FSDPModule):
+            state = fully_shard.state(module)  # type: ignore[attr-defined]
+            for group in state._fsdp_param_groups:
+                if group.mesh_info.mesh != mesh:
+                    raise ValueError(
+                        f"unit {name!r} is sharded over {group.mesh_info.mesh}, the stage over {mesh}; "
+                        "shard every unit of a stage over the stage's data-parallel mesh."
+                    )
+            state._is_root = None
+    return shard_unit(stage, mesh, mp_policy=mp_policy)
