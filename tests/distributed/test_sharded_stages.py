@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
@@ -31,8 +32,10 @@ from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.pipeline.placement.layout import RankGrid
 from lightning_dynmo.pipeline.sharding import (
     ShardedBytes,
+    load_sharded_units,
     local_bytes,
     migrate_sharded_units,
+    save_sharded_units,
     shard_stage,
     shard_unit,
 )
@@ -102,6 +105,12 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses, weights, _ = _reference_with_state(steps)
+    return losses, weights
+
+
+def _reference_with_state(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single-process losses, weights and Adam state (``<parameter>.<state key>``) after ``steps``."""
     model = nn.Sequential(*_blocks())
     opt = torch.optim.Adam(model.parameters(), lr=LR)
     losses = []
@@ -112,7 +121,12 @@ def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.zero_grad()
         losses.append(loss.item())
     weights = {f"layers.{k}": v.clone() for k, v in model.state_dict().items()}
-    return losses, weights
+    state = {
+        f"layers.{name}.{key}": value.clone()
+        for name, param in model.named_parameters()
+        for key, value in opt.state[param].items()
+    }
+    return losses, weights, state
 
 
 class Chain(nn.Module):
@@ -328,3 +342,117 @@ def test_sharded_migration_negative_control(tmp_path: Any) -> None:
         torch.testing.assert_close(
             results[0]["weights"]["layers.3.lin.weight"], ref_weights["layers.3.lin.weight"], **TOLERANCE
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints: saved at one placement with 2 shards, loaded at another with 2 shards, exported to one file
+# ----------------------------------------------------------------------------------------------------
+
+SAVED_AT: Phase = CASES["1f1b"][0]  # blocks 0-2 | 3-5
+LOADED_AT: Phase = CASES["1f1b"][1]  # blocks 0-1 | 2-5
+
+
+def _train_steps(
+    units: dict[str, nn.Module],
+    phase: Phase,
+    opt: torch.optim.Optimizer,
+    batches: list[Any],
+    ctx: dict[str, Any],
+) -> list[float]:
+    _, stages = phase
+    position, replica, dp = ctx["position"], ctx["replica"], ctx["dp"]
+    chain = _stage_module(units, stages[position], ctx["dp_mesh"])
+    pipe = PipelineStage(chain, position, len(stages), torch.device("cpu"), group=ctx["pp_group"])
+    schedule = Schedule1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=_loss)
+    losses = []
+    for x, y in batches:
+        x, y = x.chunk(dp)[replica], y.chunk(dp)[replica]
+        out: list[torch.Tensor] = []
+        if position == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=out)
+        opt.step()
+        opt.zero_grad()
+        loss = torch.tensor(sum(t.item() for t in out) / MICROBATCHES if out else 0.0, dtype=torch.float64)
+        dist.all_reduce(loss)
+        losses.append(loss.item() / dp)
+    return losses
+
+
+def _checkpoint_worker(rank: int, world_size: int, directory: str, exported: str) -> dict[str, Any]:
+    grid = RankGrid(world_size=world_size, pipeline_size=2)
+    mesh = init_device_mesh("cpu", (grid.data_parallel_size, grid.pipeline_size), mesh_dim_names=("dp", "pp"))
+    ctx = {
+        "position": grid.pipeline_rank(rank),
+        "replica": grid.data_parallel_rank(rank),
+        "dp": grid.data_parallel_size,
+        "dp_mesh": mesh["dp"],
+        "pp_group": mesh["pp"].get_group(),
+    }
+    batches = _batches()
+    blocks = _blocks()
+    units: dict[str, nn.Module] = {f"layers.{b}": blocks[b] for b in _held(SAVED_AT, ctx["position"])}
+    for unit in units.values():
+        shard_unit(unit, mesh["dp"])
+    opt = torch.optim.Adam([p for u in units.values() for p in u.parameters()], lr=LR)
+    losses = _train_steps(units, SAVED_AT, opt, batches[:STEPS_PER_PHASE], ctx)
+    save_sharded_units(directory, units, [opt])
+
+    # A fresh model at another placement, initialised differently: everything must come from the checkpoint.
+    torch.manual_seed(100 + rank)
+    fresh = {f"layers.{b}": Block(b) for b in _held(LOADED_AT, ctx["position"])}
+    for unit in fresh.values():
+        nn.init.normal_(unit.lin.weight)
+        shard_unit(unit, mesh["dp"])
+    fresh_opt = torch.optim.Adam([p for u in fresh.values() for p in u.parameters()], lr=LR)
+    before = {
+        f"{n}.{k}": v.full_tensor().clone()
+        for n, u in fresh.items()
+        for k, v in u.state_dict().items()
+        if isinstance(v, DTensor)
+    }
+    load_sharded_units(directory, fresh, [fresh_opt])
+    loaded = {}
+    for name, unit in fresh.items():
+        for key, value in unit.state_dict().items():
+            loaded[f"{name}.{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
+        for pname, param in unit.named_parameters():
+            for skey, svalue in fresh_opt.state[param].items():
+                full = svalue.full_tensor() if isinstance(svalue, DTensor) else svalue
+                loaded[f"{name}.{pname}.{skey}"] = full.clone()
+    wrong = {"layers.9": Block(9)} if rank == 0 else {}  # every rank fails, rank 0 naming the key
+    with pytest.raises(KeyError, match=r"lacks \['state_dict.layers.9" if rank == 0 else "of 1 other rank"):
+        load_sharded_units(directory, wrong, [])
+    losses += _train_steps(fresh, LOADED_AT, fresh_opt, batches[STEPS_PER_PHASE : 2 * STEPS_PER_PHASE], ctx)
+    dist.barrier()
+    if rank == 0:
+        dcp_to_torch_save(directory, exported)
+    dist.barrier()
+    return {"before": before, "loaded": loaded, "losses": losses}
+
+
+def test_sharded_checkpoint_across_placements_and_to_one_file(tmp_path: Any) -> None:
+    steps = 2 * STEPS_PER_PHASE
+    ref_losses, _, _ = _reference_with_state(steps)
+    _, ref_weights, ref_state = _reference_with_state(STEPS_PER_PHASE)  # what the checkpoint holds
+    directory, exported = tmp_path / "ckpt", tmp_path / "full.pt"
+    results = run_distributed(
+        _checkpoint_worker, 4, tmp_path, timeout_s=120, args=(str(directory), str(exported))
+    )
+    expected = ref_weights | ref_state
+    for result in results:
+        assert result["loaded"], "every rank holds units at the loading placement"
+        for key, value in result["loaded"].items():
+            torch.testing.assert_close(value, expected[key], **TOLERANCE, msg=key)
+        for key, value in result["before"].items():  # the control: the fresh units really differed
+            assert not torch.allclose(value, expected[key]), key
+    assert set().union(*(r["loaded"] for r in results)) == set(expected)
+    # Training on from the loaded checkpoint continues the single-process run.
+    torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
+
+    full = torch.load(exported, weights_only=True)
+    for key, value in ref_weights.items():
+        torch.testing.assert_close(full[f"state_dict.{key}"], value, **TOLERANCE, msg=key)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(full[f"optimizer_states.0.state.{key}"], value, **TOLERANCE, msg=key)

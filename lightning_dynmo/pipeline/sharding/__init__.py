@@ -10,6 +10,9 @@ holds, and move a sharded unit between stages shard for shard.
   sends its local shards (parameters, gradients, optimizer state, buffers) to data-parallel rank ``i`` of
   the destination stage, which rebuilds the unit, shards it the same way and takes the shards in. No
   all-gather.
+- :mod:`.checkpoint`: :func:`~.checkpoint.save_sharded_units` / :func:`~.checkpoint.load_sharded_units`,
+  distributed checkpoints of sharded units and their optimizer state, loadable at another placement and
+  shard count.
 
 Each unit is sharded on its own (one all-gather and one reduce-scatter per unit), and the module a
 :class:`~torch.distributed.pipelining.PipelineStage` runs is a container of the stage's units, made an FSDP
@@ -17,7 +20,21 @@ root with :func:`~.apply.shard_stage` and built anew after every migration.
 """
 
 from lightning_dynmo.pipeline.sharding.apply import shard_stage, shard_unit
+from lightning_dynmo.pipeline.sharding.checkpoint import (
+    load_sharded_units,
+    save_sharded_units,
+    sharded_unit_items,
+)
 from lightning_dynmo.pipeline.sharding.memory import ShardedBytes, local_bytes
 from lightning_dynmo.pipeline.sharding.migrate import migrate_sharded_units
 
-__all__ = ["ShardedBytes", "local_bytes", "migrate_sharded_units", "shard_stage", "shard_unit"]
+__all__ = [
+    "ShardedBytes",
+    "load_sharded_units",
+    "local_bytes",
+    "migrate_sharded_units",
+    "save_sharded_units",
+    "shard_stage",
+    "shard_unit",
+    "sharded_unit_items",
+]
