@@ -32,6 +32,7 @@ from lightning_dynmo.balancing.moves import UnitMove
 from lightning_dynmo.pipeline.placement.layout import RankGrid
 from lightning_dynmo.pipeline.sharding import (
     ShardedBytes,
+    clip_sharded_grad_norm_,
     load_sharded_units,
     local_bytes,
     migrate_sharded_units,
@@ -69,6 +70,8 @@ CASES: dict[str, tuple[Phase, ...]] = {
     ),
 }
 STEPS_PER_PHASE = 2
+#: The gradient clip norm of the training tests; most steps' gradients exceed it, some do not.
+MAX_NORM = 2.0
 TOLERANCE = {"rtol": 0.0, "atol": 1e-12}
 
 
@@ -104,19 +107,25 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    losses, weights, _ = _reference_with_state(steps)
+def _reference(steps: int, norms: list[float]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training clipped to ``MAX_NORM``; the norms before clipping go to ``norms``."""
+    losses, weights, _ = _reference_with_state(steps, clip=True, norms=norms)
     return losses, weights
 
 
-def _reference_with_state(steps: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference_with_state(
+    steps: int, clip: bool = False, norms: list[float] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single-process losses, weights and Adam state (``<parameter>.<state key>``) after ``steps``."""
     model = nn.Sequential(*_blocks())
     opt = torch.optim.Adam(model.parameters(), lr=LR)
+    norms = [] if norms is None else norms
     losses = []
     for x, y in _batches()[:steps]:
         loss = _loss(model(x), y)
         loss.backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -168,6 +177,8 @@ def _check_errors(
     """Bad input fails on every rank with a message naming the rule (nothing hangs)."""
     with pytest.raises(ValueError, match=r"has 2 dimensions.*data-parallel slice"):
         shard_unit(Block(0), mesh)
+    with pytest.raises(ValueError, match=r"max_norm=0 must be > 0"):
+        clip_sharded_grad_norm_([], 0)
     with pytest.raises(ValueError, match="already sharded"):
         shard_unit(next(iter(units.values())), dp_mesh)
     with pytest.raises(ValueError, match="already an FSDP root; build a new container"):
@@ -221,6 +232,7 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
         _check_errors(units, mesh, dp_mesh, grid, opt)
 
     losses: list[float] = []
+    norms: list[float] = []
     held: list[dict[str, Any]] = []
     batches = iter(_batches())
     for phase, (ranks, stages) in enumerate(phases):
@@ -281,6 +293,8 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
                 )
                 tensors = sum(1 for u in units.values() for _ in u.parameters())
                 held.append({"bytes": got, "stage_full": full, "bound": bound, "tensors": tensors})
+            params = [p for u in units.values() for p in u.parameters()]
+            norms.append(float(clip_sharded_grad_norm_(params, MAX_NORM)))
             opt.step()
             opt.zero_grad()
             loss = torch.tensor(
@@ -293,7 +307,7 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
     for name, unit in units.items():
         for key, value in unit.state_dict().items():
             weights[f"{name}.{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
-    return {"losses": losses, "weights": weights, "held": held, "position": position}
+    return {"losses": losses, "weights": weights, "held": held, "position": position, "norms": norms}
 
 
 def _train(tmp_path: Any, case: str, forget_state: bool, check_errors: bool = False) -> list[dict[str, Any]]:
@@ -304,9 +318,13 @@ def _train(tmp_path: Any, case: str, forget_state: bool, check_errors: bool = Fa
 def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any, case: str) -> None:
     phases = CASES[case]
     steps = STEPS_PER_PHASE * len(phases)
-    ref_losses, ref_weights = _reference(steps)
+    ref_norms: list[float] = []
+    ref_losses, ref_weights = _reference(steps, ref_norms)
+    assert min(ref_norms) < MAX_NORM < max(ref_norms)  # clipping acts on some steps and not on others
     results = _train(tmp_path, case, forget_state=False, check_errors=case == "1f1b")
     torch.testing.assert_close(results[0]["losses"], ref_losses, **TOLERANCE)
+    for result in results:  # the clip norm over all shards and stages is the single process's, on every rank
+        torch.testing.assert_close(result["norms"], ref_norms, **TOLERANCE)
     for result in results:  # every shard gathers its stage's weights; both replicas of a position agree
         for key, value in result["weights"].items():
             torch.testing.assert_close(value, ref_weights[key], **TOLERANCE, msg=key)
@@ -332,7 +350,7 @@ def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any, case: 
 def test_sharded_migration_negative_control(tmp_path: Any) -> None:
     """Forgetting the arrived units' Adam state must break the comparison (so it can fail)."""
     steps = STEPS_PER_PHASE * len(CASES["1f1b"])
-    ref_losses, ref_weights = _reference(steps)
+    ref_losses, ref_weights = _reference(steps, [])
     results = _train(tmp_path, "1f1b", forget_state=True)
     unspoiled = STEPS_PER_PHASE + 1  # the first migration shows from the update after the next step on
     torch.testing.assert_close(results[0]["losses"][:unspoiled], ref_losses[:unspoiled], **TOLERANCE)

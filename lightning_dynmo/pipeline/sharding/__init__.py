@@ -10,6 +10,8 @@ holds, and move a sharded unit between stages shard for shard.
   sends its local shards (parameters, gradients, optimizer state, buffers) to data-parallel rank ``i`` of
   the destination stage, which rebuilds the unit, shards it the same way and takes the shards in. No
   all-gather.
+- :mod:`.grads`: :func:`~.grads.clip_sharded_grad_norm_`, clipping by the exact norm over all shards and
+  stages.
 - :mod:`.checkpoint`: :func:`~.checkpoint.save_sharded_units` / :func:`~.checkpoint.load_sharded_units`,
   distributed checkpoints of sharded units and their optimizer state, loadable at another placement and
   shard count.
@@ -25,11 +27,13 @@ from lightning_dynmo.pipeline.sharding.checkpoint import (
     save_sharded_units,
     sharded_unit_items,
 )
+from lightning_dynmo.pipeline.sharding.grads import clip_sharded_grad_norm_
 from lightning_dynmo.pipeline.sharding.memory import ShardedBytes, local_bytes
 from lightning_dynmo.pipeline.sharding.migrate import migrate_sharded_units
 
 __all__ = [
     "ShardedBytes",
+    "clip_sharded_grad_norm_",
     "load_sharded_units",
     "local_bytes",
     "migrate_sharded_units",
