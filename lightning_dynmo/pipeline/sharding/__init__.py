@@ -3,7 +3,7 @@ holds, and move a sharded unit between stages shard for shard.
 
 - :mod:`.apply`: :func:`~.apply.shard_unit` applies torch's ``fully_shard`` to one unit;
   :func:`~.apply.shard_stage` makes a stage's container of sharded units the FSDP root the pipeline
-  schedules drive.
+  schedules drive; :func:`~.apply.mixed_precision_policy` maps a Lightning precision to FSDP2's policy.
 - :mod:`.memory`: :func:`~.memory.local_bytes`, the bytes of parameters, gradients and optimizer state a
   rank holds for some units (its shards only).
 - :mod:`.migrate`: :func:`~.migrate.migrate_sharded_units`, data-parallel rank ``i`` of the source stage
@@ -21,7 +21,7 @@ Each unit is sharded on its own (one all-gather and one reduce-scatter per unit)
 root with :func:`~.apply.shard_stage` and built anew after every migration.
 """
 
-from lightning_dynmo.pipeline.sharding.apply import shard_stage, shard_unit
+from lightning_dynmo.pipeline.sharding.apply import mixed_precision_policy, shard_stage, shard_unit
 from lightning_dynmo.pipeline.sharding.checkpoint import (
     load_sharded_units,
     save_sharded_units,
@@ -37,6 +37,7 @@ __all__ = [
     "load_sharded_units",
     "local_bytes",
     "migrate_sharded_units",
+    "mixed_precision_policy",
     "save_sharded_units",
     "shard_stage",
     "shard_unit",

@@ -1,12 +1,13 @@
-"""Apply torch's FSDP2 ``fully_shard`` to one unit over a stage's data-parallel mesh."""
+"""Apply torch's FSDP2 ``fully_shard`` to a stage's units and container; the policy a precision implies."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_stage", "shard_unit"]
+__all__ = ["mixed_precision_policy", "shard_stage", "shard_unit"]
 
 
 def shard_unit(
@@ -94,3 +95,40 @@ def shard_stage(
                     )
             state._is_root = None
     return shard_unit(stage, mesh, mp_policy=mp_policy)
+
+
+#: Lightning's precision names (as ``Trainer(precision=...)`` resolves them) and what FSDP2 casts for each:
+#: ``(parameter dtype in forward/backward, gradient reduce-scatter dtype)``; ``None`` keeps the dtype the
+#: parameters have. The "-true" precisions keep every dtype (the parameters already have it).
+_PRECISION_DTYPES: dict[str, tuple[torch.dtype | None, torch.dtype | None]] = {
+    "64-true": (None, None),
+    "32-true": (None, None),
+    "16-true": (None, None),
+    "bf16-true": (None, None),
+    "bf16-mixed": (torch.bfloat16, torch.float32),
+    "16-mixed": (torch.float16, torch.float32),
+}
+
+
+def mixed_precision_policy(precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy for a Lightning precision name.
+
+    "bf16-mixed" and "16-mixed" all-gather the parameters in bfloat16 / float16 for forward and backward
+    and reduce-scatter the gradients in float32 (torchtitan's choice: the sum over shards keeps its
+    precision); the sharded parameters, gradients and optimizer state stay in the parameters' dtype. The
+    "-true" precisions cast nothing. "16-mixed" still needs loss scaling, as without sharding.
+
+    Args:
+        precision: ``"64-true"``, ``"32-true"``, ``"16-true"``, ``"bf16-true"``, ``"bf16-mixed"`` or
+            ``"16-mixed"`` (the names ``Trainer(precision=...)`` resolves to).
+
+    Raises:
+        ValueError: any other name.
+    """
+    if precision not in _PRECISION_DTYPES:
+        raise ValueError(
+            f"precision={precision!r} has no FSDP2 mixed-precision policy; use one of "
+            f"{sorted(_PRECISION_DTYPES)} (Lightning's resolved names: 'bf16' is 'bf16-mixed')."
+        )
+    param_dtype, reduce_dtype = _PRECISION_DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
