@@ -3,11 +3,15 @@
 Four ranks as 2 pipeline positions x 2 data-parallel shards (global rank = replica * 2 + position, as
 :class:`~lightning_dynmo.pipeline.placement.layout.RankGrid` numbers them). Every unit is sharded with
 ``fully_shard`` over its position's data-parallel mesh, each stage's container is made the FSDP root the
-schedule drives, and a run with migrations must give the losses and weights of single-process training on
-the whole batch, in float64: under ``Schedule1F1B`` (a block moves forward, two move back, then a re-pack
-onto one stage) and under ``ScheduleInterleavedZeroBubble`` (two stages per rank, two migrations). Each rank
-must hold half of its position's parameters, gradients and Adam state in every phase. The negative control
-forgets the optimizer state of every unit that arrives and must fail the comparison.
+schedule drives, and a run with migrations must give the losses, clip norms and weights of single-process
+training on the whole batch, in float64:
+
+- under ``Schedule1F1B``: a block moves forward, two move back between backward and optimizer step (so
+  their gradients travel too), then a re-pack onto one stage;
+- under ``ScheduleInterleavedZeroBubble`` (two stages per rank): two migrations.
+
+Each rank must hold half of its position's parameters, gradients and Adam state in every phase. The
+negative control forgets the optimizer state of every unit that arrives and must fail the comparison.
 
 The comparison allows 1e-12: FSDP's reduce-scatter adds the two shards' gradients, which rounds
 differently from a single process averaging the whole batch (measured differences are ~1e-16).
@@ -70,6 +74,8 @@ CASES: dict[str, tuple[Phase, ...]] = {
     ),
 }
 STEPS_PER_PHASE = 2
+#: Into which phase the units move between backward and optimizer step (their gradients travel with them).
+GRADS_MOVE_INTO = {"1f1b": 2}
 #: The gradient clip norm of the training tests; most steps' gradients exceed it, some do not.
 MAX_NORM = 2.0
 TOLERANCE = {"rtol": 0.0, "atol": 1e-12}
@@ -233,6 +239,8 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
 
     losses: list[float] = []
     norms: list[float] = []
+    pending_step = False
+    grads_moved: ShardedBytes | None = None
     held: list[dict[str, Any]] = []
     batches = iter(_batches())
     for phase, (ranks, stages) in enumerate(phases):
@@ -254,6 +262,13 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
                 for unit in received.values():
                     for p in unit.parameters():
                         opt.state.pop(p, None)
+            if pending_step:  # the units moved with their gradients: the update runs at the new placement
+                grads_moved = local_bytes(units.values(), [opt])
+                params = [p for u in units.values() for p in u.parameters()]
+                norms.append(float(clip_sharded_grad_norm_(params, MAX_NORM)))
+                opt.step()
+                opt.zero_grad()
+                pending_step = False
         assert sorted(units, key=lambda n: int(n.split(".")[1])) == [
             f"layers.{b}" for b in _held((ranks, stages), position)
         ]
@@ -293,10 +308,13 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
                 )
                 tensors = sum(1 for u in units.values() for _ in u.parameters())
                 held.append({"bytes": got, "stage_full": full, "bound": bound, "tensors": tensors})
-            params = [p for u in units.values() for p in u.parameters()]
-            norms.append(float(clip_sharded_grad_norm_(params, MAX_NORM)))
-            opt.step()
-            opt.zero_grad()
+            if phase + 1 == GRADS_MOVE_INTO.get(case) and step == STEPS_PER_PHASE - 1:
+                pending_step = True  # migrate between backward and optimizer step
+            else:
+                params = [p for u in units.values() for p in u.parameters()]
+                norms.append(float(clip_sharded_grad_norm_(params, MAX_NORM)))
+                opt.step()
+                opt.zero_grad()
             loss = torch.tensor(
                 sum(t.item() for t in out) / MICROBATCHES if out else 0.0, dtype=torch.float64
             )
@@ -307,7 +325,14 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
     for name, unit in units.items():
         for key, value in unit.state_dict().items():
             weights[f"{name}.{key}"] = (value.full_tensor() if isinstance(value, DTensor) else value).clone()
-    return {"losses": losses, "weights": weights, "held": held, "position": position, "norms": norms}
+    return {
+        "losses": losses,
+        "weights": weights,
+        "held": held,
+        "position": position,
+        "norms": norms,
+        "grads_moved": grads_moved,
+    }
 
 
 def _train(tmp_path: Any, case: str, forget_state: bool, check_errors: bool = False) -> list[dict[str, Any]]:
@@ -345,6 +370,12 @@ def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any, case: 
                 assert got.gradients == got.parameters
                 step_bytes = got.optimizer_state - 2 * got.parameters
                 assert 0 < step_bytes <= 8 * h["tensors"], (phase, position, h)
+    if case in GRADS_MOVE_INTO:  # right after a migration that carried gradients: all of them, sharded
+        phase = GRADS_MOVE_INTO[case]
+        for result in results:
+            moved = result["grads_moved"]
+            assert moved is not None
+            assert moved.gradients == moved.parameters == result["held"][phase]["bytes"].parameters
 
 
 def test_sharded_migration_negative_control(tmp_path: Any) -> None:
