@@ -44,6 +44,7 @@ from lightning_dynmo.pipeline.sharding import (
     shard_stage,
     shard_unit,
 )
+from lightning_dynmo.profiling.memory import static_memory
 from tests.distributed.harness import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -307,7 +308,18 @@ def _worker(rank: int, world_size: int, case: str, forget_state: bool, check_err
                     for p in u.parameters()
                 )
                 tensors = sum(1 for u in units.values() for _ in u.parameters())
-                held.append({"bytes": got, "stage_full": full, "bound": bound, "tensors": tensors})
+                profiled = [static_memory(u, opt) for u in units.values()]  # what the balancer's caps count
+                buffers = sum(b.numel() * b.element_size() for u in units.values() for b in u.buffers())
+                held.append(
+                    {
+                        "bytes": got,
+                        "stage_full": full,
+                        "bound": bound,
+                        "tensors": tensors,
+                        "profiled": tuple(map(sum, zip(*profiled, strict=True))) if profiled else (0, 0, 0),
+                        "buffers": buffers,
+                    }
+                )
             if phase + 1 == GRADS_MOVE_INTO.get(case) and step == STEPS_PER_PHASE - 1:
                 pending_step = True  # migrate between backward and optimizer step
             else:
@@ -368,6 +380,8 @@ def test_sharded_stages_train_and_migrate_like_one_process(tmp_path: Any, case: 
                 got = h["bytes"]
                 assert 0 < got.parameters <= h["bound"] < h["stage_full"], (phase, position, h)
                 assert got.gradients == got.parameters
+                # The profiler's static memory (memory caps) counts the same shards (plus the buffers).
+                assert h["profiled"] == (got.parameters + h["buffers"], got.parameters, got.optimizer_state)
                 step_bytes = got.optimizer_state - 2 * got.parameters
                 assert 0 < step_bytes <= 8 * h["tensors"], (phase, position, h)
     if case in GRADS_MOVE_INTO:  # right after a migration that carried gradients: all of them, sharded
