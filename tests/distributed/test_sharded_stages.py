@@ -190,7 +190,7 @@ def _check_errors(
         shard_unit(next(iter(units.values())), dp_mesh)
     with pytest.raises(ValueError, match="already an FSDP root; build a new container"):
         shard_stage(next(iter(units.values())), dp_mesh)
-    with pytest.raises(ValueError, match=r"sharded over .* the stage over"):
+    with pytest.raises(ValueError, match=r"parameter 'units.0.lin.weight' is sharded over .* the stage over"):
         shard_stage(Chain(units), mesh["pp"])
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,

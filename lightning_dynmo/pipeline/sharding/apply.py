@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 __all__ = ["mixed_precision_policy", "shard_stage", "shard_unit"]
 
@@ -77,23 +78,22 @@ def shard_stage(
         mp_policy: The policy the units were sharded with.
 
     Raises:
-        ValueError: ``stage`` is already an FSDP module, or a unit inside is sharded over another mesh.
+        ValueError: ``stage`` is already an FSDP module, or a parameter inside is sharded over another mesh.
     """
     if isinstance(stage, FSDPModule):
         raise ValueError(
             f"stage {type(stage).__name__} is already an FSDP root; build a new container of the units "
             "after a migration and shard that one."
         )
-    for name, module in stage.named_modules():
+    for name, param in stage.named_parameters():
+        if isinstance(param, DTensor) and param.device_mesh != mesh:
+            raise ValueError(
+                f"parameter {name!r} is sharded over {param.device_mesh}, the stage over {mesh}; shard every "
+                "unit of a stage over the stage's data-parallel mesh."
+            )
+    for module in stage.modules():
         if isinstance(module, FSDPModule):
-            state = fully_shard.state(module)  # type: ignore[attr-defined]
-            for group in state._fsdp_param_groups:
-                if group.mesh_info.mesh != mesh:
-                    raise ValueError(
-                        f"unit {name!r} is sharded over {group.mesh_info.mesh}, the stage over {mesh}; "
-                        "shard every unit of a stage over the stage's data-parallel mesh."
-                    )
-            state._is_root = None
+            fully_shard.state(module)._is_root = None  # type: ignore[attr-defined]  # see above
     return shard_unit(stage, mesh, mp_policy=mp_policy)
 
 
