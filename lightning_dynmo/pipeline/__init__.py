@@ -12,13 +12,16 @@ dynamic cases use; the subpackages group the mechanisms, each module summarised 
   parameter groups).
 - :mod:`.checkpoint`: placement-independent, crash-safe checkpoints (contents, state, sharded, atomic,
   checksums, renaming).
+- :mod:`.sharding`: FSDP2 inside a stage: units sharded over the stage's data-parallel mesh, the bytes a rank
+  holds, and sharded units moved between stages shard for shard (apply, memory, migrate).
 - :mod:`.faults`: failures that name the failing rank, and a clean stop on SIGTERM (guard, board, shutdown).
 
 :mod:`.aux` and :mod:`.sharded` keep the import paths of 0.1 (``pipeline.aux.add_aux_loss``,
 ``pipeline.sharded.export_full_checkpoint``); new code imports from this front door.
 
 Imports point down only: ``faults`` and ``model`` need nothing else of the pipeline; ``step`` and
-``placement`` build on them; ``migration`` on ``model``; ``checkpoint`` on ``migration`` and ``model``.
+``placement`` build on them; ``migration`` on ``model``; ``sharding`` on ``migration``; ``checkpoint`` on
+``migration`` and ``model``.
 """
 
 from lightning_dynmo.pipeline.checkpoint.atomic import repair as repair_checkpoint

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dynmo.runtime_hooks import runtime_hook
@@ -107,7 +108,9 @@ def count_nonzero_params(layer: nn.Module) -> int:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes this rank holds for ``t``: a sharded tensor (FSDP2's DTensor) counts its local shard only."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
 
 
 class ActivationMeter:
