@@ -21,9 +21,15 @@ there) divided by the step's actions (one forward and one backward per micro-bat
 likewise. The ratio of a DynMo job to ``bare`` is taken within each round; the report gives the median
 and every round. The optimizer step is outside the timed step in every job (the same AdamW in each).
 
+Then, once, the profiler's account of the step against the measured step of the same run: the blocks'
+profiled costs plus the parts' (embedding; head and loss), from the callback's last decision, against the
+median wall time of the timed section, for the last round's ``dynmo window`` run and for a run whose blocks
+are compiled (``DynMoStrategy(compile_blocks={"backend": --compile-backend})``, inductor by default,
+windows every ``skip`` steps so that none measures the compiling first steps).
+
 Real compute.
 
-    python -m benchmarks.action_cost                # 5 rounds, ~2 minutes on 2 quiet cores
+    python -m benchmarks.action_cost                # 4 rounds, ~5 minutes on 2 busy cores
     python -m benchmarks.action_cost --quick        # a smoke run (1 round, few steps): not figures
     python -m benchmarks.action_cost --profile dynmo_idle   # cProfile of one job's timed steps, to stderr
 """
@@ -61,7 +67,7 @@ class Sizes:
     tokens: int = 64
     rows: int = 2  # per micro-batch
     microbatches: int = 4
-    steps: int = 40
+    steps: int = 30
     skip: int = 10
 
 
@@ -168,8 +174,9 @@ def run_bare(sizes: Sizes) -> dict[str, Any]:
     return {"cpu_s": timer.steps_cpu, "wall_s": timer.steps_wall, "losses": losses_seen}
 
 
-def run_dynmo(sizes: Sizes, window: bool) -> dict[str, Any]:
-    """One DynMo job (callback idle, or every step in a profiling window); per-step CPU and wall seconds."""
+def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) -> dict[str, Any]:
+    """One DynMo job (callback idle, or every step in a profiling window; blocks compiled with
+    ``compile_backend`` when given); per-step CPU and wall seconds, and with a window the profiled costs."""
     import lightning.pytorch as pl
     import torch
 
@@ -178,14 +185,29 @@ def run_dynmo(sizes: Sizes, window: bool) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = GPT(_config(sizes), OptimizerConfig(lr=1e-3, weight_decay=0.0, warmup_steps=0))
-    callback = (
-        DynMoCallback(every_step=True, skip_balanced=False, min_gain=0.5)
-        if window
-        else DynMoCallback(every_n_steps=10_000)
-    )
-    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B")
+    if compile_backend is not None:  # windows from step `skip` on: none measures the first (compiling) steps
+        callback = DynMoCallback(every_n_steps=sizes.skip, min_gain=0.5)
+    elif window:
+        callback = DynMoCallback(every_step=True, skip_balanced=False, min_gain=0.5)
+    else:
+        callback = DynMoCallback(every_n_steps=10_000)
+    compiled = {"backend": compile_backend} if compile_backend is not None else False
+    strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", compile_blocks=compiled)
     timer = _CpuTimer()
     losses_seen: list[float] = []
+    schedule_s: list[float] = []  # per step: the wall time of the schedule step alone (every action)
+    from lightning_dynmo.strategy import steps as strategy_steps
+
+    run_schedule_step = strategy_steps.run_schedule_step
+
+    def timed_schedule_step(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return run_schedule_step(*args, **kwargs)
+        finally:
+            schedule_s.append(time.perf_counter() - start)
+
+    strategy_steps.run_schedule_step = timed_schedule_step  # measurement only, in this job's process
 
     class Wrap(pl.Callback):
         """First in the list: wraps what DynMo runs for a step once the Trainer has set it up."""
@@ -221,7 +243,21 @@ def run_dynmo(sizes: Sizes, window: bool) -> dict[str, Any]:
         use_distributed_sampler=False,
     )
     trainer.fit(model, torch.utils.data.DataLoader(_batches(sizes), batch_size=None))
-    return {"cpu_s": timer.steps_cpu, "wall_s": timer.steps_wall, "losses": losses_seen}
+    report: dict[str, Any] = {
+        "cpu_s": timer.steps_cpu,
+        "wall_s": timer.steps_wall,
+        "schedule_s": schedule_s,
+        "losses": losses_seen,
+    }
+    hardware = callback.last_hardware
+    if window and callback.last_costs is not None and hardware is not None:
+        parts = [c for c in (hardware.first_stage_extra, hardware.last_stage_extra) if c is not None]
+        report["profiled_s"] = {
+            "blocks": sum(c.fwd_time_s + c.bwd_time_s for c in callback.last_costs),
+            "parts": sum(c.fwd_time_s + c.bwd_time_s for c in parts),
+            "per_op": 2 * sizes.microbatches * float(hardware.per_op_s or 0.0),
+        }
+    return report
 
 
 def run_job(name: str, sizes: Sizes) -> dict[str, Any]:
@@ -233,6 +269,8 @@ def run_job(name: str, sizes: Sizes) -> dict[str, Any]:
         return run_bare(sizes)
     if name in ("dynmo_idle", "dynmo_window"):
         return run_dynmo(sizes, window=name == "dynmo_window")
+    if name.startswith("dynmo_compiled:"):  # "dynmo_compiled:<backend>": windows on compiled blocks
+        return run_dynmo(sizes, window=True, compile_backend=name.partition(":")[2])
     raise ValueError(f"job={name!r} is not one of {list(JOBS)}")
 
 
@@ -302,6 +340,40 @@ def table(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> tuple[list[str
     return lines, ratios
 
 
+def profiled_vs_measured(runs: dict[str, dict[str, Any]], sizes: Sizes) -> list[str]:
+    """The profiler's account of a step (blocks + parts + the runtime's per-action cost) against the
+    measured step (the median wall time of the timed section, steps ``skip``+) of the same run."""
+    lines = [
+        "### The profiler's costs against the measured step of the same run",
+        "",
+        "| run | blocks (ms) | parts (ms) | blocks + parts (ms) | schedule step (ms) | (blocks + parts) / "
+        "schedule step | whole timed step (ms) | (blocks + parts) / whole |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, run in runs.items():
+        costs = run.get("profiled_s")
+        if costs is None:
+            lines.append(f"| {name} | no decision recorded | | | | | | |")
+            continue
+        total = costs["blocks"] + costs["parts"]
+        schedule = statistics.median(run["schedule_s"][sizes.skip :])
+        whole = statistics.median(run["wall_s"][sizes.skip :])
+        lines.append(
+            f"| {name} | {1e3 * costs['blocks']:.2f} | {1e3 * costs['parts']:.2f} | {1e3 * total:.2f} "
+            f"| {1e3 * schedule:.2f} | {total / schedule:.3f} | {1e3 * whole:.2f} | {total / whole:.3f} |"
+        )
+    lines += [
+        "",
+        "Blocks and parts: the costs of the callback's last decision (per step: each unit's median call "
+        "times its calls, median over the window's steps, smoothed over windows). Schedule step: the wall "
+        "time of the strategy's schedule step (every forward and backward action of the step), median over "
+        "steps; whole timed step: the timed section of the per-action table (the schedule step plus the "
+        "strategy's and the callback's bookkeeping, the loss logging, the carried gradients' backward, and "
+        "at a window's end the decision), median over steps.",
+    ]
+    return lines
+
+
 def profile_job(name: str, sizes: Sizes) -> None:
     """cProfile one job in this process; the top functions by cumulative time go to stderr."""
     import cProfile
@@ -318,14 +390,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 1 round; not figures")
     parser.add_argument(
         "--out", type=Path, default=None, help="the report's path (default: dated, in results/)"
     )
     parser.add_argument("--force", action="store_true", help="overwrite an existing dated report")
     parser.add_argument("--profile", choices=JOBS, default=None, help="cProfile one job and exit")
-    parser.add_argument("--job", choices=JOBS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="the compiled run's torch.compile backend (the quick run uses 'eager'); 'none' skips that run",
+    )
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--job-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -359,6 +436,16 @@ def main(argv: list[str] | None = None) -> None:
         + "; ".join(f"{n}: {runs[n][0]['losses'][0]:.6f} .. {runs[n][0]['losses'][-1]:.6f}" for n in runs),
         f"DynMo idle / bare, CPU per action: **{ratios['dynmo_idle']:.3f}** (median of the rounds' ratios).",
     ]
+    backend = "eager" if args.quick else args.compile_backend
+    checked = {"uncompiled, every step a window (the last round's dynmo_window)": runs["dynmo_window"][-1]}
+    if backend != "none":
+        print(
+            f"[action_cost] compiled blocks ({backend}), a window every {sizes.skip} steps", file=sys.stderr
+        )
+        checked[f"compiled (backend {backend!r}), a window every {sizes.skip} steps"] = launch_job(
+            f"dynmo_compiled:{backend}", sizes, timeout_s=900
+        )
+    sections.append("\n".join(profiled_vs_measured(checked, sizes)))
     harness.finish("action_cost", out, sections, started)
 
 

@@ -584,10 +584,12 @@ class DynMoCallback(Callback):
         sigterm = 0.0 if view.sigterm is None else view.sigterm.flag
         events = pack_events([e.to_dict() for e in self._new_events])  # their length rides in the row
         self._new_events.clear()
+        # Alone, the row never leaves the host (on a GPU, no copy to the device and back, no synchronise).
+        alone = len(view.active_ranks) == 1
         mine = torch.tensor(
             [float(len(events)), busy, step_s, self._cost_to_share, sigterm],
             dtype=torch.float64,
-            device=view.root_device,
+            device=torch.device("cpu") if alone else view.root_device,
         )
         self._cost_to_share = 0.0
         with _strategy(trainer).guard("the callback's per-step exchange", control=True):

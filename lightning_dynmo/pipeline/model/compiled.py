@@ -19,6 +19,13 @@ migrations, re-packs and pipeline rebuilds. torch's compiler caches compiled cod
 code object and guards, not by block object, so a block of a class already compiled on the rank with the
 same input shapes reuses that code; a new input shape (another micro-batch size, a smaller last batch) or
 an evaluation pass without gradients compiles once more, as for any ``torch.compile``'d module.
+
+What it costs. The first forward of a block class on a rank pays the compile (Dynamo's capture, then the
+backend's code generation: with inductor, seconds on a GPU and up to a minute or more on a busy CPU);
+every later call pays a guard check. A block that arrives by migration is wrapped anew in microseconds
+and, when a block of its class already ran on the rank with the same shapes, runs the cached code at once
+(``tests/unit/pipeline/test_compiled_blocks.py`` counts the graphs); only a block of a class new to the
+rank compiles on its first step there, and that step is slower by the compile time.
 """
 
 from __future__ import annotations

@@ -119,3 +119,25 @@ def test_compile_option_values() -> None:
         check_compile_option("yes")
     with pytest.raises(TypeError, match=r"compile_blocks\['fullgraph'\]=1 must be a bool"):
         check_compile_option({"fullgraph": 1})
+
+
+def test_what_compiles_again_another_block_of_the_class_and_an_arrival_reuse_the_code() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()  # counts the graphs torch's compiler builds
+    blocks = _blocks()
+    compile_blocks(blocks, {"backend": counter})
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    blocks["0"](x).sum().backward()
+    assert counter.frame_count == 1
+    blocks["1"](x).sum().backward()  # another block of the same class, the same shapes: no new graph
+    packed = pack_unit("layers.1", blocks["1"])
+    arrived, _ = unpack_unit(packed.structure, packed.payloads)
+    compile_blocks({"1": arrived}, {"backend": counter})
+    arrived(x).sum().backward()  # compiled on arrival: torch's cache serves it, no new graph
+    assert counter.frame_count == 1
+    with torch.no_grad():
+        blocks["0"](x)  # without gradients (evaluation): one more graph
+    blocks["0"](torch.randn(4, 8, 16, dtype=torch.float64))  # a new input shape: one more
+    assert counter.frame_count == 3
