@@ -358,7 +358,8 @@ class DynMoCallback(Callback):
             return
         step_s = self._clock() - self._step_start
         assert self._busy is not None
-        busy_s = self._busy.end_step()
+        # Outside a window no device synchronise: on a GPU the busy time reported is the previous step's.
+        busy_s = self._busy.end_step(wait=self._window.is_open)
         if self._window.end_step(self._step_phase, busy_s):
             self._close_window(trainer, view, batch)  # decides only: the pipeline stays as viewed
         self._share_step(trainer, view, busy_s, step_s)
