@@ -3,12 +3,12 @@
 A Llama-shaped ``HuggingFaceCausalLM`` (random init from a config: no download) at SmolLM2-135M's shape
 (30 layers, width 576, vocabulary 49,152, tied head) and at TinyLlama-1.1B's (22 layers, width 2048,
 vocabulary 32,000), batches of 16 x 1024 tokens in 4 micro-batches, bf16-mixed, ``--steps`` steps; each
-mode its own process, modes in rotated interleaved rounds, every job reading the same seeded batches
-(``use_distributed_sampler=False``):
+mode its own process, modes in rotated interleaved rounds (``--rounds``, 2 by default), every job reading
+the same seeded batches (``use_distributed_sampler=False``):
 
 - ``plain``: ``Trainer(strategy="auto")`` and the adapter's own ``training_step`` with ``microbatches=4``;
 - ``dynmo``: ``DynMoStrategy(num_microbatches=4)``, one stage, no callback;
-- ``dynmo_cb``: the same with ``DynMoCallback(every_n_steps=10)``;
+- ``dynmo_cb``: the same with ``DynMoCallback(every_n_steps=10)`` (the only DynMo mode at the 1.1B shape);
 - ``plain_compile`` / ``dynmo_compile`` (135M shape only): each block's ``forward`` compiled with
   ``torch.compile`` (inductor) the same way in both (DynMo's ``compile_blocks``, which plain Lightning
   gets by calling :func:`~lightning_dynmo.pipeline.model.compiled.compile_blocks` on the model's blocks);
@@ -20,7 +20,7 @@ CUDA kernel time over the wall time of 3 more steps under ``torch.profiler``; it
 ``torch.cuda.max_memory_allocated``. Ratios to ``plain`` (and ``dynmo_compile`` to ``plain_compile``)
 are taken within each round; the report gives the median and every round.
 
-    python -m benchmarks.gpu_overhead                 # on one GPU, about 5-6 minutes
+    python -m benchmarks.gpu_overhead                 # on one GPU: about 6 minutes (estimated, not yet run)
     python -m benchmarks.gpu_overhead --dry-run       # tiny, on CPU: the same code path, no figures
 
 Real compute on the GPU; the dry run's numbers are not figures.
@@ -77,9 +77,23 @@ class Shape:
     modes: tuple[str, ...] = MODES
 
 
-SMOL_135M = Shape("135M", layers=30, width=576, ffn=1536, heads=9, kv_heads=3, vocab=49_152, tied=True)
+# Sized so that the whole command stays near 6 minutes on one H200 (estimated: about 20 s a 135M job,
+# 30 s a 1.1B job, the first inductor compile about a minute and later ones mostly from its cache).
+SMOL_135M = Shape(
+    "135M", layers=30, width=576, ffn=1536, heads=9, kv_heads=3, vocab=49_152, tied=True, steps=20, skip=5
+)
 TINYLLAMA_1B = Shape(
-    "1.1B", layers=22, width=2048, ffn=5632, heads=32, kv_heads=4, vocab=32_000, tied=False, modes=MODES[:3]
+    "1.1B",
+    layers=22,
+    width=2048,
+    ffn=5632,
+    heads=32,
+    kv_heads=4,
+    vocab=32_000,
+    tied=False,
+    steps=15,
+    skip=5,
+    modes=("plain", "dynmo_cb"),  # the bound at this shape is with the callback on
 )
 DRY = Shape(
     "dry-run",
@@ -207,7 +221,8 @@ class _StepEnds(pl.Callback):
     ) -> None:
         self.ends.append(time.perf_counter())
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss.detach()) if batch_idx % 10 == 0 else float("nan"))
+        if batch_idx == 0:  # the first step's loss only: reading it synchronises, before the timed steps
+            self.losses.append(float(loss.detach()))
         if batch_idx != self.steps + self.profile_steps - 1 or self._profiler is None:
             return
         if self.cuda:
