@@ -358,7 +358,8 @@ class DynMoCallback(Callback):
             return
         step_s = self._clock() - self._step_start
         assert self._busy is not None
-        busy_s = self._busy.end_step()
+        # Outside a window no device synchronise: on a GPU the busy time reported is the previous step's.
+        busy_s = self._busy.end_step(wait=self._window.is_open)
         if self._window.end_step(self._step_phase, busy_s):
             self._close_window(trainer, view, batch)  # decides only: the pipeline stays as viewed
         self._share_step(trainer, view, busy_s, step_s)
@@ -584,10 +585,12 @@ class DynMoCallback(Callback):
         sigterm = 0.0 if view.sigterm is None else view.sigterm.flag
         events = pack_events([e.to_dict() for e in self._new_events])  # their length rides in the row
         self._new_events.clear()
+        # Alone, the row never leaves the host (on a GPU, no copy to the device and back, no synchronise).
+        alone = len(view.active_ranks) == 1
         mine = torch.tensor(
             [float(len(events)), busy, step_s, self._cost_to_share, sigterm],
             dtype=torch.float64,
-            device=view.root_device,
+            device=torch.device("cpu") if alone else view.root_device,
         )
         self._cost_to_share = 0.0
         with _strategy(trainer).guard("the callback's per-step exchange", control=True):

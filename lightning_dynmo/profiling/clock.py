@@ -41,6 +41,11 @@ class StepClock:
         if self.uses_cuda_events:
             torch.cuda.synchronize(self.device)
 
+    def wait(self, mark: Mark) -> None:
+        """Wait until the device has passed ``mark`` (only that far: a no-op on CPU)."""
+        if self.uses_cuda_events:
+            mark.synchronize()
+
     def elapsed_s(self, start: Mark, end: Mark) -> float:
         """Seconds from ``start`` to ``end``; call :meth:`synchronize` first on CUDA."""
         if self.uses_cuda_events:

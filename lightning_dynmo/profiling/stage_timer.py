@@ -8,6 +8,11 @@ step's wall time minus it is the rank's idle time (its bubble).
 
 The strategy rebuilds its stages after a migration or a batch-shape change; :meth:`StageBusyTimer.watch`
 re-wraps whenever the stage objects changed, and a step that ran on unwatched stages reports ``None``.
+
+On a GPU the marks are CUDA events, resolved after the step. ``end_step(wait=False)`` (the callback's
+steps outside profiling windows) does not synchronise the device: it reports the *previous* step's busy
+time, waiting only until the device has passed that step's last mark (which it has, or nearly, by the end
+of the next step), so the host keeps running ahead of the device as it does without DynMo.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class StageBusyTimer:
         self._saved: list[tuple[Any, str, Any]] = []  # (stage, method name, what the instance held before)
         self._intervals: list[tuple[Mark, Mark]] = []
         self._valid = False
+        self._pending: list[tuple[Mark, Mark]] | None = None  # a step left to resolve (end_step(wait=False))
 
     @property
     def watched(self) -> tuple[Any, ...]:
@@ -55,6 +61,7 @@ class StageBusyTimer:
                     setattr(stage, name, self._timed(getattr(stage, name)))
         self._stages = tuple(stages)
         self._valid = False  # the current step (if any) started on other stages
+        self._pending = None
 
     def unwatch(self) -> None:
         """Restore the wrapped stages' own methods."""
@@ -71,8 +78,23 @@ class StageBusyTimer:
         self._intervals.clear()
         self._valid = bool(self._stages)
 
-    def end_step(self) -> float | None:
-        """Busy seconds of the step, or ``None`` if the step was not (fully) watched."""
+    def end_step(self, wait: bool = True) -> float | None:
+        """Busy seconds of the step, or ``None`` if the step was not (fully) watched.
+
+        Args:
+            wait: Resolve this step now (on CUDA: one device synchronise). ``False`` on CUDA: no
+                synchronise; returns the previous ``wait=False`` step's busy seconds instead (``None``
+                for the first, or after a ``wait=True`` step or new stages). On CPU both are the same.
+        """
+        if not wait and self._clock.uses_cuda_events:
+            previous, self._pending = self._pending, (list(self._intervals) if self._valid else None)
+            self._intervals.clear()
+            if previous is None:
+                return None
+            if previous:
+                self._clock.wait(previous[-1][1])  # the device's progress up to that step's last mark
+            return sum(self._clock.elapsed_s(a, b) for a, b in previous)
+        self._pending = None
         if not self._valid:
             return None
         self._clock.synchronize()

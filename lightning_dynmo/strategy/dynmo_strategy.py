@@ -72,6 +72,7 @@ from lightning_dynmo.pipeline import (
 from lightning_dynmo.pipeline import (
     grads as pipeline_grads,
 )
+from lightning_dynmo.pipeline.model.compiled import check_compile_option
 from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
@@ -127,6 +128,13 @@ class DynMoStrategy(ParallelStrategy):
             ``save_checkpoint(..., storage_options=...)`` are refused (``TypeError``) rather than ignored.
         activation_checkpointing: Run each block's forward again in backward instead of keeping its
             activations (``torch.utils.checkpoint``; :mod:`lightning_dynmo.pipeline.step.recompute`).
+        compile_blocks: Compile each block's ``forward`` with ``torch.compile`` (``True``, or a dict of
+            ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune-no-cudagraphs"}``), one
+            block at a time as torchtitan compiles each transformer block. The profiler's hooks stay
+            outside the compiled code, ``state_dict`` keys stay plain, and a block a migration brings is
+            compiled on arrival; blocks that do not move are not recompiled
+            (:mod:`lightning_dynmo.pipeline.model.compiled`). Blocks the user compiled themselves
+            (``torch.compile(block)`` or ``block.compile()``) are refused: pass this instead.
     """
 
     strategy_name = "dynmo"
@@ -153,6 +161,7 @@ class DynMoStrategy(ParallelStrategy):
         test_loss_log_name: str | None = "test_loss",
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
+        compile_blocks: bool | Mapping[str, Any] = False,
     ) -> None:
         checkpointing.check_checkpoint_io(checkpoint_io, save_distributed_checkpoint)
         super().__init__(
@@ -179,6 +188,7 @@ class DynMoStrategy(ParallelStrategy):
         self._saved_optimizer_states: list[Any] | None = None
         self._save_distributed_checkpoint = save_distributed_checkpoint
         self._activation_checkpointing = activation_checkpointing
+        self._compile_options = check_compile_option(compile_blocks)
         self._evaluator: PipelineEvaluator | None = None
         self._cut_module: nn.Module | None = None
         self.num_nodes = 1

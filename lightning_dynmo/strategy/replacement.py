@@ -51,6 +51,7 @@ from lightning_dynmo.pipeline import (
     unit_owners,
 )
 from lightning_dynmo.pipeline import grads as pipeline_grads
+from lightning_dynmo.pipeline.model.compiled import compile_blocks
 from lightning_dynmo.strategy import steps
 
 if TYPE_CHECKING:
@@ -191,7 +192,18 @@ def place_initially(strategy: DynMoStrategy, module: Any) -> None:
     mine = (strategy.data_parallel_rank, strategy.global_rank)
     owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
     keep_local_units(module, spec, owned, device=strategy.root_device)
+    compile_local_blocks(strategy, module)
     strategy._cut_module = module
+
+
+def compile_local_blocks(strategy: DynMoStrategy, module: Any) -> None:
+    """With ``compile_blocks``: compile this rank's blocks not compiled yet (at setup, after arrivals)."""
+    if strategy._compile_options is None:
+        return
+    blocks = module.get_submodule("layers")
+    compiled = compile_blocks(dict(blocks.items()), strategy._compile_options)
+    if compiled:
+        log.debug("rank %d: compiled blocks %s", strategy.global_rank, compiled)
 
 
 def migrate(strategy: DynMoStrategy, moves: list[UnitMove], what: str) -> MigrationReport:
@@ -212,6 +224,7 @@ def migrate(strategy: DynMoStrategy, moves: list[UnitMove], what: str) -> Migrat
             detach_unit(strategy._module(), move.unit)
     for unit, module in received.items():
         attach_unit(strategy._module(), unit, module)
+    compile_local_blocks(strategy, strategy._module())  # what arrived; the blocks that stayed keep theirs
     return report
 
 

@@ -87,6 +87,7 @@ def training_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
             aux_losses=spec.aux_losses,
             aux_loss_scale=strategy._loss_scaling.scale,
             model_name=type(module).__name__,
+            average_grads=False,  # divided in the same pass that carries them into backward (below)
         )
     step_grads = pipeline_grads.take_grads(params)
     pipeline_grads.restore_grads(params, accumulated)
@@ -108,7 +109,7 @@ def training_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
         for name, value in aux.items():
             module.log(f"train_aux/{name}", value)
     call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-    return pipeline_grads.loss_carrying_grads(loss, params, step_grads)
+    return pipeline_grads.loss_carrying_grads(loss, params, step_grads, scale=1.0 / pipe.num_microbatches)
 
 
 def predict_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:

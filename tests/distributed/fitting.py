@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule, RandomTokenDataset
+from lightning_dynmo.pipeline.model.compiled import is_compiled_block
 from lightning_dynmo.strategy import DynMoStrategy
 from tests.distributed.harness import run_distributed
 
@@ -183,6 +184,7 @@ def fit_worker(rank: int, world_size: int, run: Run, strategy_overrides: dict[st
         "stage_indices": strategy.stage_indices,
         "first": strategy.is_first_stage,
         "last": strategy.is_last_stage,
+        "compiled": sorted(i for i, block in strategy.local_layers.items() if is_compiled_block(block)),
     }
 
 

@@ -122,5 +122,7 @@ def test_blocks_sharing_a_parameter_fail_before_training(tmp_path: Any) -> None:
 
 
 def test_a_compiled_block_is_refused_before_training(tmp_path: Any) -> None:
-    with pytest.raises(TypeError, match=r"cannot train compiled modules: \['layers\.2'\].*uncompiled"):
+    with pytest.raises(
+        TypeError, match=r"cannot train modules compiled by the user: \['layers\.2'\].*uncompiled"
+    ):
         _raise_as_on_every_rank({"compile_block": True}, tmp_path)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from lightning_dynmo.pipeline.migration.optimizer import OptimizerEntry, optimizer_entries
+from lightning_dynmo.pipeline.model.compiled import without_compiled_forward
 from lightning_dynmo.pipeline.model.unit_state import check_no_user_hooks, reduce_parametrized
 
 __all__ = ["PackedUnit", "allocate_payloads", "pack_unit", "unpack_unit"]
@@ -266,8 +267,9 @@ class _Pickler(pickle.Pickler):
 
 
 def _without_runtime_hooks(state: dict[str, Any]) -> dict[str, Any]:
-    # A copy of the state: the sender's module keeps its hooks while it is still in use.
-    state = dict(state)
+    # A copy of the state: the sender's module keeps its hooks while it is still in use. A forward
+    # compiled by DynMo stays behind too: the receiver compiles the block anew (pipeline.model.compiled).
+    state = dict(without_compiled_forward(state))
     for attr, empty in _RUNTIME_HOOK_ATTRS.items():
         if attr in state:
             state[attr] = empty()
@@ -338,6 +340,8 @@ def _walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, Any]]:
             yield f"{prefix}{attr}", value
     for attr, value in module.__dict__.items():
         if attr not in _RUNTIME_HOOK_ATTRS and attr not in ("_modules", "_parameters", "_buffers"):
+            if attr == "forward" and not without_compiled_forward({attr: value}):
+                continue  # a forward compiled by DynMo does not travel
             yield f"{prefix}{attr}", value
 
 

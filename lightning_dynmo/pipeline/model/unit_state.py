@@ -14,11 +14,13 @@ the sending rank and are left behind. ``torch.nn.utils.prune`` and the hook-base
 ``spectral_norm`` keep their state in forward pre-hooks: the message names their parametrization
 replacements.
 
-Compiled modules. A unit holding a module compiled with ``torch.compile`` (its ``OptimizedModule``
-wrapper, or ``Module.compile()``) is refused: DynMo measures each block with forward hooks that its
-profiler adds and removes during training, and torch does not guard compiled code on hooks by default
-(``torch._dynamo.config.skip_nnmodule_hook_guards``: hooks added or removed after compilation may go
-unnoticed), so the per-layer costs the balancers decide on could silently be missing or stale.
+Compiled modules. A unit holding a module the user compiled with ``torch.compile`` (its ``OptimizedModule``
+wrapper, or ``Module.compile()``) is refused: those compile the module's whole call, the forward hooks
+DynMo's profiler adds and removes during training included, and torch does not guard compiled code on
+hooks by default (``torch._dynamo.config.skip_nnmodule_hook_guards``: hooks added or removed after
+compilation may go unnoticed), so the per-layer costs the balancers decide on could silently be missing
+or stale. ``DynMoStrategy(compile_blocks=True)`` compiles each block's ``forward`` instead, with the hooks
+outside (:mod:`lightning_dynmo.pipeline.model.compiled`).
 
 Parametrizations. ``register_parametrization`` swaps the module's class for a generated subclass that
 refuses pickling; :func:`reduce_parametrized` sends the module as its original class plus its state
@@ -109,13 +111,14 @@ def check_not_compiled(units: Mapping[str, nn.Module]) -> None:
     ]
     if compiled:
         raise TypeError(
-            f"DynMoStrategy cannot train compiled modules: {compiled[:5]} were compiled with torch.compile "
-            "(an OptimizedModule, or Module.compile()). DynMo times each block with forward hooks it adds "
-            "and removes during training, and compiled code may not notice hooks changed after compilation "
-            "(torch._dynamo.config.skip_nnmodule_hook_guards), so the per-layer costs its balancers use "
-            "could silently be missing or stale. Train the blocks uncompiled "
-            "(DynMoStrategy(activation_checkpointing=True) saves their activation memory), or compile "
-            "only functions a block's forward calls."
+            f"DynMoStrategy cannot train modules compiled by the user: {compiled[:5]} were compiled with "
+            "torch.compile (an OptimizedModule, or Module.compile()), which compiles the module's whole call "
+            "with the forward hooks DynMo's profiler adds and removes during training, and compiled code may "
+            "not notice hooks changed after compilation (torch._dynamo.config.skip_nnmodule_hook_guards), so "
+            "the per-layer costs its balancers use could silently be missing or stale. Pass the blocks "
+            "uncompiled and DynMoStrategy(compile_blocks=True) (or a dict of torch.compile options): it "
+            "compiles each block's forward with the profiler's hooks outside, and recompiles a block that "
+            "migrates on arrival."
         )
 
 

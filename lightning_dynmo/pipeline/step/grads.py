@@ -59,31 +59,50 @@ def restore_grads(params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]
 
 class _CarryGrads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, loss: Tensor, grads: list[Tensor | None], *params: Tensor) -> Tensor:
-        ctx.grads = grads
+    def forward(ctx: Any, loss: Tensor, grads: list[Tensor | None], scale: float, *params: Tensor) -> Tensor:
+        ctx.grads, ctx.scale = grads, scale
         return loss.detach().clone()
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         # grad_output is 1 (or 1/accumulate_grad_batches, or an AMP loss scale): scale like autograd would.
-        scaled = [None if g is None else g * grad_output.to(g.dtype) for g in ctx.grads]
+        # One fused multi-tensor op per dtype and device (not one op per parameter: on a GPU, one kernel
+        # launch per group); out of place, so the gradients handed in stay as they were.
+        grads: list[Tensor | None] = ctx.grads
         ctx.grads = None
-        return (None, None, *scaled)
+        scaled: list[Tensor | None] = [None] * len(grads)
+        by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, g in enumerate(grads):
+            if g is not None and g.layout != torch.strided:
+                scaled[i] = g * (grad_output * ctx.scale).to(
+                    g.dtype
+                )  # a sparse gradient: the fused ops take dense ones
+            elif g is not None:
+                by_kind.setdefault((g.dtype, g.device), []).append(i)
+        factor_of_output = grad_output if ctx.scale == 1.0 else grad_output * ctx.scale
+        for (dtype, device), index in by_kind.items():
+            factor = factor_of_output.to(device=device, dtype=dtype)
+            for i, out in zip(index, torch._foreach_mul([grads[i] for i in index], factor), strict=True):
+                scaled[i] = out
+        return (None, None, None, *scaled)
 
 
 def loss_carrying_grads(
-    loss: Tensor, params: Sequence[nn.Parameter], grads: Sequence[Tensor | None]
+    loss: Tensor, params: Sequence[nn.Parameter], grads: Sequence[Tensor | None], scale: float = 1.0
 ) -> Tensor:
-    """A tensor equal to ``loss`` whose backward adds ``grads`` (times the incoming gradient) to ``params``.
+    """A tensor equal to ``loss`` whose backward adds ``grads`` times the incoming gradient times ``scale``
+    to ``params``.
 
-    If no parameter takes a gradient (a fully frozen stage), the result still supports ``backward()``
-    so Lightning's loop runs unchanged; it then changes no ``.grad``.
+    ``scale`` lets a caller fold a division of the gradients into this one pass over them (the training
+    step passes ``1 / micro-batches`` instead of dividing the schedule's gradients first). If no
+    parameter takes a gradient (a fully frozen stage), the result still supports ``backward()`` so
+    Lightning's loop runs unchanged; it then changes no ``.grad``.
     """
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if p.requires_grad]
     if not pairs:
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return _CarryGrads.apply(loss, [None], anchor)
-    return _CarryGrads.apply(loss, [g for _, g in pairs], *(p for p, _ in pairs))
+        return _CarryGrads.apply(loss, [None], scale, anchor)
+    return _CarryGrads.apply(loss, [g for _, g in pairs], scale, *(p for p, _ in pairs))
 
 
 def average_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:

@@ -201,12 +201,15 @@ def run_schedule_step(
     aux_losses: Sequence[str] = (),
     aux_loss_scale: float = 1.0,
     model_name: str = "the model",
+    average_grads: bool = True,
 ) -> StepResult:
     """Run one schedule step (forward and backward of every micro-batch) on this rank.
 
     The stage parameters' ``.grad`` must be empty (``None``) before; afterwards it holds the step's
     gradients averaged over micro-batches (the loss is a mean per micro-batch; each micro-batch's
     auxiliary losses count with it), each parameter divided once even when several local stages share it.
+    With ``average_grads=False`` it holds their sum: the caller divides by ``pipe.num_microbatches``
+    itself (the training step folds that into the pass that carries the gradients into backward).
 
     Args:
         pipe: This rank's pipeline.
@@ -217,6 +220,7 @@ def run_schedule_step(
         aux_loss_scale: The gradient each auxiliary loss receives (1, or the factor an fp16 loss
             scaler applied to the main loss).
         model_name: For error messages.
+        average_grads: Divide the gradients by the micro-batch count here (``False``: the caller does).
     """
     losses: list[Tensor] = []
     args = (inputs,) if pipe.has_first else ()
@@ -229,10 +233,26 @@ def run_schedule_step(
             return_outputs=False,
             **side,
         )
+    if average_grads:
+        divide_grads(pipe.modules, pipe.num_microbatches)
+    return StepResult(losses, aux)
+
+
+def divide_grads(modules: Sequence[nn.Module], divisor: int) -> None:
+    """Divide the ``.grad`` of every parameter of ``modules`` by ``divisor``, each parameter once.
+
+    One fused multi-tensor op per dtype and device rather than one op per parameter (on a GPU, one
+    kernel launch per group instead of one per parameter).
+    """
     seen: set[int] = set()
-    for module in pipe.modules:
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for module in modules:
         for p in module.parameters():
             if p.grad is not None and id(p) not in seen:
                 seen.add(id(p))
-                p.grad.div_(pipe.num_microbatches)
-    return StepResult(losses, aux)
+                if p.grad.layout != torch.strided:
+                    p.grad.div_(divisor)  # a sparse gradient: the fused ops take dense ones only
+                    continue
+                by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for same in by_kind.values():
+        torch._foreach_div_(same, divisor)

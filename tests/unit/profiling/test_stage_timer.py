@@ -111,3 +111,47 @@ def test_busy_timer_and_profiler_wrappers_nest():
     assert stage.backward_weight_one_chunk is busy_wrapper
     timer.unwatch()
     assert stage.backward_weight_one_chunk is original
+
+
+class DeviceLikeClock(FakeClock):
+    """Like CUDA events: resolving needs the device; counts full synchronises and per-mark waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.uses_cuda_events = True
+        self.synchronizes = 0
+        self.waited: list[float] = []
+
+    def synchronize(self) -> None:
+        self.synchronizes += 1
+
+    def wait(self, mark: float) -> None:
+        self.waited.append(mark)
+
+    def elapsed_s(self, start: float, end: float) -> float:
+        return end - start
+
+
+def test_on_a_device_steps_outside_windows_report_the_previous_step_without_synchronising() -> None:
+    clock = DeviceLikeClock()
+    stage = FakeStage(clock, fwd_s=1.0, bwd_s=2.0)
+    timer = StageBusyTimer(clock)
+    timer.watch([stage])
+    busy = []
+    for microbatches in (1, 2, 3):
+        timer.begin_step()
+        _step(clock, stage, microbatches)
+        busy.append(timer.end_step(wait=False))
+    assert busy == [None, 3.0, 6.0]  # one step late: the first has nothing before it
+    assert clock.synchronizes == 0 and len(clock.waited) == 2  # only up to the previous step's last mark
+    # A window's step (wait=True) resolves itself with one synchronise and drops the step left over.
+    timer.begin_step()
+    _step(clock, stage, 1)
+    assert timer.end_step(wait=True) == 3.0 and clock.synchronizes == 1
+    timer.begin_step()
+    _step(clock, stage, 1)
+    assert timer.end_step(wait=False) is None  # nothing left over after a resolved step
+    # New stages drop what was left over from the old ones.
+    timer.watch([FakeStage(clock, fwd_s=1.0, bwd_s=2.0)])
+    timer.begin_step()
+    assert timer.end_step(wait=False) is None

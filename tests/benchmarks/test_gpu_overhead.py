@@ -1,0 +1,32 @@
+"""benchmarks.gpu_overhead: its CPU dry run takes the GPU run's code path (no timing is asserted)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu_overhead import MODES, main
+
+pytestmark = pytest.mark.slow  # each job is its own Python process
+
+
+def test_dry_run_runs_every_mode_on_the_same_batches(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_overhead.md"
+    main(["--dry-run", "--out", str(out)])
+    report = out.read_text()
+    assert "(dry run: not figures)" in report
+    rows = re.findall(r"^\| (\w+) \(vs (\w+)\) \|.*\| ([0-9.]+) \|$", report, flags=re.MULTILINE)
+    assert [mode for mode, _, _ in rows] == list(MODES)
+    assert dict((mode, base) for mode, base, _ in rows)["dynmo_compile"] == "plain_compile"
+    # Plain Lightning, DynMo and both compiled runs do the same work: the first step's loss agrees.
+    assert len({loss for _, _, loss in rows}) == 1, rows
+    assert "- DynMo + compile / plain + compile:" in report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_the_gpu_run_refuses_to_start_without_a_gpu(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"measures a GPU and none is visible; use --dry-run on CPU"):
+        main(["--out", str(tmp_path / "x.md")])
