@@ -88,8 +88,7 @@ class DynMoStrategy(ParallelStrategy):
 
     Args:
         pipeline_size: Ranks per pipeline. ``None`` (default) makes every device a stage; otherwise it
-            must divide the world size, and the world runs ``world_size // pipeline_size`` data-parallel
-            replicas of the pipeline.
+            must divide the world size, which runs ``world_size // pipeline_size`` replicas of it.
         schedule: One of torch's schedule names (case-insensitive): ``"GPipe"``, ``"1F1B"``,
             ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``,
             ``"DualPipeV"``. Multi-stage schedules run two virtual stages per rank.
@@ -110,31 +109,24 @@ class DynMoStrategy(ParallelStrategy):
         process_group_backend: ``None`` picks gloo on CPU and NCCL on CUDA.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: Set by the
             Trainer (the cluster environment: Lightning's, torchrun's or SLURM's).
-        loss_log_name: Name under which the pipeline loss is logged (progress bar included); ``None``
-            disables logging.
-        on_release: Called on every rank with a :class:`~lightning_dynmo.pipeline.ReleaseEvent`
-            when :meth:`apply_placement` re-packs the pipeline onto fewer ranks (e.g. to hand the
-            released ranks to a job manager). Lightning callbacks that define
-            ``on_dynmo_ranks_released(trainer, pl_module, event)`` are called too.
+        loss_log_name: Name of the logged pipeline loss (progress bar too); ``None`` disables logging.
+        on_release: Called on every rank with a :class:`~lightning_dynmo.pipeline.ReleaseEvent` when
+            :meth:`apply_placement` re-packs onto fewer ranks (e.g. to hand released ranks to a job
+            manager); callbacks that define ``on_dynmo_ranks_released(trainer, pl_module, event)`` too.
         val_loss_log_name: Name under which the pipelined validation loss is logged (per epoch, on every
             rank and in the progress bar, so ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` see
             it everywhere); ``None`` disables logging. See :mod:`lightning_dynmo.pipeline.step.evaluation`.
         test_loss_log_name: The same for ``Trainer.test``.
-        save_distributed_checkpoint: ``True`` (default): a checkpoint is a directory where each rank
-            writes and later reads only its units (:mod:`lightning_dynmo.pipeline.checkpoint.sharded`, whose
-            ``export_full_checkpoint`` makes one file of it). ``False``: one file gathered on global
-            rank 0. Both carry checksums and resume at any placement or size. Only the file goes through
-            Lightning's ``CheckpointIO``: with sharded checkpoints a custom ``checkpoint_io`` plugin and
-            ``save_checkpoint(..., storage_options=...)`` are refused (``TypeError``) rather than ignored.
+        save_distributed_checkpoint: ``True`` (default): a directory where each rank writes and reads only
+            its units (:mod:`lightning_dynmo.pipeline.checkpoint.sharded`; ``export_full_checkpoint`` makes
+            one file of it). ``False``: one file gathered on global rank 0. Both carry checksums and resume
+            at any placement or size. Sharded checkpoints refuse (``TypeError``) a custom ``checkpoint_io``
+            and ``save_checkpoint(..., storage_options=...)``, which only the file goes through.
         activation_checkpointing: Run each block's forward again in backward instead of keeping its
             activations (``torch.utils.checkpoint``; :mod:`lightning_dynmo.pipeline.step.recompute`).
-        compile_blocks: Compile each block's ``forward`` with ``torch.compile`` (``True``, or a dict of
-            ``torch.compile`` keyword arguments such as ``{"mode": "max-autotune-no-cudagraphs"}``), one
-            block at a time as torchtitan compiles each transformer block. The profiler's hooks stay
-            outside the compiled code, ``state_dict`` keys stay plain, and a block a migration brings is
-            compiled on arrival; blocks that do not move are not recompiled
-            (:mod:`lightning_dynmo.pipeline.model.compiled`). Blocks the user compiled themselves
-            (``torch.compile(block)`` or ``block.compile()``) are refused: pass this instead.
+        compile_blocks: Compile each block's ``forward`` with ``torch.compile``: ``True``, or a dict of its
+            keyword arguments. Hooks and parameter names stay outside the compiled code; what recompiles
+            when: :mod:`lightning_dynmo.pipeline.model.compiled`. Blocks compiled by the user are refused.
     """
 
     strategy_name = "dynmo"
@@ -222,9 +214,7 @@ class DynMoStrategy(ParallelStrategy):
     def placement(self) -> Placement:
         """The current placement (set up in ``setup``)."""
         if self._placement is None:
-            raise RuntimeError(
-                "DynMoStrategy.placement is only known after Trainer.fit has set up the model."
-            )
+            raise RuntimeError("DynMoStrategy.placement is only known after Trainer.fit set up the model.")
         return self._placement
 
     @property
