@@ -31,7 +31,7 @@ class StepClock:
     def mark(self) -> Mark:
         """Take a time stamp now (on CUDA: in the current stream's order, without waiting for it)."""
         if self.uses_cuda_events:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             return event
         return time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import astuple, dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -136,6 +137,7 @@ def _records(table: torch.Tensor) -> list[LayerCost]:
 
 
 def _record(row: list[float]) -> LayerCost:
-    return LayerCost(
-        **{name: round(v) if name in _INT_FIELDS else v for name, v in zip(_FIELDS, row, strict=True)}
-    )
+    values: dict[str, Any] = {
+        name: round(v) if name in _INT_FIELDS else v for name, v in zip(_FIELDS, row, strict=True)
+    }
+    return LayerCost(**values)

@@ -129,7 +129,7 @@ class LayerTimer:
             )
             for p in layer.parameters():
                 if p.requires_grad:
-                    self._module_handles.append(p.register_hook(self._param_hook(index)))
+                    self._module_handles.append(p.register_hook(self._param_hook(index)))  # type: ignore[no-untyped-call]
         for stage in stages:
             if hasattr(stage, _WEIGHT_PASS_METHOD):
                 self._wrap_weight_pass(stage)
@@ -191,11 +191,11 @@ class LayerTimer:
         out = _first_grad_tensor(output)
         if out is None:
             return  # nothing downstream needs this layer's gradient: no backward (e.g. frozen prefix)
-        self._step_handles.append(out.register_hook(self._bwd_start_hook(index, call)))
+        self._step_handles.append(out.register_hook(self._bwd_start_hook(index, call)))  # type: ignore[no-untyped-call]
         inp = _first_grad_tensor(args)
         if inp is not None:
             call.waits_for_input_grad = True
-            self._step_handles.append(inp.register_hook(self._bwd_end_hook(index, call)))
+            self._step_handles.append(inp.register_hook(self._bwd_end_hook(index, call)))  # type: ignore[no-untyped-call]
 
     def _bwd_start_hook(self, index: int, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:

@@ -197,7 +197,7 @@ class ActivationMeter:
 def _storage_key(t: torch.Tensor) -> tuple[int, int, int]:
     """(storage address, offset, size): the same saved tensor seen twice has the same key."""
     try:
-        return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()
+        return t.untyped_storage().data_ptr(), int(t.storage_offset()), int(t.numel())
     except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
         return id(t), 0, t.numel()
 

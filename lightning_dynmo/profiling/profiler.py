@@ -87,7 +87,7 @@ class ProfileResult:
 
     def activations(self) -> dict[Unit, tuple[int, int]]:
         """``(saved-activation bytes, output bytes)`` per micro-batch of each layer and part, for reuse."""
-        profiles: dict[Unit, LayerProfile] = dict(self.layers)
+        profiles: dict[Unit, LayerProfile] = {index: profile for index, profile in self.layers.items()}
         profiles.update(self.parts)
         return {
             key: (p.memory.activation_bytes_per_microbatch, p.memory.output_bytes_per_microbatch)

@@ -26,7 +26,7 @@ def install(strategy: DynMoStrategy, trainer: pl.Trainer) -> None:
     """DynMo's handler only notes the signal; the epoch loop's broadcast becomes :func:`agree`."""
     launcher = strategy.launcher
     strategy._sigterm = SigtermAgreement(forward=launcher.kill if launcher is not None else None)
-    trainer._signal_connector._sigterm_notifier_fn = strategy._sigterm.handle  # type: ignore[method-assign]
+    trainer._signal_connector._sigterm_notifier_fn = strategy._sigterm.handle  # type: ignore[method-assign,assignment]
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = partial(agree, strategy)  # type: ignore[method-assign]
 
 

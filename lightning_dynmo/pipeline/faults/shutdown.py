@@ -23,7 +23,9 @@ communicating, so the boundary costs one collective, not two.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ class SigtermAgreement:
         """Whether this rank received SIGTERM."""
         return self._noted
 
-    def handle(self, signum: int, frame: Any = None) -> None:
+    def handle(self, signum: int | signal.Signals, frame: FrameType | None = None) -> None:
         """The signal handler: record the SIGTERM (and forward the first one). Never communicates."""
         first = not self._noted
         self._noted = True

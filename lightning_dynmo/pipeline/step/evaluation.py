@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class PipelineEvaluator:
         Returns:
             The per-micro-batch losses on the rank running the last stage, ``[]`` elsewhere.
         """
-        side = dict(side_inputs or {})
+        side: dict[str, Any] = dict(side_inputs or {})
         pipe = self._pipeline_for(source, inputs, target, side, loss_fn, device, group)
         losses: list[Tensor] = []
         args = (inputs,) if source.has_first else ()
@@ -194,7 +194,7 @@ class PipelineEvaluator:
             The last stage's output for the whole batch (micro-batches merged) on the rank running the
             last stage, ``None`` elsewhere.
         """
-        side = dict(side_inputs or {})
+        side: dict[str, Any] = dict(side_inputs or {})
         pipe = self._pipeline_for(source, inputs, None, side, None, device, group)
         args = (inputs,) if source.has_first else ()
         with torch.no_grad():
@@ -252,7 +252,7 @@ class PipelineEvaluator:
             return ScheduleGPipe(
                 stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False
             )
-        runtime = _ForwardOnlyRuntime(
+        runtime = _ForwardOnlyRuntime(  # type: ignore[no-untyped-call]
             stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False
         )
         pipeline_size = stages[0].group_size
@@ -318,7 +318,7 @@ def broadcast_from(
     dist.broadcast_object_list(meta, src=src, group=group, device=device)
     shape, dtype = meta[0]
     out = (
-        value.to(device).contiguous()
+        cast(Tensor, value).to(device).contiguous()  # the source holds a tensor (checked above)
         if dist.get_rank() == src
         else torch.empty(shape, dtype=dtype, device=device)
     )

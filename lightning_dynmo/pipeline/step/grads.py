@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -81,8 +81,9 @@ class _CarryGrads(torch.autograd.Function):
                 by_kind.setdefault((g.dtype, g.device), []).append(i)
         factor_of_output = grad_output if ctx.scale == 1.0 else grad_output * ctx.scale
         for (dtype, device), index in by_kind.items():
-            factor = factor_of_output.to(device=device, dtype=dtype)
-            for i, out in zip(index, torch._foreach_mul([grads[i] for i in index], factor), strict=True):
+            factor: Tensor = factor_of_output.to(device=device, dtype=dtype)
+            dense = [cast(Tensor, grads[i]) for i in index]  # the indices of gradients that are set
+            for i, out in zip(index, torch._foreach_mul(dense, factor), strict=True):
                 scaled[i] = out
         return (None, None, None, *scaled)
 
@@ -101,8 +102,10 @@ def loss_carrying_grads(
     pairs = [(p, g) for p, g in zip(params, grads, strict=True) if p.requires_grad]
     if not pairs:
         anchor = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
-        return _CarryGrads.apply(loss, [None], scale, anchor)
-    return _CarryGrads.apply(loss, [g for _, g in pairs], scale, *(p for p, _ in pairs))
+        carried: Tensor = _CarryGrads.apply(loss, [None], scale, anchor)  # type: ignore[no-untyped-call]
+        return carried
+    carried = _CarryGrads.apply(loss, [g for _, g in pairs], scale, *(p for p, _ in pairs))  # type: ignore[no-untyped-call]
+    return carried
 
 
 def average_grads(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int) -> None:
