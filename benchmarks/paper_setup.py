@@ -36,6 +36,7 @@ same depth, no dynamism) static uniform -> balanced.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import itertools
 import json
 import sys
@@ -337,6 +338,34 @@ def tables(results: Sequence[Row]) -> list[str]:
     return [*a, "", *b, "", *c, ""]
 
 
+def measure_head(rounds: int, quick: bool, out: Path | None, force: bool, command: str) -> str:
+    """Time the head + loss against a block at the paper's shape (``quick``: tiny widths); write the JSON."""
+    import platform
+
+    import torch
+
+    from benchmarks._lib.paper_head import HeadShape, measure
+
+    path = out if out is not None else RESULTS / f"paper_head-{dt.date.today().isoformat()}.json"
+    if path.exists() and not force:
+        raise FileExistsError(
+            f"{path} exists; pass --out PATH to write elsewhere or --force to overwrite it."
+        )
+    torch.set_num_threads(1)
+    shape = HeadShape(d_model=64, num_heads=4, d_ff=256, seq_len=64, vocab_size=500) if quick else HeadShape()
+    record = measure(shape, rounds)
+    record.update(
+        command=command,
+        device=f"CPU: {platform.machine()}, torch {torch.__version__}, one thread",
+        date=dt.datetime.now(dt.UTC).isoformat(),
+        kind="real compute (CPU, float32)" + (" quick: not figures" if quick else ""),
+    )
+    text = json.dumps(record, indent=1)
+    path.write_text(text + "\n")
+    print(f"head + loss / block: {record['ratio_fwd']:.2f} / {record['ratio_bwd']:.2f}; written to {path}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> str:
     """Project every trace at the paper's setup, print and write the report; return it."""
     parser = trace_parser(
@@ -346,7 +375,20 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--rows", type=int, default=8, help="most rows of each trace (evenly spaced)")
     parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS), help="model depths (layers)")
     parser.add_argument("--case", nargs="+", default=None, help="cases (default: every trace found)")
+    parser.add_argument(
+        "--measure-head",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="measure the head + loss / block ratio on this CPU in ROUNDS rounds, write "
+        "results/paper_head-<date>.json (--out: elsewhere) and stop",
+    )
     args = parser.parse_args(argv)
+    command = "python -m benchmarks.paper_setup" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+    )
+    if args.measure_head:
+        return measure_head(args.measure_head, args.quick, args.out, args.force, command)
     for key in ("budget", "rows"):
         if getattr(args, key) < 1:
             parser.error(f"--{key}={getattr(args, key)} must be >= 1.")
@@ -370,9 +412,6 @@ def main(argv: list[str] | None = None) -> str:
                     continue
                 print(f"[{s.case}] {layers} layers, {shape} ...", file=sys.stderr, flush=True)
                 results.append(run_case(trace, dense, shape, args.budget, CASES[s.case].phases))
-    command = "python -m benchmarks.paper_setup" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
     worst = max((r.check[0] / r.check[1] for r in results), default=1.0)
     lines = [
         "# The traces at the paper's setup (projected from GPU costs, scaled)",

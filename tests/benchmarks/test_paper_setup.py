@@ -4,17 +4,20 @@ can disagree), the depth mapping, the sequence scaling, the errors, and the quic
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import pytest
 
 from benchmarks._lib import independent_search as ind
-from benchmarks.paper_setup import main, map_depth, mapped, newest_head, seq_scale
-from lightning_dynmo.balancing import LayerCost, Placement
+from benchmarks.paper_setup import best_placement, main, map_depth, mapped, newest_head, seq_scale
+from benchmarks.projection import Shape
+from lightning_dynmo.balancing import LayerCost, Placement, partition
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.step_prediction import predict_step
-from lightning_dynmo.balancing.trace import StatisticTrace
+from lightning_dynmo.balancing.trace import StatisticTrace, StepCosts
+from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.actions import schedule_actions
 
@@ -98,6 +101,33 @@ def test_missing_head_measurement_and_bad_options_fail_with_the_fix(tmp_path, ca
     with pytest.raises(SystemExit):
         main(["--quick", "--rows", "0", "--out", str(tmp_path / "x.md")])
     assert "--rows=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_measure_head_writes_every_round_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "head.json"
+    text = main(["--quick", "--measure-head", "2", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert json.loads(text) == record and len(record["rounds"]) == 2
+    assert record["ratio_fwd"] > 0 and record["ratio_bwd"] > 0 and "quick" in record["kind"]
+    assert record["command"].startswith("python -m benchmarks.paper_setup --quick --measure-head 2")
+    with pytest.raises(FileExistsError, match="exists; pass --out PATH"):
+        main(["--quick", "--measure-head", "2", "--out", str(out)])
+
+
+def test_zbv_placements_balance_the_ranks_as_the_policy_does():
+    draw = random.Random(1)  # a draw where the per-stage split stacks load on one rank
+    loads = [draw.choice([1.0, 1.0, 2.0, 4.0]) for _ in range(16)]
+    costs = tuple(LayerCost(fwd_time_s=x, bwd_time_s=2 * x) for x in loads)
+    step = StepCosts(costs, LayerCost(), LayerCost(fwd_time_s=4.0, bwd_time_s=8.0))
+    shape = Shape(4, "ZBVZeroBubble", 8)  # stage s and 7 - s share a rank
+    workers = [0, 1, 2, 3, 3, 2, 1, 0]
+
+    def heaviest(p: Placement) -> float:
+        return max(worker_loads(step.problem(), p, workers).values())
+
+    placed = best_placement(step, shape, budget=4)
+    assert heaviest(placed) == 36.0
+    assert heaviest(partition(step.problem(), 8)) == 42.0  # control: the per-stage split
 
 
 def test_quick_mode_writes_the_three_tables(tmp_path):
