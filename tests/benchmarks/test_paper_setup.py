@@ -1,0 +1,146 @@
+"""The paper-setup projection: its independent evaluator and search agree with the code under test (and
+can disagree), the depth mapping, the sequence scaling, the errors, and the quick mode's tables."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+from benchmarks._lib import independent_search as ind
+from benchmarks.paper_setup import best_placement, main, map_depth, mapped, newest_head, seq_scale
+from benchmarks.projection import Shape
+from lightning_dynmo.balancing import LayerCost, Placement, partition
+from lightning_dynmo.balancing.hardware import Hardware
+from lightning_dynmo.balancing.problem import BalanceProblem
+from lightning_dynmo.balancing.step_prediction import predict_step
+from lightning_dynmo.balancing.trace import StatisticTrace, StepCosts
+from lightning_dynmo.balancing.workers import worker_loads
+from lightning_dynmo.pipeline import schedule_order
+from lightning_dynmo.pipeline.step.actions import schedule_actions
+
+
+def _problem(draw: random.Random, layers: int) -> tuple[BalanceProblem, ind.Row]:
+    costs = [(draw.uniform(1, 3), draw.uniform(2, 6)) for _ in range(layers)]
+    first, last = (0.1, 0.2), (draw.uniform(3, 8), draw.uniform(6, 16))
+    problem = BalanceProblem(
+        [LayerCost(fwd_time_s=f, bwd_time_s=b) for f, b in costs],
+        hardware=Hardware(
+            LayerCost(fwd_time_s=first[0], bwd_time_s=first[1]),
+            LayerCost(fwd_time_s=last[0], bwd_time_s=last[1]),
+        ),
+    )
+    return problem, (costs, first, last)
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("1F1B", 4), ("ZBVZeroBubble", 4), ("ZBVZeroBubble", 8)])
+def test_the_independent_evaluator_agrees_with_the_step_model_and_a_wrong_rule_does_not(schedule, stages):
+    draw = random.Random(stages)
+    problem, row = _problem(draw, 12)
+    m = 8
+    actions = schedule_actions(schedule, stages, m)
+    for _ in range(5):
+        cuts = sorted(draw.sample(range(1, 12), stages - 1))
+        sizes = [b - a for a, b in zip([0, *cuts], [*cuts, 12], strict=True)]
+        placement = Placement.from_sizes(sizes)
+        model = predict_step(problem, placement, schedule_order(schedule), m).step_s
+        assert ind.step_time(row, sizes, actions, m) == pytest.approx(model, rel=1e-9)
+    # Negative control: the same comparison fails when the head's backward is counted twice.
+    costs, first, last = row
+    wrong = (costs, first, (last[0], 2 * last[1]))
+    assert ind.step_time(wrong, sizes, actions, m) != pytest.approx(model, rel=1e-6)
+
+
+def test_the_independent_search_finds_the_exhaustive_optimum():
+    draw = random.Random(1)
+    rows = [_problem(draw, 8)[1] for _ in range(3)]
+    actions = schedule_actions("1F1B", 4, 8)
+    every = [
+        [b - a for a, b in zip([0, *c], [*c, 8], strict=True)] for c in itertools.combinations(range(1, 8), 3)
+    ]
+    best = min(ind.total(rows, s, actions, 8) for s in every)
+    found = ind.search(rows, 4, actions, 8)
+    assert ind.total(rows, found, actions, 8) == pytest.approx(best, rel=1e-9)
+    # Negative control: the uniform split is measurably worse here (the head sits on the last stage).
+    assert ind.total(rows, [2, 2, 2, 2], actions, 8) > 1.01 * best
+
+
+def test_minmax_sizes_is_the_exact_bottleneck():
+    loads = [1.0, 5.0, 1.0, 1.0, 1.0, 1.0]
+    sizes = ind.minmax_sizes(loads, 0.0, 4.0, 3)
+    assert sum(sizes) == 6 and len(sizes) == 3 and min(sizes) >= 1
+    runs, start = [], 0
+    for n in sizes:
+        runs.append(sum(loads[start : start + n]))
+        start += n
+    runs[-1] += 4.0
+    assert max(runs) == pytest.approx(6.0)  # [1] [5] [1 1 1 1]+4 -> 8; [1 5] [1 1] [1 1]+4 -> 6
+
+
+def test_depth_mapping_by_fraction():
+    values = tuple(float(i) for i in range(30))
+    assert map_depth(values, 30) == values
+    assert map_depth(values, 48)[0] == 0.0 and map_depth(values, 48)[-1] == 29.0
+    assert map_depth(values, 24) == tuple(float(int((i + 0.5) * 30 / 24)) for i in range(24))
+    mod = StatisticTrace("mod", "share", "fraction", (0, 1), ((1.0, 0.2) * 15, (1.0, 0.4) * 15))
+    row = mapped(mod, 48, 8).values[1]
+    assert len(row) == 48 and row[0::2] == (1.0,) * 24 and set(row[1::2]) == {0.4}
+
+
+def test_seq_scale_is_linear_x2_and_scores_x4():
+    a = 1024 / (12 * 1024 + 1024)
+    assert seq_scale() == pytest.approx(2 * (1 - a) + 4 * a)
+    assert seq_scale(seq_to=1024) == pytest.approx(1.0)
+
+
+def test_missing_head_measurement_and_bad_options_fail_with_the_fix(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match=r"no paper_head-<date>\.json in .*measure it first"):
+        newest_head(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["--quick", "--rows", "0", "--out", str(tmp_path / "x.md")])
+    assert "--rows=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_measure_head_writes_every_round_and_refuses_to_overwrite(tmp_path):
+    out = tmp_path / "head.json"
+    text = main(["--quick", "--measure-head", "2", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert json.loads(text) == record and len(record["rounds"]) == 2
+    assert record["ratio_fwd"] > 0 and record["ratio_bwd"] > 0 and "quick" in record["kind"]
+    assert record["command"].startswith("python -m benchmarks.paper_setup --quick --measure-head 2")
+    with pytest.raises(FileExistsError, match="exists; pass --out PATH"):
+        main(["--quick", "--measure-head", "2", "--out", str(out)])
+
+
+def test_zbv_placements_balance_the_ranks_as_the_policy_does():
+    draw = random.Random(1)  # a draw where the per-stage split stacks load on one rank
+    loads = [draw.choice([1.0, 1.0, 2.0, 4.0]) for _ in range(16)]
+    costs = tuple(LayerCost(fwd_time_s=x, bwd_time_s=2 * x) for x in loads)
+    step = StepCosts(costs, LayerCost(), LayerCost(fwd_time_s=4.0, bwd_time_s=8.0))
+    shape = Shape(4, "ZBVZeroBubble", 8)  # stage s and 7 - s share a rank
+    workers = [0, 1, 2, 3, 3, 2, 1, 0]
+
+    def heaviest(p: Placement) -> float:
+        return max(worker_loads(step.problem(), p, workers).values())
+
+    placed = best_placement(step, shape, budget=4)
+    assert heaviest(placed) == 36.0
+    assert heaviest(partition(step.problem(), 8)) == 42.0  # control: the per-stage split
+
+
+def test_quick_mode_writes_the_three_tables(tmp_path):
+    out = tmp_path / "paper.md"
+    report = main(["--quick", "--out", str(out)])
+    assert out.read_text() == report + "\n"
+    for table in ("**(a) Mean step", "**(b) Bubble", "**(c) Best fixed, re-derived independently"):
+        assert table in report
+    assert report.count("| synthetic | 8 | 2 x ") == 6  # two shapes in each of the three tables
+    assert "all rows within 1%" in report
+
+
+def test_the_search_returns_the_only_placement_when_every_stage_has_one_layer():
+    row = ([(1.0, 2.0)] * 4, (0.0, 0.0), (3.0, 6.0))
+    actions = schedule_actions("1F1B", 4, 4)
+    assert ind.search([row], 4, actions, 4) == [1, 1, 1, 1]
