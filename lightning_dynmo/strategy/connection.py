@@ -56,6 +56,7 @@ def connect(strategy: DynMoStrategy) -> None:
     strategy._active_group, strategy._pipeline_group = groups.active, groups.pipeline
     strategy._data_parallel_group, strategy._control_group = groups.data_parallel, groups.control
     strategy._board = FailureBoard.open(strategy.world_size)
+    strategy._board.register(strategy.global_rank)
     strategy._watch = StallWatch.for_timeout(strategy._board, strategy.global_rank, strategy._control_timeout)
 
 

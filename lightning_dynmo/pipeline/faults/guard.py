@@ -222,6 +222,7 @@ def describe_failure(
     *,
     first: FailureRecord | None = None,
     reports: Mapping[int, FailureRecord] | None = None,
+    gone: str | None = None,
 ) -> str:
     """The message of the :class:`CommunicationError` the guard raises.
 
@@ -231,6 +232,8 @@ def describe_failure(
         err: The transport error.
         first: The run's first raised error, if another rank posted one: it leads the message.
         reports: What other ranks posted when their own exchanges failed.
+        gone: Which peer is gone and how it is known (its process no longer exists, or the store it
+            hosted no longer answers), when no rank posted anything.
     """
     me = f"rank {context.rank} (stage {context.stage_text})"
     timeout = f"{context.timeout.total_seconds():g} s" if context.timeout is not None else "the default"
@@ -249,6 +252,11 @@ def describe_failure(
             "checkpoint saving are collective: call them on every rank, not under `if "
             "trainer.is_global_zero`); a call made on some ranks only waits for the others until "
             f"{context.timeout_name} of {timeout}."
+        )
+    elif gone is not None:
+        text = (
+            f"DynMo: {gone}; so {me} lost contact with a peer during {what}. {peers} That rank left no "
+            "error on the failure board: check its log, or the system log if it was killed."
         )
     else:
         text = (
@@ -299,7 +307,35 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
         grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
         reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)
         first = board.first_failure(excluding=context.rank)
-    return describe_failure(what, context, err, first=first, reports=reports)
+    gone = _gone_peer(context, board) if first is None and not reports else None
+    return describe_failure(what, context, err, first=first, reports=reports, gone=gone)
+
+
+def _gone_peer(context: CommContext, board: FailureBoard) -> str | None:
+    """A peer known to be gone: the host of a store that stopped answering, or a process that has ended."""
+    peers = context.peer_map()
+    host = board.host_rank
+    if board.lost and host is not None and host != context.rank:
+        return (
+            f"{_rank_and_stage(host, peers)} is gone: the store the ranks met through lives in its process "
+            "and no longer answers (it exited or was killed)"
+        )
+    for rank in list(peers)[:_MAX_PEERS_LISTED]:
+        pid = board.process_gone(rank)
+        if pid is not None:
+            return (
+                f"{_rank_and_stage(rank, peers)} is gone: its process (pid {pid}) no longer exists (killed "
+                "by a signal? SIGKILL, e.g. from the out-of-memory killer, leaves no traceback)"
+            )
+    return None
+
+
+def _rank_and_stage(rank: int, peers: Mapping[int, str]) -> str:
+    """``rank 1 (stage 1)`` (with its replica, if any) from a peer's description."""
+    described = peers.get(rank, "")
+    if not described.startswith("stage "):
+        return f"rank {rank}"
+    return f"rank {rank} ({described.replace(f' on global rank {rank}', '')})"
 
 
 def _peer_list(context: CommContext) -> str:
