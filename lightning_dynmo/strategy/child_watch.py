@@ -11,16 +11,19 @@ ends with exit code -9 and its log says only ``terminated with code -9``: nothin
 - killed by a signal: logs one line ``DynMo: rank 1 (pid 4242) was killed by SIGKILL (out of memory?)``;
 - exited with an error: logs which rank and its exit code (that rank's traceback is in the log above).
 
+Rank 0 often ends first (its own error names the lost peer): the launcher then looks once more at exit.
+
 It then gives rank 0 :data:`REPORT_GRACE_S` to raise its own error (it names the lost peer: see
 :mod:`lightning_dynmo.pipeline.faults.guard`) before it stops every process as Lightning's observer does.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
-import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,26 +33,16 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_dynmo.pipeline.faults.death import death_line
+
 log = logging.getLogger(__name__)
 
-__all__ = ["REPORT_GRACE_S", "ChildWatch", "WatchedScriptLauncher", "death_line"]
+__all__ = ["REPORT_GRACE_S", "ChildWatch", "WatchedScriptLauncher"]
 
 #: After a child rank ended badly, how long rank 0 gets to report its own error before every process is
 #: stopped (Lightning's observer took up to 5 s to notice; this watch notices within half a second).
 REPORT_GRACE_S = 5.0
 _POLL_S = 0.5
-
-
-def death_line(rank: int, pid: int, returncode: int) -> str:
-    """One line naming how rank ``rank`` ended (a negative ``returncode``: killed by that signal)."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        oom = " (out of memory?)" if -returncode == signal.SIGKILL else ""
-        return f"DynMo: rank {rank} (pid {pid}) was killed by {name}{oom}."
-    return f"DynMo: rank {rank} (pid {pid}) exited with code {returncode}; its error is in its log above."
 
 
 class ChildWatch(_ChildProcessObserver):
@@ -67,19 +60,25 @@ class ChildWatch(_ChildProcessObserver):
         super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=_POLL_S)  # type: ignore[arg-type]
         self.name = "dynmo-child-watch"
         self._grace_s = grace_s
+        self._lock = threading.Lock()
+        self._reported: set[int] = set()
+
+    def report_deaths(self) -> bool:
+        """Log :func:`death_line` once for each child that ended badly; whether any has."""
+        with self._lock:
+            failed = False
+            for rank, proc in enumerate(self._child_processes, start=1):
+                if proc.poll():
+                    failed = True
+                    if proc.pid not in self._reported:
+                        self._reported.add(proc.pid)
+                        log.error(death_line(rank, proc.pid, proc.returncode))
+            return failed
 
     @override
     def _run(self) -> bool:
-        for proc in self._child_processes:
-            proc.poll()
-        codes = [proc.returncode for proc in self._child_processes]
-        if all(code == 0 for code in codes):
-            return True
-        failed = [(rank, p) for rank, p in enumerate(self._child_processes, start=1) if p.returncode]
-        if not failed:
-            return False
-        for rank, proc in failed:
-            log.error(death_line(rank, proc.pid, proc.returncode))
+        if not self.report_deaths():
+            return all(proc.returncode == 0 for proc in self._child_processes)
         time.sleep(self._grace_s)  # rank 0 raises its own error meanwhile, naming the lost peer, and exits
         log.error("DynMo: stopping every rank (a rank ended badly; see above).")
         self._terminate_all()
@@ -94,6 +93,9 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            ChildWatch(main_pid=os.getpid(), child_processes=self.procs).start()
+            watch = ChildWatch(main_pid=os.getpid(), child_processes=self.procs)
+            watch.start()
+            # Rank 0 may end (its own error names the lost peer) before the watch's next look: look once more.
+            atexit.register(watch.report_deaths)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)

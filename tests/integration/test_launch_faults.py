@@ -111,3 +111,10 @@ def test_under_lightnings_launcher_a_killed_rank_is_named_and_every_rank_ends(tm
     outcomes = _run_all("lightning", [("sigkill", 0), ("sigkill", 1)], tmp_path)
     problems = _check("lightning", outcomes)
     assert not problems, "\n\n".join(problems)
+
+
+def test_under_torchrun_a_failed_or_killed_rank_is_named_and_every_rank_ends(tmp_path: Path) -> None:
+    # The agent hosts the store here: it outlives the ranks, and the board names a stuck peer's call.
+    scenarios = [("forward", 0), ("apply_placement", 1), ("sigkill", 0)]
+    problems = _check("torchrun", _run_all("torchrun", scenarios, tmp_path))
+    assert not problems, "\n\n".join(problems)

@@ -7,10 +7,11 @@ rank broadcasts instead of a result it failed to compute).
 
 Two kinds of failure reach a guarded step (a schedule step, a migration, a collective of the strategy):
 
-- This rank's own error: a layer raised (torch wraps it as ``[Stage 1] failed to run forward``, the
-  cause 30 frames up), a loss got a bad shape. The guard re-raises the *original* exception (its type
-  and message last in the traceback, where users read first) with a note naming this rank, the unit and
-  stage it came from and the step, and posts it on the run's :class:`FailureBoard` for the others.
+- This rank's own error: a layer raised (torch wraps it as ``[Stage 1] failed to run forward`` or
+  ``Failed to run stage backward``, the cause 30 frames up), a loss got a bad shape. The guard re-raises
+  the *original* exception (its type and message last in the traceback, where users read first) with a
+  note naming this rank, the unit and stage it came from and the step, and posts it on the run's
+  :class:`FailureBoard` for the others.
 - A failed exchange: the peer died (``Connection closed by peer``) or never came (a timeout: gloo and
   NCCL honour the process-group ``timeout`` for receives and collectives alike, so no rank waits
   forever). The guard raises a :class:`CommunicationError` naming this rank's stage and peers and, from
@@ -66,8 +67,9 @@ _COMM_MARKERS = (
     "nccl",
     "socket",
 )
-# torch.distributed.pipelining wraps an error raised in a stage's forward in a RuntimeError with this text.
-_TORCH_STAGE_WRAPPER = "failed to run forward"
+# torch.distributed.pipelining wraps an error raised in a stage's forward or backward in a RuntimeError with
+# one of these texts (lower case), the original error as its cause.
+_TORCH_STAGE_WRAPPERS = ("failed to run forward", "failed to run stage backward")
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # At most this many peers are listed in a message (the rest are counted).
 _MAX_PEERS_LISTED = 8
@@ -166,7 +168,7 @@ def communication_guard(what: str, context: CommContext) -> Generator[None, None
     Raises:
         CommunicationError: chained to the transport error, if the block failed to communicate.
         Exception: this rank's own error, unchanged in type and message, with a note naming the rank,
-            unit, stage and step (torch's "failed to run forward" wrapper is taken off).
+            unit, stage and step (torch's forward and backward wrappers are taken off).
     """
     try:
         with context.watch.watching(what, context.stage_text) if context.watch else nullcontext():
@@ -186,8 +188,8 @@ def report_own_error(what: str, context: CommContext, err: Exception) -> BaseExc
     """Note on this rank's own error where it came from, post it on the board, and return what to raise.
 
     Returns:
-        The original exception (``err``, or the cause torch wrapped in "failed to run forward"), with a
-        note ``DynMo: raised on rank R in layers.K (stage S) during <what>``.
+        The original exception (``err``, or the cause torch wrapped in a stage's forward or backward),
+        with a note ``DynMo: raised on rank R in layers.K (stage S) during <what>``.
     """
     if getattr(err, "_dynmo_reported", False):
         return err
@@ -300,14 +302,16 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
     board.post(kind)
     first = board.first_failure(excluding=context.rank)
     reports: dict[int, FailureRecord] = {}
-    if first is None:
+    # A peer that is gone posted what it had to say before it went (a raised error), or never will.
+    gone = _gone_peer(context, board) if first is None else None
+    if first is None and gone is None:
         # A peer that timed out too posts about now (within one timeout of when *it* started waiting,
         # which under load can be seconds after us); one that closed the connection because it timed
         # out first posts right after closing it (one that raised its own error has posted already).
         grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
         reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)
         first = board.first_failure(excluding=context.rank)
-    gone = _gone_peer(context, board) if first is None and not reports else None
+        gone = _gone_peer(context, board) if first is None and not reports else None
     return describe_failure(what, context, err, first=first, reports=reports, gone=gone)
 
 
@@ -349,7 +353,9 @@ def _peer_list(context: CommContext) -> str:
 def _unwrap_stage_error(err: Exception) -> BaseException:
     cause: BaseException = err
     while (
-        isinstance(cause, RuntimeError) and _TORCH_STAGE_WRAPPER in str(cause) and cause.__cause__ is not None
+        isinstance(cause, RuntimeError)
+        and any(wrapper in str(cause).lower() for wrapper in _TORCH_STAGE_WRAPPERS)
+        and cause.__cause__ is not None
     ):
         cause = cause.__cause__
     return cause
