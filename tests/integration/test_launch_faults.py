@@ -89,7 +89,7 @@ def _check(launcher: str, outcomes: dict[tuple[str, int], Outcome]) -> list[str]
         if not re.search(named, other):
             problems.append(f"{name}: rank {peer} does not name rank {culprit}:\n{other[-3000:]}")
         if where == "sigkill" and culprit > 0 and launcher == "lightning":
-            line = f"DynMo: rank {culprit} (pid \\d+) was killed by SIGKILL (out of memory?)."
+            line = rf"DynMo: rank {culprit} \(pid \d+\) was killed by SIGKILL \(out of memory\?\)\."
             if not re.search(line, outcome.output):
                 problems.append(f"{name}: the launching process did not name the killed rank")
     return problems
