@@ -302,16 +302,18 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
     board.post(kind)
     first = board.first_failure(excluding=context.rank)
     reports: dict[int, FailureRecord] = {}
-    # A peer that is gone posted what it had to say before it went (a raised error), or never will.
-    gone = _gone_peer(context, board) if first is None else None
-    if first is None and gone is None:
+    gone = None
+    if first is None:
+        # A peer that is gone posted what it had to say before it went, or never will: read it, don't wait.
+        gone = _gone_peer(context, board)
         # A peer that timed out too posts about now (within one timeout of when *it* started waiting,
         # which under load can be seconds after us); one that closed the connection because it timed
         # out first posts right after closing it (one that raised its own error has posted already).
         grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
-        reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)
+        reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], 0.0 if gone else grace)
         first = board.first_failure(excluding=context.rank)
-        gone = _gone_peer(context, board) if first is None and not reports else None
+        if gone is None and first is None and not reports:
+            gone = _gone_peer(context, board)
     return describe_failure(what, context, err, first=first, reports=reports, gone=gone)
 
 

@@ -114,3 +114,25 @@ def test_a_store_failure_is_logged_once_and_never_retried(caplog: pytest.LogCapt
         for _ in range(3):
             assert board.first_failure(excluding=0) is None
     assert len(calls) == 1 and board.lost
+
+
+def test_a_gone_peer_that_posted_the_call_it_was_stuck_in_is_named_by_that_call() -> None:
+    store = dist.HashStore()
+    board = FailureBoard(store, prefix="run/")
+    peer = subprocess.Popen([sys.executable, "-c", "pass"])
+    peer.wait()
+    store.set("run/pid0", f"{socket.gethostname()} {peer.pid}")
+    board.post(
+        FailureRecord(0, "0", "apply_placement", "waiting", "no reply for 100 s")
+    )  # rank 0, before it went
+    start = time.monotonic()
+    with (
+        pytest.raises(
+            CommunicationError,
+            match=r"^DynMo: rank 1 \(stage 1\) failed in a schedule step while rank 0 \(stage 0\) was "
+            r"waiting in apply_placement\.",
+        ),
+        communication_guard("a schedule step", _context(board)),
+    ):
+        raise RuntimeError("Connection closed by peer")
+    assert time.monotonic() - start < 2  # a gone peer's record is read at once, not waited for
