@@ -86,6 +86,10 @@ def _check(launcher: str, outcomes: dict[tuple[str, int], Outcome]) -> list[str]
             rf"|rank {peer} \(stage \w+\) failed in .* while rank {culprit} \(stage {culprit}\) was waiting "
             rf"in apply_placement|rank {culprit} \(stage \w+\) is gone)"
         )
+        if where == "apply_placement":  # the board names the call the culprit was stuck in, under both stores
+            named = (
+                rf"rank {peer} \(stage {peer}\) failed in a schedule step while rank {culprit} .*in apply_pl"
+            )
         if not re.search(named, other):
             problems.append(f"{name}: rank {peer} does not name rank {culprit}:\n{other[-3000:]}")
         if where == "sigkill" and culprit > 0 and launcher == "lightning":

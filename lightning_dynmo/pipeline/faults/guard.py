@@ -312,6 +312,8 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
         grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
         reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], 0.0 if gone else grace)
         first = board.first_failure(excluding=context.rank)
+        if board.lost and first is None and not reports and context.watch is not None:
+            first, reports = context.watch.seen()  # read while this rank was stalled, before the store went
         if gone is None and first is None and not reports:
             gone = _gone_peer(context, board)
     return describe_failure(what, context, err, first=first, reports=reports, gone=gone)
