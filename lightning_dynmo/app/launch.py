@@ -19,6 +19,7 @@ Each sweep job therefore launches and reaps its own processes.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
@@ -28,6 +29,10 @@ from typing import Any
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from lightning_dynmo.pipeline.faults.death import death_line
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CHILD_ENV",
@@ -155,6 +160,11 @@ def start_local_ranks(nproc: int, argv: Sequence[str], *, run_dir: str) -> None:
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as err:
+        for rank, failure in err.failures.items():
+            if (
+                failure.exitcode < 0
+            ):  # killed by a signal: no traceback says so (see pipeline/faults/death.py)
+                log.error(death_line(rank, failure.pid, failure.exitcode))
         failures = ", ".join(f"rank {rank} (exit code {f.exitcode})" for rank, f in err.failures.items())
         raise LaunchFailed(
             f"{failures} of the {nproc} ranks failed; the error is printed above this line. The run "

@@ -12,6 +12,7 @@
 - :mod:`.loop_state`: a checkpoint saved between epochs set to resume at the next epoch's first batch.
 - :mod:`.collectives`: Lightning's collectives over the active ranks, guarded.
 - :mod:`.sigterm`: SIGTERM noted in the handler and agreed by every rank at a batch start.
+- :mod:`.child_watch`: Lightning's script launcher, naming a child rank that died (and the signal).
 - :mod:`.view`: :class:`PipelineView`, the typed snapshot of the pipeline that callbacks read.
 """
 

@@ -56,7 +56,11 @@ def connect(strategy: DynMoStrategy) -> None:
     strategy._active_group, strategy._pipeline_group = groups.active, groups.pipeline
     strategy._data_parallel_group, strategy._control_group = groups.data_parallel, groups.control
     strategy._board = FailureBoard.open(strategy.world_size)
-    strategy._watch = StallWatch.for_timeout(strategy._board, strategy.global_rank, strategy._control_timeout)
+    strategy._board.register(strategy.global_rank)
+    peers = [r for r in strategy._active_ranks if r != strategy.global_rank][:8]  # as errors list them
+    strategy._watch = StallWatch.for_timeout(
+        strategy._board, strategy.global_rank, strategy._control_timeout, peers
+    )
 
 
 def comm_context(strategy: DynMoStrategy, control: bool = False) -> CommContext:

@@ -31,7 +31,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -75,6 +74,7 @@ from lightning_dynmo.pipeline import (
 from lightning_dynmo.pipeline.model.compiled import check_compile_option
 from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
+from lightning_dynmo.strategy.child_watch import WatchedScriptLauncher
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
 from lightning_dynmo.strategy.view import PipelineView
 
@@ -347,7 +347,7 @@ class DynMoStrategy(ParallelStrategy):
         if self.cluster_environment.creates_processes_externally:
             return
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(
+            self._launcher = WatchedScriptLauncher(  # names a child rank that was killed (child_watch.py)
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
         else:

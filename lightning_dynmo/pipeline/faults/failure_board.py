@@ -11,26 +11,37 @@ other ranks' posts: two ranks stuck in *different* calls (``apply_placement`` on
 each name the call the other was in.
 
 The board lives in the default process group's store (the file or TCP store the ranks met through),
-so posting costs nothing until something fails. Every store access is best effort: a store that is
-gone (its host died) leaves the error as the transport reported it, never hides it or hangs on it.
+so posting costs nothing until something fails. Every store access is best effort and bounded: the
+board talks through a client of its own with a few-second timeout, made when the board is opened (while
+the store's host is surely alive: cloning a store whose host died retries for the store's whole
+timeout, 30 minutes by default), and gives up on the store at the first failed access (no retry loop).
+
+Under Lightning's launcher and ``srun`` the store is a TCPStore hosted *in rank 0's process*, so it dies
+with rank 0; under torchrun the agent hosts it and it outlives every rank. :attr:`FailureBoard.host_rank`
+says which: when the board finds its store gone, the rank hosting it is gone (:attr:`FailureBoard.lost`).
+Every rank also registers its host name and pid (:meth:`FailureBoard.register`), so a rank whose peer
+closed its connection without posting anything can tell a peer process that no longer exists (killed by
+a signal, e.g. ``SIGKILL`` from the out-of-memory killer, which leaves no traceback) from one that lives.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, TypeVar
 
-from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed import distributed_c10d
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REPORT_GRACE_S", "FailureBoard", "FailureRecord"]
+__all__ = ["REPORT_GRACE_S", "FailureBoard", "FailureRecord", "store_host_rank"]
 
 #: After a timed-out exchange, how long a rank waits at most for its peers' records. Peers that timed out
 #: too post within one timeout of when they started waiting, which on a loaded machine can be several
@@ -42,6 +53,7 @@ _POLL_S = 0.1
 _NAMESPACE = "dynmo/failures"
 
 FailureKind = Literal["raised", "waiting"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -88,10 +100,25 @@ class FailureBoard:
         prefix: Key prefix of this run (see :meth:`open`).
     """
 
-    def __init__(self, store: Store | None, prefix: str = f"{_NAMESPACE}/0/") -> None:
+    def __init__(
+        self, store: Store | None, prefix: str = f"{_NAMESPACE}/0/", host_rank: int | None = None
+    ) -> None:
         self._store = store
         self._prefix = prefix
-        self._short_store: Store | None = None
+        self._host_rank = host_rank
+        self._lost = False
+        # Made now, while the store's host is alive (see the module docstring); every access goes through it.
+        self._short_store: Store | None = _short_client(store) if store is not None else None
+
+    @property
+    def host_rank(self) -> int | None:
+        """The rank whose process hosts the store (``None``: a store that outlives the ranks, or none)."""
+        return self._host_rank
+
+    @property
+    def lost(self) -> bool:
+        """Whether an access to the store failed: the board gave up on it (its host is gone)."""
+        return self._lost
 
     @classmethod
     def open(cls, world_size: int) -> FailureBoard:
@@ -106,33 +133,53 @@ class FailureBoard:
         except Exception as err:  # no store (a single process) or one that refuses: errors stay as they are
             log.debug("DynMo: no failure board (%s: %s)", type(err).__name__, err)
             return cls(None)
-        return cls(store, f"{_NAMESPACE}/{run}/")
+        return cls(store, f"{_NAMESPACE}/{run}/", store_host_rank(store))
+
+    def register(self, rank: int) -> None:
+        """Record this process's host name and pid as rank ``rank``'s (read by :meth:`process_gone`)."""
+        self._access(lambda s: s.set(f"{self._prefix}pid{rank}", f"{socket.gethostname()} {os.getpid()}"))
+
+    def process_gone(self, rank: int) -> int | None:
+        """Rank ``rank``'s pid if its process ran on this host and no longer exists, else ``None``.
+
+        ``None`` also when it is unknown (another host, an unregistered rank, the store gone).
+        """
+
+        def read(store: Store) -> str | None:
+            key = f"{self._prefix}pid{rank}"
+            return store.get(key).decode() if store.check([key]) else None
+
+        entry = self._access(read)
+        if entry is None:
+            return None
+        host, pid = entry.rsplit(" ", 1)
+        if host != socket.gethostname():
+            return None
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return int(pid)
+        except OSError:  # alive, another user's
+            return None
+        return _zombie_pid(int(pid))
 
     def post(self, record: FailureRecord) -> None:
         """Publish this rank's record; a raised error also becomes the run's first failure if none is."""
-        store = self._error_path_store()
-        if store is None:
-            return
-        try:
+
+        def write(store: Store) -> None:
             store.set(self._key(record.rank), record.encode())
             if record.kind == "raised":
                 store.compare_set(self._prefix + "first", "", record.encode())
-        except Exception as err:
-            log.debug("DynMo: could not post a failure record (%s: %s)", type(err).__name__, err)
+
+        self._access(write)
 
     def client(self) -> FailureBoard:
-        """The same board through a store client of its own (for another thread)."""
-        return FailureBoard(self._store, self._prefix)
+        """The same board through a store client of its own (for another thread), made now."""
+        return FailureBoard(self._store, self._prefix, self._host_rank)
 
     def clear(self, rank: int) -> None:
         """Take back rank ``rank``'s record (a wait it posted that ended well)."""
-        store = self._error_path_store()
-        if store is None:
-            return
-        try:
-            store.delete_key(self._key(rank))
-        except Exception as err:
-            log.debug("DynMo: could not clear a failure record (%s: %s)", type(err).__name__, err)
+        self._access(lambda s: s.delete_key(self._key(rank)))
 
     def first_failure(self, excluding: int) -> FailureRecord | None:
         """The run's first raised error, unless rank ``excluding`` (the reader) raised it."""
@@ -150,7 +197,8 @@ class FailureBoard:
                 if record is not None:
                     found[rank] = record
                     pending.remove(rank)
-            if not pending or time.monotonic() >= deadline or self._read(self._prefix + "first"):
+            done = not pending or self._lost or time.monotonic() >= deadline
+            if done or self._read(self._prefix + "first"):
                 break
             time.sleep(_POLL_S)
         return found
@@ -159,26 +207,59 @@ class FailureBoard:
         return f"{self._prefix}rank{rank}"
 
     def _read(self, key: str) -> FailureRecord | None:
-        store = self._error_path_store()
-        if store is None:
-            return None
-        try:
+        def read(store: Store) -> FailureRecord | None:
             if not store.check([key]):  # get() would block until the key exists
                 return None
             return FailureRecord.decode(store.get(key))
+
+        return self._access(read)
+
+    def _access(self, operation: Callable[[Store], _T]) -> _T | None:
+        """``operation`` on the short-timeout client; ``None`` once the store failed (it is not retried)."""
+        store = self._short_store
+        if store is None or self._lost:
+            return None
+        try:
+            return operation(store)
         except Exception as err:
-            log.debug("DynMo: could not read failure record %s (%s: %s)", key, type(err).__name__, err)
+            # Every later access would fail the same way (and log a C++ warning each time): give up on it.
+            self._lost = True
+            log.debug("DynMo: the failure board's store failed (%s: %s)", type(err).__name__, err)
             return None
 
-    def _error_path_store(self) -> Store | None:
-        # A private client with a short timeout, made on first use (on the error path only): the shared
-        # store waits as long as the process group, and a store whose host died must not hold the error.
-        if self._store is None or self._short_store is not None:
-            return self._short_store or self._store
-        try:
-            short: Store = self._store.clone()  # type: ignore[attr-defined]  # missing from torch's stubs
-            short.set_timeout(_STORE_TIMEOUT)
-            self._short_store = short
-        except Exception:
-            self._short_store = self._store
-        return self._short_store
+
+def store_host_rank(store: Store) -> int | None:
+    """The rank hosting ``store`` when it lives in a rank's process, else ``None``.
+
+    A TCPStore made by ``env://`` initialisation (Lightning's launcher, ``srun``) is hosted by rank 0;
+    under torchrun the elastic agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``) and it outlives the ranks,
+    as a file store does.
+    """
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, TCPStore):
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    return 0
+
+
+def _short_client(store: Store) -> Store:
+    # A private client with a short timeout: the shared store waits as long as the process group, and its
+    # client is not to be shared between threads. A store that cannot be cloned is used as it is.
+    try:
+        short: Store = store.clone()  # type: ignore[attr-defined]  # missing from torch's stubs
+        short.set_timeout(_STORE_TIMEOUT)
+    except Exception as err:
+        log.debug("DynMo: the failure board shares its store (%s: %s)", type(err).__name__, err)
+        return store
+    return short
+
+
+def _zombie_pid(pid: int) -> int | None:
+    """``pid`` if that process has exited but was not reaped yet (it counts as gone), else ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return pid if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X") else None
+    except OSError:
+        return None

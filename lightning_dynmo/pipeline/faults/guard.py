@@ -7,10 +7,11 @@ rank broadcasts instead of a result it failed to compute).
 
 Two kinds of failure reach a guarded step (a schedule step, a migration, a collective of the strategy):
 
-- This rank's own error: a layer raised (torch wraps it as ``[Stage 1] failed to run forward``, the
-  cause 30 frames up), a loss got a bad shape. The guard re-raises the *original* exception (its type
-  and message last in the traceback, where users read first) with a note naming this rank, the unit and
-  stage it came from and the step, and posts it on the run's :class:`FailureBoard` for the others.
+- This rank's own error: a layer raised (torch wraps it as ``[Stage 1] failed to run forward`` or
+  ``Failed to run stage backward``, the cause 30 frames up), a loss got a bad shape. The guard re-raises
+  the *original* exception (its type and message last in the traceback, where users read first) with a
+  note naming this rank, the unit and stage it came from and the step, and posts it on the run's
+  :class:`FailureBoard` for the others.
 - A failed exchange: the peer died (``Connection closed by peer``) or never came (a timeout: gloo and
   NCCL honour the process-group ``timeout`` for receives and collectives alike, so no rank waits
   forever). The guard raises a :class:`CommunicationError` naming this rank's stage and peers and, from
@@ -66,8 +67,9 @@ _COMM_MARKERS = (
     "nccl",
     "socket",
 )
-# torch.distributed.pipelining wraps an error raised in a stage's forward in a RuntimeError with this text.
-_TORCH_STAGE_WRAPPER = "failed to run forward"
+# torch.distributed.pipelining wraps an error raised in a stage's forward or backward in a RuntimeError with
+# one of these texts (lower case), the original error as its cause.
+_TORCH_STAGE_WRAPPERS = ("failed to run forward", "failed to run stage backward")
 _TIMED_OUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 # At most this many peers are listed in a message (the rest are counted).
 _MAX_PEERS_LISTED = 8
@@ -166,7 +168,7 @@ def communication_guard(what: str, context: CommContext) -> Generator[None, None
     Raises:
         CommunicationError: chained to the transport error, if the block failed to communicate.
         Exception: this rank's own error, unchanged in type and message, with a note naming the rank,
-            unit, stage and step (torch's "failed to run forward" wrapper is taken off).
+            unit, stage and step (torch's forward and backward wrappers are taken off).
     """
     try:
         with context.watch.watching(what, context.stage_text) if context.watch else nullcontext():
@@ -186,8 +188,8 @@ def report_own_error(what: str, context: CommContext, err: Exception) -> BaseExc
     """Note on this rank's own error where it came from, post it on the board, and return what to raise.
 
     Returns:
-        The original exception (``err``, or the cause torch wrapped in "failed to run forward"), with a
-        note ``DynMo: raised on rank R in layers.K (stage S) during <what>``.
+        The original exception (``err``, or the cause torch wrapped in a stage's forward or backward),
+        with a note ``DynMo: raised on rank R in layers.K (stage S) during <what>``.
     """
     if getattr(err, "_dynmo_reported", False):
         return err
@@ -222,6 +224,7 @@ def describe_failure(
     *,
     first: FailureRecord | None = None,
     reports: Mapping[int, FailureRecord] | None = None,
+    gone: str | None = None,
 ) -> str:
     """The message of the :class:`CommunicationError` the guard raises.
 
@@ -231,6 +234,8 @@ def describe_failure(
         err: The transport error.
         first: The run's first raised error, if another rank posted one: it leads the message.
         reports: What other ranks posted when their own exchanges failed.
+        gone: Which peer is gone and how it is known (its process no longer exists, or the store it
+            hosted no longer answers), when no rank posted anything.
     """
     me = f"rank {context.rank} (stage {context.stage_text})"
     timeout = f"{context.timeout.total_seconds():g} s" if context.timeout is not None else "the default"
@@ -249,6 +254,11 @@ def describe_failure(
             "checkpoint saving are collective: call them on every rank, not under `if "
             "trainer.is_global_zero`); a call made on some ranks only waits for the others until "
             f"{context.timeout_name} of {timeout}."
+        )
+    elif gone is not None:
+        text = (
+            f"DynMo: {gone}; so {me} lost contact with a peer during {what}. {peers} That rank left no "
+            "error on the failure board: check its log, or the system log if it was killed."
         )
     else:
         text = (
@@ -292,14 +302,48 @@ def _describe_with_board(what: str, context: CommContext, err: BaseException) ->
     board.post(kind)
     first = board.first_failure(excluding=context.rank)
     reports: dict[int, FailureRecord] = {}
+    gone = None
     if first is None:
+        # A peer that is gone posted what it had to say before it went, or never will: read it, don't wait.
+        gone = _gone_peer(context, board)
         # A peer that timed out too posts about now (within one timeout of when *it* started waiting,
         # which under load can be seconds after us); one that closed the connection because it timed
         # out first posts right after closing it (one that raised its own error has posted already).
         grace = REPORT_GRACE_S if _TIMED_OUT.search(str(err)) else _CLOSED_GRACE_S
-        reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], grace)
+        reports = board.wait_for(list(context.peer_map())[:_MAX_PEERS_LISTED], 0.0 if gone else grace)
         first = board.first_failure(excluding=context.rank)
-    return describe_failure(what, context, err, first=first, reports=reports)
+        if board.lost and first is None and not reports and context.watch is not None:
+            first, reports = context.watch.seen()  # read while this rank was stalled, before the store went
+        if gone is None and first is None and not reports:
+            gone = _gone_peer(context, board)
+    return describe_failure(what, context, err, first=first, reports=reports, gone=gone)
+
+
+def _gone_peer(context: CommContext, board: FailureBoard) -> str | None:
+    """A peer known to be gone: the host of a store that stopped answering, or a process that has ended."""
+    peers = context.peer_map()
+    host = board.host_rank
+    if board.lost and host is not None and host != context.rank:
+        return (
+            f"{_rank_and_stage(host, peers)} is gone: the store the ranks met through lives in its process "
+            "and no longer answers (it exited or was killed)"
+        )
+    for rank in list(peers)[:_MAX_PEERS_LISTED]:
+        pid = board.process_gone(rank)
+        if pid is not None:
+            return (
+                f"{_rank_and_stage(rank, peers)} is gone: its process (pid {pid}) no longer exists (killed "
+                "by a signal? SIGKILL, e.g. from the out-of-memory killer, leaves no traceback)"
+            )
+    return None
+
+
+def _rank_and_stage(rank: int, peers: Mapping[int, str]) -> str:
+    """``rank 1 (stage 1)`` (with its replica, if any) from a peer's description."""
+    described = peers.get(rank, "")
+    if not described.startswith("stage "):
+        return f"rank {rank}"
+    return f"rank {rank} ({described.replace(f' on global rank {rank}', '')})"
 
 
 def _peer_list(context: CommContext) -> str:
@@ -313,7 +357,9 @@ def _peer_list(context: CommContext) -> str:
 def _unwrap_stage_error(err: Exception) -> BaseException:
     cause: BaseException = err
     while (
-        isinstance(cause, RuntimeError) and _TORCH_STAGE_WRAPPER in str(cause) and cause.__cause__ is not None
+        isinstance(cause, RuntimeError)
+        and any(wrapper in str(cause).lower() for wrapper in _TORCH_STAGE_WRAPPERS)
+        and cause.__cause__ is not None
     ):
         cause = cause.__cause__
     return cause

@@ -119,6 +119,21 @@ def test_a_layer_error_wrapped_by_torch_is_raised_as_itself_naming_rank_unit_and
     assert info.value.__suppress_context__  # torch's wrapper is not shown again
 
 
+def test_an_error_in_backward_wrapped_by_torch_is_raised_as_itself() -> None:
+    def backward_like_torch() -> None:  # torch.distributed.pipelining._backward.stage_backward
+        try:
+            raise ValueError("grad of layer 3 is NaN")
+        except Exception as e:
+            raise RuntimeError("\n        Failed to run stage backward:\n        Stage output: ...") from e
+
+    with (
+        pytest.raises(ValueError, match=r"^grad of layer 3 is NaN\nDynMo: raised on rank 1 in stage") as info,
+        communication_guard("a schedule step", _context(1)),
+    ):
+        backward_like_torch()
+    assert info.value.__suppress_context__  # torch's wrapper is not shown again
+
+
 def test_a_peer_names_the_rank_that_failed_first_and_its_error() -> None:
     board = FailureBoard(dist.HashStore())
     block = Exploding()

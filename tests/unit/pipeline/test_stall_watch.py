@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from lightning_dynmo.pipeline.faults.failure_board import FailureBoard
+from lightning_dynmo.pipeline.faults.failure_board import FailureBoard, FailureRecord
 from lightning_dynmo.pipeline.faults.guard import CommContext, CommunicationError, communication_guard
 from lightning_dynmo.pipeline.faults.stall_watch import StallWatch
 from lightning_dynmo.pipeline.placement.groups import DEFAULT_CONTROL_TIMEOUT, control_timeout_of
@@ -121,3 +121,18 @@ def test_the_control_timeout_is_the_shorter_of_the_two(
 
 def test_the_default_control_timeout_is_minutes_not_the_process_groups_half_hour() -> None:
     assert timedelta(seconds=30) <= DEFAULT_CONTROL_TIMEOUT <= timedelta(minutes=3)
+
+
+def test_while_stalled_the_watch_keeps_what_its_peers_posted(board: FailureBoard) -> None:
+    # For a store that dies with rank 0 (Lightning's launcher): what rank 0 posted is kept before it goes.
+    watch = StallWatch(board, rank=1, after_s=0.2, peers=[0])
+    try:
+        assert watch.seen() == (None, {})
+        board.post(FailureRecord(0, "0", "apply_placement", "waiting", "no reply for 1 s"))
+        assert watch.seen() == (None, {})  # not stalled: nothing is read
+        with watch.watching("a schedule step", "1"):
+            assert _until(lambda: 0 in watch.seen()[1]), "the peer's record was never read"
+        first, records = watch.seen()
+        assert first is None and records[0].describe() == "rank 0 (stage 0) was waiting in apply_placement"
+    finally:
+        watch.close()
