@@ -3,7 +3,7 @@
 One stage holding a whole small GPT (embedding, ``--layers`` dense blocks, head and loss: the
 calibration's sizes, width 128, 64 tokens, 2 rows a micro-batch), ``--microbatches`` micro-batches a
 step under 1F1B, one process, one torch thread, world size 1 (gloo). Each job is its own process;
-jobs run in rotated interleaved rounds (:func:`benchmarks.harness.rotated`):
+jobs run in rotated interleaved rounds (:func:`benchmarks._lib.harness.rotated`):
 
 - ``bare``: torch's own ``PipelineStage`` + ``Schedule1F1B`` over a plain module calling the model's
   embedding, blocks, head and loss; the step is ``schedule.step`` (its gradients scaled by torch);
@@ -308,7 +308,7 @@ def per_action_us(run: dict[str, Any], key: str, sizes: Sizes) -> float:
 
 def measure(sizes: Sizes, rounds: int, jobs: Sequence[str] = JOBS) -> dict[str, list[dict[str, Any]]]:
     """Every job once per round, in rotated order; the reports per job."""
-    from benchmarks.harness import rotated
+    from benchmarks._lib.harness import rotated
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for r in range(rounds):
@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile is not None:
         profile_job(args.profile, sizes)
         return
-    from benchmarks import harness
-    from benchmarks.common import results_path
+    from benchmarks._lib import harness
+    from benchmarks._lib.common import results_path
 
     rounds = 1 if args.quick else args.rounds
     if rounds < 1:

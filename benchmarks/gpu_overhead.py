@@ -268,7 +268,7 @@ def launch_job(mode: str, shape: Shape, device: str, timeout_s: float) -> dict[s
 
 def measure(shape: Shape, rounds: int, device: str, timeout_s: float) -> dict[str, list[dict[str, Any]]]:
     """Every mode of ``shape`` once per round, in rotated order."""
-    from benchmarks.harness import rotated
+    from benchmarks._lib.harness import rotated
 
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in shape.modes}
     for r in range(rounds):
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = Shape(**{**spec, "modes": tuple(spec["modes"])})
         args.job_out.write_text(json.dumps(run_job(args.job, shape, args.device)))
         return
-    from benchmarks import harness
-    from benchmarks.common import results_path
+    from benchmarks._lib import harness
+    from benchmarks._lib.common import results_path
 
     if args.rounds < 1:
         raise ValueError(
