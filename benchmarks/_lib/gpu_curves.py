@@ -27,7 +27,9 @@ case's block forward + backward at measured values of its statistic, the head + 
   the layer, the value and the range), or with ``clamp`` set to the nearest measured end, counted in the
   trace's label.
 
-Seconds per step = milliseconds per micro-batch x 1e-3 x the micro-batch count.
+Seconds per step = milliseconds per micro-batch x 1e-3 x the micro-batch count
+(:func:`gpu_cost_trace`); :func:`relative_cost_trace` gives the same costs in units of the dense block's
+forward, for :mod:`benchmarks.replay` (which scales a dense block to its own ``--block-ms``).
 """
 
 from __future__ import annotations
@@ -38,12 +40,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._lib.trace_cases import CASES
+from benchmarks._lib.trace_cases import CASES, DENSE_FWD
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.gpu_check.kernels.curves import CostCurve, read_cost_curves
 
-__all__ = ["CURVE_OF", "DENSE_CURVE", "FWD_SHARE", "KernelCosts", "gpu_cost_trace", "read_kernels"]
+__all__ = [
+    "CURVE_OF",
+    "DENSE_CURVE",
+    "FWD_SHARE",
+    "KernelCosts",
+    "gpu_cost_trace",
+    "read_kernels",
+    "relative_cost_trace",
+]
 
 #: Trace case -> (the JSON's curve, the statistic it must be measured against); ``None``: no curve.
 CURVE_OF: dict[str, tuple[str, str] | None] = {
@@ -214,3 +224,11 @@ def gpu_cost_trace(
         how = f"GPU curve {curve.case!r} at {curve.statistic}"
     label = f"{how}; {clamped} values clamped to the measured range" if clamped else how
     return CostTrace(stats.case, label, stats.steps, tuple(rows))
+
+
+def relative_cost_trace(stats: StatisticTrace, kernels: KernelCosts, clamp: bool = False) -> CostTrace:
+    """:func:`gpu_cost_trace` of one micro-batch in units of the GPU dense block's forward
+    (:data:`~benchmarks._lib.trace_cases.DENSE_FWD`), the units of
+    :func:`benchmarks._lib.trace_cases.cost_trace`: what the replay scales to its own block time."""
+    unit = FWD_SHARE * kernels.dense_ms * 1e-3
+    return gpu_cost_trace(stats, kernels, 1, clamp=clamp).scaled(DENSE_FWD / unit)

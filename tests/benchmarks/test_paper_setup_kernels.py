@@ -1,6 +1,7 @@
 """The paper-setup projection from a GPU kernel check's cost curves (``--kernels``): per-case costs are the
 curve's interpolated milliseconds x the micro-batch count, out-of-range values are refused (or clamped
-when asked), another curve changes the costs, and the quick mode's tables carry the GPU label."""
+when asked), another curve changes the costs, and the quick mode's tables carry the GPU label; the
+replay's ``--kernels`` gets the same costs in dense-forward units."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks._lib.gpu_curves import FWD_SHARE, gpu_cost_trace, read_kernels
+from benchmarks._lib.gpu_curves import FWD_SHARE, gpu_cost_trace, read_kernels, relative_cost_trace
+from benchmarks._lib.trace_cases import DENSE_FWD
 from benchmarks.paper_setup import main
+from benchmarks.replay import main as replay_main
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import StatisticTrace
 
@@ -142,3 +145,23 @@ def test_kernels_options_fail_with_the_fix(tmp_path, capsys):
     (tmp_path / "no_head.json").write_text(json.dumps(no_head))
     with pytest.raises(ValueError, match=r"has no timed 'embedding'"):
         read_kernels(tmp_path / "no_head.json")
+
+
+def test_the_replay_gets_the_same_costs_in_dense_forward_units(tmp_path, capsys):
+    kernels = read_kernels(_kernels(tmp_path))
+    stats = _mod((1.0, 0.25, 1.0, 0.75))
+    per_step = gpu_cost_trace(stats, kernels, M).rows[0]
+    units = relative_cost_trace(stats, kernels).rows[0]
+    dense_fwd = FWD_SHARE * 6.0e-3 * M  # the GPU dense block's forward over M micro-batches
+    assert units.layers[0].fwd_time_s == pytest.approx(DENSE_FWD)  # a dense block: one unit forward
+    for got, want in zip(
+        (*units.layers, units.first, units.last),
+        (*per_step.layers, per_step.first, per_step.last),
+        strict=True,
+    ):
+        assert got.fwd_time_s == pytest.approx(want.fwd_time_s / dense_fwd)
+        assert got.bwd_time_s == pytest.approx(want.bwd_time_s / dense_fwd)
+    assert units.last.fwd_time_s + units.last.bwd_time_s == pytest.approx(9.0 / (FWD_SHARE * 6.0))
+    with pytest.raises(SystemExit):
+        replay_main(["--quick", "--clamp-curves", "--out", str(tmp_path / "r.md")])
+    assert "--clamp-curves applies to --kernels PATH only" in capsys.readouterr().err
