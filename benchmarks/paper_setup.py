@@ -451,7 +451,8 @@ def main(argv: list[str] | None = None) -> str:
             if kernels is not None:
                 trace = gpu_trace(st, kernels, clamp=args.clamp_curves, microbatches=m)
                 dense = gpu_trace(st, kernels, dense=True, clamp=args.clamp_curves, microbatches=m)
-                curves.setdefault(s.case, trace.curve_label)
+                clamped = "clamped" in trace.curve_label  # the count differs per depth
+                curves.setdefault(f"{s.case}, {layers} layers" if clamped else s.case, trace.curve_label)
             else:
                 assert costs is not None
                 trace, dense = cost_trace(st, costs), cost_trace(st, costs, dense=True)
