@@ -31,6 +31,14 @@ same depth, no dynamism) static uniform -> balanced.
 
     python -m benchmarks.paper_setup             # the full projection (minutes)
     python -m benchmarks.paper_setup --quick     # synthetic trace, tiny shapes: not figures
+    python -m benchmarks.paper_setup --kernels benchmarks/results/gpu/<date>/kernels.json
+
+With ``--kernels PATH`` (a ``kernels.json`` of ``python -m lightning_dynmo.gpu_check.kernels``) every
+cost instead comes from that GPU check's cost curves at the paper's shape (no scaling, no CPU ratio):
+each block at its trace statistic through the case's curve, the head + loss and the embedding as
+measured, each total split forward : backward = 1 : 2 (the curves record totals only); the statistic
+mapping, the freezing and the no-curve cases (MoE, pruning) are in :mod:`benchmarks._lib.gpu_curves`.
+A value outside a curve's measured range is refused unless ``--clamp-curves`` (then counted in the label).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import Any
 
 from benchmarks._lib import independent_search
 from benchmarks._lib.common import results_path, write_report
+from benchmarks._lib.gpu_curves import KernelCosts, gpu_cost_trace, read_kernels
 from benchmarks._lib.trace_cases import (
     CASES,
     RESULTS,
@@ -161,9 +170,32 @@ def paper_costs(quick: bool) -> Costs:
     return Costs((f * k, b * k), (hf * f * k, hb * b * k), label)
 
 
+def _params(stats: StatisticTrace, dense: bool) -> list[int]:
+    if stats.case == "pruning" and not dense:  # DeepSpeed counts the parameters it keeps: the non-zeros
+        return [max(1, round(BLOCK_PARAMS * v)) for v in stats.layer_means()]
+    return [BLOCK_PARAMS] * stats.num_layers
+
+
+def gpu_trace(
+    stats: StatisticTrace,
+    kernels: KernelCosts,
+    dense: bool = False,
+    clamp: bool = False,
+    microbatches: int = MICROBATCHES,
+) -> CostTrace:
+    """Per-step costs (``microbatches`` per step) of ``stats`` from a GPU check's cost curves
+    (:func:`benchmarks._lib.gpu_curves.gpu_cost_trace`; ``clamp``: clamp out-of-range statistics)."""
+    params = _params(stats, dense)
+    if dense:
+        case = CASES[stats.case]
+        stats = stats.uniform(case.dense_statistic if case.dense_statistic is not None else 1.0)
+    return gpu_cost_trace(stats, kernels, microbatches, clamp=clamp, num_params=params)
+
+
 def cost_trace(stats: StatisticTrace, costs: Costs, dense: bool = False) -> CostTrace:
     """Per-step costs (32 micro-batches) of ``stats`` at the paper's shape."""
     case = CASES[stats.case]
+    params = _params(stats, dense)
     if dense:
         stats = stats.uniform(case.dense_statistic if case.dense_statistic is not None else 1.0)
     measured = newest_cost_curves()
@@ -171,11 +203,6 @@ def cost_trace(stats: StatisticTrace, costs: Costs, dense: bool = False) -> Cost
     found = (measured or {}).get("cases", {}).get(case.name)
     bwd_unit = found["dense_block_s"][1] / found["dense_block_s"][0] if found else 2.0
     m, (gf, gb), (hf, hb) = MICROBATCHES, costs.block, costs.head
-    params = None
-    if case.name == "pruning" and not dense:  # DeepSpeed counts the parameters it keeps: the non-zeros
-        params = [max(1, round(BLOCK_PARAMS * v)) for v in stats.layer_means()]
-    else:
-        params = [BLOCK_PARAMS] * stats.num_layers
     first = LayerCost(fwd_time_s=0.01 * gf * m, bwd_time_s=0.02 * gb * m)
     last = LayerCost(fwd_time_s=hf * m, bwd_time_s=hb * m)
     raw = CostTrace.build(stats, curve, first, last, num_params=params)
@@ -383,7 +410,21 @@ def main(argv: list[str] | None = None) -> str:
         help="measure the head + loss / block ratio on this CPU in ROUNDS rounds, write "
         "results/paper_head-<date>.json (--out: elsewhere) and stop",
     )
+    parser.add_argument(
+        "--kernels",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="take every cost from this GPU kernel check's cost curves (kernels.json) instead",
+    )
+    parser.add_argument(
+        "--clamp-curves",
+        action="store_true",
+        help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
+    )
     args = parser.parse_args(argv)
+    if args.clamp_curves and args.kernels is None:
+        parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
     command = "python -m benchmarks.paper_setup" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
@@ -393,7 +434,8 @@ def main(argv: list[str] | None = None) -> str:
         if getattr(args, key) < 1:
             parser.error(f"--{key}={getattr(args, key)} must be >= 1.")
     out = results_path("paper_setup", args.out, args.force)
-    costs = paper_costs(args.quick)
+    kernels = read_kernels(args.kernels) if args.kernels is not None else None
+    costs = paper_costs(args.quick) if kernels is None else None
     if args.quick:
         stats, shapes, depths, m = [synthetic_trace(6, 3)], QUICK_SHAPES, [8], 4
     else:
@@ -401,11 +443,19 @@ def main(argv: list[str] | None = None) -> str:
         stats.append(dense_trace(30))
         if args.case:
             stats = [s for s in stats if s.case in args.case]
-    results = []
+    results: list[Row] = []
+    curves: dict[str, str] = {}  # per case, where its block costs come from (with --kernels)
     for s in stats:
         for layers in depths:
             st = mapped(s, layers, args.rows)
-            trace, dense = cost_trace(st, costs), cost_trace(st, costs, dense=True)
+            if kernels is not None:
+                trace = gpu_trace(st, kernels, clamp=args.clamp_curves, microbatches=m)
+                dense = gpu_trace(st, kernels, dense=True, clamp=args.clamp_curves, microbatches=m)
+                clamped = "clamped" in trace.curve_label  # the count differs per depth
+                curves.setdefault(f"{s.case}, {layers} layers" if clamped else s.case, trace.curve_label)
+            else:
+                assert costs is not None
+                trace, dense = cost_trace(st, costs), cost_trace(st, costs, dense=True)
             for ranks, schedule in shapes:
                 shape = Shape(ranks, schedule, m)
                 if shape.stages > layers:
@@ -413,15 +463,27 @@ def main(argv: list[str] | None = None) -> str:
                 print(f"[{s.case}] {layers} layers, {shape} ...", file=sys.stderr, flush=True)
                 results.append(run_case(trace, dense, shape, args.budget, CASES[s.case].phases))
     worst = max((r.check[0] / r.check[1] for r in results), default=1.0)
+    if kernels is not None:
+        kind, bold, source = "projected from GPU cost curves", "Projected from GPU cost curves", kernels.label
+        per_mb = f"micro-batch {kernels.shape.get('micro_batch')} x seq {kernels.shape.get('seq_len')}"
+        source += "; per case: " + "; ".join(f"{c}: {how}" for c, how in curves.items())
+    else:
+        assert costs is not None
+        per_mb = "micro-batch 2 x seq 2048"
+        kind, bold, source = (
+            "projected from GPU costs, scaled",
+            "Projected from GPU costs (scaled)",
+            costs.label,
+        )
     lines = [
-        "# The traces at the paper's setup (projected from GPU costs, scaled)",
+        f"# The traces at the paper's setup ({kind})",
         "",
         f"Command: `{command}`  ",
         "Device: none ran the model; the step model simulated on a shared 2-core x86_64 CPU VM (torch "
-        "2.13.0+cpu). **Projected from GPU costs (scaled)**: simulated steps, migrations not counted; a "
+        f"2.13.0+cpu). **{bold}**: simulated steps, migrations not counted; a "
         "projection is deterministic, so it has no rounds and no spread.",
         "",
-        f"Costs: {costs.label}. Micro-batches: {m} per step (micro-batch 2 x seq 2048). Rows: at most "
+        f"Costs: {source}. Micro-batches: {m} per step ({per_mb}). Rows: at most "
         f"{args.rows} per trace, evenly spaced. Depth mapping: by depth fraction (see the script).",
         "",
         f"Independent check: largest policy's search / independent search = {worst:.4f} "

@@ -33,6 +33,13 @@ first/last parts are printed beside the true ones (they must be measured as part
 
     python -m benchmarks.replay                  # every trace, 8 and 16 ranks, 5 rounds: long
     python -m benchmarks.replay --quick          # synthetic trace, 2 ranks, 1 round: not figures
+    python -m benchmarks.replay --kernels benchmarks/results/gpu/<date>/kernels.json
+
+With ``--kernels PATH`` (a ``kernels.json`` of ``python -m lightning_dynmo.gpu_check.kernels``) each
+case's block costs, the head + loss and the embedding are taken relative to the GPU dense block from that
+check's cost curves (:func:`benchmarks._lib.gpu_curves.relative_cost_trace`: the statistic mapping, the
+forward : backward = 1 : 2 split, out-of-range values refused unless ``--clamp-curves``); a dense block
+still sleeps ``--block-ms``.
 
 The report goes to ``benchmarks/results/replay-<date>.md``; an existing file is kept unless ``--force``.
 """
@@ -50,6 +57,7 @@ import torch
 
 from benchmarks._lib import paired
 from benchmarks._lib.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks._lib.gpu_curves import read_kernels, relative_cost_trace
 from benchmarks._lib.trace_cases import (
     DENSE_FWD,
     cost_trace,
@@ -358,7 +366,22 @@ def main(argv: list[str] | None = None) -> str:
         default="dense",
         help="what a block computes before its sleep ('linear': little, for more ranks than cores)",
     )
+    parser.add_argument(
+        "--kernels",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="costs relative to the dense block from this GPU kernel check's cost curves (kernels.json)",
+    )
+    parser.add_argument(
+        "--clamp-curves",
+        action="store_true",
+        help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
+    )
     args = parser.parse_args(argv)
+    if args.clamp_curves and args.kernels is None:
+        parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
+    kernels = read_kernels(args.kernels) if args.kernels is not None else None
     out = results_path("replay", args.out, args.force)
     stats = select_traces(args.traces, args.case)
     if not stats and not args.quick:
@@ -384,11 +407,14 @@ def main(argv: list[str] | None = None) -> str:
         "pipeline then runs: every call at least its overhead.",
         "",
     ]
+    if kernels is not None:
+        lines += [f"Costs: relative to the dense block, {kernels.label}.", ""]
     done: list[tuple[CostTrace, dict[str, Any]]] = []
     for s in stats:
         for ranks in args.ranks:
             # Costs are per step in dense-forward units; a block sleeps per micro-batch.
-            trace = cost_trace(s).scaled(args.block_ms / 1e3 / DENSE_FWD * 2 * ranks)
+            units = cost_trace(s) if kernels is None else relative_cost_trace(s, kernels, args.clamp_curves)
+            trace = units.scaled(args.block_ms / 1e3 / DENSE_FWD * 2 * ranks)
             if trace.num_layers < ranks:
                 continue
             result = replay_case(
