@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-#: Emulated milliseconds of the reference workload on a worker of slowdown 1.0.
-PROBE_MS = 5.0
+#: Emulated milliseconds of the reference workload on a worker of slowdown 1.0. Long enough that a busy
+#: machine's late wake-up (a few ms, more when other processes share the cores) barely moves the ratio of
+#: two workers' probes, which is what the slowdown is read from.
+PROBE_MS = 50.0
 
 _SLOWDOWN = 1.0
 
