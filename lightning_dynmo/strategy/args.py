@@ -6,11 +6,22 @@ from typing import Any, Literal
 
 from lightning_dynmo.balancing.placement import Placement
 
-__all__ = ["PLACEMENT_POLICIES", "START_METHODS", "StartMethod", "check_strategy_args"]
+__all__ = [
+    "DATA_PARALLEL_SHARDINGS",
+    "PLACEMENT_POLICIES",
+    "START_METHODS",
+    "DataParallelSharding",
+    "StartMethod",
+    "check_data_parallel_sharding",
+    "check_sharding_fits",
+    "check_strategy_args",
+]
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PLACEMENT_POLICIES = ("uniform", "parameters")
+DataParallelSharding = Literal["replicate", "fsdp"]
+DATA_PARALLEL_SHARDINGS = ("replicate", "fsdp")
 
 
 def check_strategy_args(
@@ -73,3 +84,47 @@ def _check_placement_arg(placement: Any) -> str | Placement:
         )
     Placement.from_string(placement)  # malformed strings fail here, before any process starts
     return placement
+
+
+def check_data_parallel_sharding(
+    value: Any, *, save_distributed_checkpoint: bool, compile_blocks: Any
+) -> DataParallelSharding:
+    """Check ``data_parallel_sharding`` and the arguments it cannot go with.
+
+    Raises:
+        ValueError: naming the argument, the bad value and what to pass instead.
+    """
+    if value not in DATA_PARALLEL_SHARDINGS:
+        raise ValueError(
+            f"data_parallel_sharding={value!r} is not one of {DATA_PARALLEL_SHARDINGS}: 'replicate' keeps a "
+            "whole copy of its stage on every data-parallel rank, 'fsdp' shards each stage's layers over "
+            "them (FSDP2)."
+        )
+    if value == "fsdp" and not save_distributed_checkpoint:
+        raise ValueError(
+            "data_parallel_sharding='fsdp' with save_distributed_checkpoint=False: every data-parallel rank "
+            "holds only its shards, so checkpoints are sharded directories. Keep "
+            "save_distributed_checkpoint=True and make one file with "
+            "lightning_dynmo.pipeline.export_full_checkpoint."
+        )
+    if value == "fsdp" and compile_blocks not in (False, None):
+        raise ValueError(
+            f"data_parallel_sharding='fsdp' with compile_blocks={compile_blocks!r}: compiled blocks are not "
+            "sharded yet. Pass compile_blocks=False, or data_parallel_sharding='replicate'."
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def check_sharding_fits(sharding: DataParallelSharding, world_size: int, pipeline_size: int) -> None:
+    """Refuse ``data_parallel_sharding="fsdp"`` without data-parallel replicas to shard over.
+
+    Raises:
+        ValueError: naming the sizes and the fix.
+    """
+    if sharding == "fsdp" and world_size // pipeline_size < 2:
+        raise ValueError(
+            f"data_parallel_sharding='fsdp' shards each stage over its data-parallel replicas, but "
+            f"world_size={world_size} with pipeline_size={pipeline_size} runs "
+            f"{world_size // pipeline_size} replica. Use a pipeline_size of at most world_size // 2 "
+            "(e.g. devices=4, pipeline_size=2), or data_parallel_sharding='replicate'."
+        )

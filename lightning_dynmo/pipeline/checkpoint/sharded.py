@@ -23,9 +23,12 @@ Keys, one DCP item each, under the single-process names (so any placement can fi
     optimizer_states.<k>.state.<parameter>.<name>  one per-parameter state value (exp_avg, step, ...)
 
 Data-parallel replicas hold the same keys with the same values; DCP writes each key once (its
-de-duplication spreads the keys over the replicas). A loading rank reads the manifest, ``.metadata`` and
-``meta.pt`` whole (they grow with the number of keys, not with the model's bytes) and then exactly the
-items of the units it owns, verifying each as it reads it.
+de-duplication spreads the keys over the replicas). Units sharded with FSDP2
+(``DynMoStrategy(data_parallel_sharding="fsdp")``) write their parameters and optimizer state as DTensors:
+each replica writes the rows of its own shard of the same key. A loading rank reads the manifest,
+``.metadata`` and ``meta.pt`` whole (they grow with the number of keys, not with the model's bytes) and
+then exactly the items of the units it owns (of a sharded unit, the rows of its own shards, whatever shard
+count wrote them), verifying each as it reads it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from lightning_dynmo.pipeline.checkpoint.atomic import repair, staging_path, swap_in
 from lightning_dynmo.pipeline.checkpoint.checksums import (
@@ -350,8 +354,15 @@ def _wanted_keys(
     """Placeholders for the keys this rank reads: its units' entries and its parameters' optimizer state."""
     saved = metadata.state_dict_metadata
     units = set(local_units)
+    # A unit sharded with FSDP2 reads the rows of its own shards only, into DTensors laid out like its own.
+    sharded = {
+        f"{unit}.{key}": value
+        for unit, module in local_units.items()
+        for key, value in module.state_dict().items()
+        if isinstance(value, DTensor)
+    }
     wanted = {
-        key: _placeholder(md)
+        key: _placeholder(md, sharded.get(key[len(_MODEL) :]))
         for key, md in saved.items()
         if key.startswith(_MODEL) and unit_of_key(key[len(_MODEL) :]) in units
     }
@@ -376,7 +387,8 @@ def _wanted_keys(
             or (kind == "state" and _split_state_key(key, names) in names)
         )
         if take:
-            wanted[key] = _placeholder(md)
+            owner = _split_state_key(key, names) if kind == "state" else None
+            wanted[key] = _placeholder(md, sharded.get(owner) if owner is not None else None)
     return wanted
 
 
@@ -426,10 +438,14 @@ def _every_key(metadata: Metadata) -> dict[str, Any]:
     return {key: _placeholder(md) for key, md in metadata.state_dict_metadata.items()}
 
 
-def _placeholder(md: Any) -> Any:
-    if isinstance(md, TensorStorageMetadata):
-        return torch.empty(md.size, dtype=md.properties.dtype)
-    return None
+def _placeholder(md: Any, like: DTensor | None = None) -> Any:
+    """Where DCP reads an item: a tensor of its size, or a shard laid out like ``like`` (a sharded
+    parameter or its optimizer state of the same size)."""
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    if like is not None and tuple(md.size) == tuple(like.shape):
+        return torch.zeros_like(like, dtype=md.properties.dtype)
+    return torch.empty(md.size, dtype=md.properties.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dynmo.pipeline.migration.transport import group_ranks
 
@@ -282,6 +283,8 @@ def _load_unit(unit_name: str, unit: nn.Module, model: Mapping[str, Any], saved_
         )
     # Copies for extra state: set_extra_state may keep the object, and the checkpoint must stay pristine.
     own = {k: v if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in own.items()}
+    current = unit.state_dict()
+    own = {k: _shard_like(current.get(k), v) for k, v in own.items()}
     try:
         unit.load_state_dict(own, strict=True)
     except RuntimeError as err:
@@ -330,7 +333,20 @@ def _state_for(param: torch.Tensor, group: Mapping[str, Any], saved: Mapping[str
         if isinstance(value, torch.Tensor):
             # Adam-style ``step`` lives on CPU unless capturable/fused; everything else next to the param.
             device = param.device if key != "step" or on_param_device else value.device
-            state[key] = value.to(device=device, copy=True)
+            state[key] = _shard_like(param, value.to(device=device, copy=True))
         else:
             state[key] = copy.deepcopy(value)
     return state
+
+
+def _shard_like(target: Any, value: Any) -> Any:
+    """``value`` (a whole tensor) as this rank's shard laid out like ``target`` when ``target`` is sharded
+    (FSDP2) and of the same shape; anything else unchanged. Each rank cuts its own rows, no communication."""
+    if (
+        isinstance(target, DTensor)
+        and isinstance(value, torch.Tensor)
+        and not isinstance(value, DTensor)
+        and tuple(value.shape) == tuple(target.shape)
+    ):
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value

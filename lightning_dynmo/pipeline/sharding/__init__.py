@@ -12,6 +12,10 @@ holds, and move a sharded unit between stages shard for shard.
   all-gather.
 - :mod:`.grads`: :func:`~.grads.clip_sharded_grad_norm_`, clipping by the exact norm over all shards and
   stages.
+- :mod:`.skeleton`: :func:`~.skeleton.unit_skeleton`, a sharded unit's unsharded ``meta`` copy (classes,
+  shapes, plain attributes), what travels so that the receiver can rebuild the unit.
+- :mod:`.stages`: :class:`~.stages.StageSharding`, the one object a strategy holds for a sharded run: the
+  stage's data-parallel mesh and precision policy, and the calls above with them bound.
 - :mod:`.checkpoint`: :func:`~.checkpoint.save_sharded_units` / :func:`~.checkpoint.load_sharded_units`,
   distributed checkpoints of sharded units and their optimizer state, loadable at another placement and
   shard count.
@@ -30,9 +34,13 @@ from lightning_dynmo.pipeline.sharding.checkpoint import (
 from lightning_dynmo.pipeline.sharding.grads import clip_sharded_grad_norm_
 from lightning_dynmo.pipeline.sharding.memory import ShardedBytes, local_bytes
 from lightning_dynmo.pipeline.sharding.migrate import migrate_sharded_units
+from lightning_dynmo.pipeline.sharding.skeleton import unit_skeleton
+from lightning_dynmo.pipeline.sharding.stages import StageSharding, check_shardable_ties
 
 __all__ = [
     "ShardedBytes",
+    "StageSharding",
+    "check_shardable_ties",
     "clip_sharded_grad_norm_",
     "load_sharded_units",
     "local_bytes",
@@ -42,4 +50,5 @@ __all__ = [
     "shard_stage",
     "shard_unit",
     "sharded_unit_items",
+    "unit_skeleton",
 ]

@@ -6,13 +6,13 @@ same shapes at both ends and nothing is gathered: each rank sends exactly the by
 
 What travels, per unit: every parameter's local shard, its local gradient shard if ``.grad`` is set, every
 buffer (FSDP2 does not shard buffers), and every optimizer state tensor (Adam's ``exp_avg`` and
-``exp_avg_sq`` are sharded like their parameter; ``step`` is a scalar). The receiver builds the unit with
-the caller's factory (on the ``meta`` device it costs no memory), shards it with
+``exp_avg_sq`` are sharded like their parameter; ``step`` is a scalar). The receiver builds the unit from the
+sender's skeleton (:mod:`.skeleton`: its classes and plain attributes, ``meta`` tensors) or with the
+caller's factory (on the ``meta`` device it costs no memory), shards it with
 :func:`~.apply.shard_unit` over its own data-parallel mesh, copies the shards in and rebuilds the sharded
 gradients and optimizer state with :meth:`DTensor.from_local
-<torch.distributed.tensor.DTensor.from_local>`. Plain Python attributes of the unit are not carried: the
-factory's values stand (the unsharded transport, :mod:`lightning_dynmo.pipeline.migration.transport`,
-carries them).
+<torch.distributed.tensor.DTensor.from_local>`. With a factory, plain Python attributes of the unit are
+not carried: the factory's values stand.
 
 Communication is collective over ``group``: every rank calls with the identical moves. An all-reduce first
 checks that every sender owns what it must send, then three rounds of ``dist.batch_isend_irecv``:
@@ -44,6 +44,7 @@ from lightning_dynmo.pipeline.migration.optimizer import (
     sort_param_groups,
 )
 from lightning_dynmo.pipeline.sharding.apply import shard_unit
+from lightning_dynmo.pipeline.sharding.skeleton import unit_skeleton
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class _Structure:
     entries: list[OptimizerEntry]
     #: ``(shape, dtype, device type)`` of every tensor, in travel order.
     specs: list[tuple[tuple[int, ...], torch.dtype, str]]
+    #: The unit's unsharded ``meta`` skeleton (:func:`~.skeleton.unit_skeleton`) when the receiver has no
+    #: factory, else ``None``.
+    skeleton: nn.Module | None
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(
-    name: str, unit: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    name: str, unit: nn.Module, optimizers: Sequence[torch.optim.Optimizer], with_skeleton: bool
 ) -> tuple[_Structure, list[torch.Tensor]]:
     tensors: list[torch.Tensor] = []
     params = []
@@ -108,7 +112,8 @@ def _pack(
                     marked[key] = value
         entries.append((opt_index, group_index, param_name, marked, hyper))
     specs = [(tuple(t.shape), t.dtype, t.device.type) for t in tensors]
-    return _Structure(params, buffers, entries, specs), tensors
+    skeleton = unit_skeleton(unit) if with_skeleton else None
+    return _Structure(params, buffers, entries, specs, skeleton), tensors
 
 
 def _unpack(
@@ -171,7 +176,7 @@ def migrate_sharded_units(
     optimizers: Sequence[torch.optim.Optimizer],
     *,
     mesh: DeviceMesh,
-    build_unit: Callable[[str], nn.Module],
+    build_unit: Callable[[str], nn.Module] | None = None,
     data_parallel_rank: Callable[[int], int],
     group: dist.ProcessGroup | None = None,
     lr_schedulers: Sequence[Any] = (),
@@ -194,7 +199,9 @@ def migrate_sharded_units(
         optimizers: This rank's optimizers (the same number on every rank).
         mesh: This rank's data-parallel mesh (the received units are sharded over it).
         build_unit: Builds a fresh unit by name, on the ``meta`` device (then it is materialised empty after
-            sharding, costing only the shard) or a real one; its values are overwritten.
+            sharding, costing only the shard) or a real one; its values are overwritten. ``None``
+            (default): the sender's skeleton travels (:func:`~.skeleton.unit_skeleton`), so the unit
+            arrives with the classes, shapes and plain attributes it has now.
         data_parallel_rank: The data-parallel index of a global rank (e.g. ``RankGrid.data_parallel_rank``).
         group: A process group holding every ``src`` and ``dst``; ``None`` means the default group.
         lr_schedulers: This rank's LR schedulers (a param_group created for a received parameter joins them).
@@ -233,7 +240,7 @@ def migrate_sharded_units(
                 continue
             if m.unit not in local_units:
                 raise ValueError(f"rank {me} must send unit {m.unit!r} but holds {sorted(local_units)}")
-            sends.append((m, *_pack(m.unit, local_units[m.unit], optimizers)))
+            sends.append((m, *_pack(m.unit, local_units[m.unit], optimizers, build_unit is None)))
     except (TypeError, ValueError) as error:
         problem = error
     flag = torch.tensor([0 if problem is None else 1], dtype=torch.int64, device=device)
@@ -276,7 +283,8 @@ def migrate_sharded_units(
     drop_from_optimizers({m.unit: local_units[m.unit] for m, _, _ in sends}, optimizers)
     received: dict[str, nn.Module] = {}
     for move, structure, tensors in zip(receives, structures, payloads_in, strict=True):
-        unit = build_unit(move.unit)
+        unit = build_unit(move.unit) if build_unit is not None else structure.skeleton
+        assert unit is not None
         shard_unit(unit, mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
         if any(t.is_meta for t in [*unit.parameters(), *unit.buffers()]):
             unit.to_empty(device=device)

@@ -12,7 +12,7 @@ pipeline is rebuilt instead of being patched in place.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,11 +124,15 @@ def build_pipeline(
     device: torch.device,
     group: dist.ProcessGroup | None,
     recompute: bool = False,
+    prepare_stage: Callable[[nn.Module], object] | None = None,
 ) -> BuiltPipeline:
     """Build this rank's stages and schedule for ``placement``.
 
     The model must already hold exactly the units this rank owns under ``placement``. ``recompute``:
     activation checkpointing of every block (:mod:`lightning_dynmo.pipeline.step.recompute`).
+    ``prepare_stage``: called on each new :class:`StageModule` before torch's ``PipelineStage`` wraps it
+    (a sharded run makes it the FSDP root there:
+    :meth:`lightning_dynmo.pipeline.sharding.StageSharding.shard_stage`).
 
     Raises:
         ValueError: if the schedule rejects ``num_microbatches`` (the message says which counts work).
@@ -138,6 +142,9 @@ def build_pipeline(
     modules = [
         StageModule(model, spec, placement.layers_of(s), s == 0, s == last_stage, recompute) for s in indices
     ]
+    if prepare_stage is not None:
+        for module in modules:
+            prepare_stage(module)
     stages = [
         PipelineStage(m, s, placement.num_stages, device, group=group)
         for m, s in zip(modules, indices, strict=True)
