@@ -2,7 +2,10 @@
 
 How a layer's time is taken (one record per forward call, i.e. per micro-batch):
 
-- **Forward**: a forward pre-hook and a forward hook on the layer take a mark each.
+- **Forward**: a forward pre-hook and a forward hook on the layer take a mark each. The pre-hook runs
+  first, before the layer's other pre-hooks: a unit sharded with FSDP2 (``data_parallel_sharding="fsdp"``)
+  all-gathers its parameters in its own pre-hook, so the gather is inside the unit's forward window (in
+  the step's first micro-batch only: the gathered parameters stay until the step's end).
 - **Backward**: the forward hook registers a tensor hook on the layer's output, which fires when the
   gradient of the output is complete, i.e. when the layer's backward starts, and one on the layer's
   input, which fires when the gradient reaching the input is complete, i.e. when the layer's backward
@@ -123,7 +126,9 @@ class LayerTimer:
         if self.attached:
             raise RuntimeError("LayerTimer.attach() called twice; call detach() first.")
         for index, layer in self._layers.items():
-            self._module_handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
+            # First of the pre-hooks: a unit sharded with FSDP2 gathers its parameters in its own pre-hook,
+            # which then falls inside the unit's forward time.
+            self._module_handles.append(layer.register_forward_pre_hook(self._pre_hook(index), prepend=True))
             self._module_handles.append(
                 layer.register_forward_hook(self._post_hook(index), prepend=True, always_call=True)
             )

@@ -1,10 +1,11 @@
 """An always-on, cheap per-rank compute timer: how long this rank's stages worked in a step.
 
 It wraps the chunk methods of this rank's ``PipelineStage`` objects (``forward_one_chunk``,
-``backward_one_chunk``, ``backward_weight_one_chunk``) on the instances, so no module carries a hook
-(migration refuses modules with hooks) and the cost is two marks per micro-batch and pass, not per
-layer. Waiting for peers happens outside these methods, so the sum is the rank's busy time; the
-step's wall time minus it is the rank's idle time (its bubble).
+``backward_one_chunk``, ``backward_weight_one_chunk``, and ``perform_reduce_grad``, where a stage sharded
+with FSDP2 reduce-scatters its gradients once per step after its last backward) on the instances, so
+no module carries a hook (migration refuses modules with hooks) and the cost is two marks per
+micro-batch and pass, not per layer. Waiting for peers happens outside these methods, so the sum is the
+rank's busy time; the step's wall time minus it is the rank's idle time (its bubble).
 
 The strategy rebuilds its stages after a migration or a batch-shape change; :meth:`StageBusyTimer.watch`
 re-wraps whenever the stage objects changed, and a step that ran on unwatched stages reports ``None``.
@@ -22,7 +23,12 @@ from typing import Any
 
 from lightning_dynmo.profiling.clock import Mark, StepClock
 
-CHUNK_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+CHUNK_METHODS = (
+    "forward_one_chunk",
+    "backward_one_chunk",
+    "backward_weight_one_chunk",
+    "perform_reduce_grad",
+)
 _MISSING = object()
 
 

@@ -155,3 +155,21 @@ def test_on_a_device_steps_outside_windows_report_the_previous_step_without_sync
     timer.watch([FakeStage(clock, fwd_s=1.0, bwd_s=2.0)])
     timer.begin_step()
     assert timer.end_step(wait=False) is None
+
+
+def test_the_gradient_reduction_after_the_last_backward_is_busy_time():
+    # A stage sharded with FSDP2 reduce-scatters its gradients in perform_reduce_grad, once per step
+    # after its last backward: the rank works there, it does not wait.
+    clock = FakeClock()
+    stage = FakeStage(clock, fwd_s=1.0, bwd_s=2.0)
+
+    def perform_reduce_grad(grad_scale_factor: int) -> None:
+        clock.now += 4.0
+
+    stage.perform_reduce_grad = perform_reduce_grad  # type: ignore[attr-defined]
+    timer = StageBusyTimer(clock)
+    timer.watch([stage])
+    timer.begin_step()
+    _step(clock, stage)
+    stage.perform_reduce_grad(1)  # type: ignore[attr-defined]
+    assert timer.end_step() == 10.0
