@@ -118,7 +118,8 @@ class ActivationMeter:
 
     A saved tensor counts its own bytes (a micro-batch that is a view of the whole batch counts the
     micro-batch, not the batch). Saved tensors are deduplicated within one call, and tensors living in a
-    parameter's storage are skipped (a matmul saves its weight, which is already counted as a parameter). A
+    parameter's storage are skipped (a matmul saves its weight, which is already counted as a parameter;
+    a unit sharded with FSDP2 saves its gathered parameters, which the layer holds while it runs). A
     tensor saved by two consecutive layers (one's output, the next one's input) is counted for both:
     the model errs on the safe side.
     """
@@ -134,9 +135,7 @@ class ActivationMeter:
 
     def attach(self) -> None:
         """Attach forward hooks to every layer (before any timing hook, so its time is excluded)."""
-        self._param_storages = {
-            p.untyped_storage().data_ptr() for layer in self._layers.values() for p in layer.parameters()
-        }
+        self._param_storages = {_storage_of(p) for layer in self._layers.values() for p in layer.parameters()}
         for index, layer in self._layers.items():
             self._handles.append(layer.register_forward_pre_hook(self._enter(index), prepend=True))
             self._handles.append(layer.register_forward_hook(self._exit(index), always_call=True))
@@ -163,11 +162,14 @@ class ActivationMeter:
             t0 = time.perf_counter()
             seen: set[tuple[int, int, int]] = set()
             total = [0]
+            params: list[set[int]] = []  # taken at the first saved tensor, once FSDP2 gathered the layer
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 t1 = time.perf_counter()
+                if not params:
+                    params.append(self._param_storages | {_storage_of(p) for p in module.parameters()})
                 key = _storage_key(t)
-                if key not in seen and key[0] not in self._param_storages:
+                if key not in seen and key[0] not in params[0]:
                     seen.add(key)
                     total[0] += _nbytes(t)
                 self.hook_time_s += time.perf_counter() - t1
@@ -192,6 +194,12 @@ class ActivationMeter:
             self.hook_time_s += time.perf_counter() - t0
 
         return runtime_hook(hook)
+
+
+def _storage_of(param: torch.Tensor) -> int:
+    """The address of a parameter's storage (of its local shard if it is sharded)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return int(local.untyped_storage().data_ptr())
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int, int]:
