@@ -8,7 +8,8 @@ stay and releases the others (:func:`release`: they free their units and optimiz
 the ``migrate`` function the strategy passes (its ``_migrate``, which tests override to spoil a move).
 
 Every function takes the strategy for what Lightning makes public on it (its rank, device, optimizers,
-``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`.state`) it reads and writes.
+``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`lightning_dynmo.strategy.state`) it
+reads and writes.
 
 Re-pack and release in detail: the layers are packed onto the lowest pipeline ranks of each data-parallel
 replica (global rank 0 always stays) and a new pipeline group is built among them. The released ranks

@@ -25,7 +25,8 @@ broadcasts the last stage's output, so ``Trainer.predict`` returns the whole mod
 every rank.
 
 Each function takes the strategy for what Lightning makes public on it (its device, precision plugin,
-``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`.state`) it reads and writes.
+``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`lightning_dynmo.strategy.state`) it
+reads and writes.
 """
 
 from __future__ import annotations
