@@ -277,6 +277,11 @@ class DynMoStrategy(ParallelStrategy):
         return self._ranks.released
 
     @property
+    def save_distributed_checkpoint(self) -> bool:
+        """Whether checkpoints are directories each rank writes its units to (else one gathered file)."""
+        return self._checkpoints.sharded
+
+    @property
     def num_microbatches(self) -> int:
         """Micro-batches per training step."""
         return self._pipeline.microbatches.current
@@ -375,7 +380,7 @@ class DynMoStrategy(ParallelStrategy):
             replacement.place_initially(self, self._ranks, self._pipeline, module, self._placement_arg)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        steps.route_clipping_through_pipeline(self, self._ranks, self._pipeline, module)
+        self._route_clipping_through_pipeline()
         sigterm.install(self._ranks, self.guard, self.root_device, trainer, self.launcher)
         if fitting:
             self.setup_optimizers(trainer)
@@ -596,6 +601,9 @@ class DynMoStrategy(ParallelStrategy):
             yield None
         finally:
             self._sync_blocked = False
+
+    def _route_clipping_through_pipeline(self) -> None:
+        steps.route_clipping_through_pipeline(self, self._ranks, self._pipeline, self._module())
 
     # -- evaluation (validate / test / predict) ---------------------------------------------------------
 

@@ -94,8 +94,9 @@ def test_every_import_inside_a_function_says_why() -> None:
     assert not {k: v for k, v in found.items() if v}
 
 
-#: What issue 44 greps for: an attribute of the strategy whose name starts with an underscore.
-_PRIVATE_REACH = re.compile(r"strategy\._[A-Za-z]|self\._strategy\._[A-Za-z]")
+#: What issue 44 greps for: an attribute of the strategy whose name starts with an underscore (also
+#: read by name through ``getattr``).
+_PRIVATE_REACH = re.compile(r"strategy\._[A-Za-z]|self\._strategy\._[A-Za-z]|strategy, \"_[A-Za-z]")
 _STRATEGY_FILE = Path("strategy") / "dynmo_strategy.py"
 
 
@@ -120,6 +121,7 @@ def test_the_shape_checks_catch_offenders() -> None:
     assert _silent_local_imports("def f():\n    # a cycle with the strategy\n    import os\n") == []
     assert _private_reaches("x = 1\nif strategy._released:\n    pass\n") == [2]
     assert _private_reaches("self._strategy._pipe = None\n") == [1]
+    assert _private_reaches('x = getattr(strategy, "_released", False)\n') == [1]
     assert _private_reaches("strategy.is_released and ranks._x\n") == []
 
 
