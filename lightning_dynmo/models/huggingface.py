@@ -449,7 +449,7 @@ class HuggingFaceCausalLM(ShardedCheckpointModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A sharded save (a directory) is read back unit by unit under the units' names: keep them there.
         strategy = getattr(self._trainer, "strategy", None)
-        if not getattr(strategy, "_save_distributed_checkpoint", False):
+        if not getattr(strategy, "save_distributed_checkpoint", False):
             self.rename_for_huggingface(checkpoint)
 
     @override

@@ -3,6 +3,8 @@
 ``import lightning_dynmo.strategy`` registers the strategy as ``"dynmo"``.
 
 - :mod:`.dynmo_strategy`: :class:`DynMoStrategy`, the Lightning glue over :mod:`lightning_dynmo.pipeline`.
+- :mod:`.state`: the run's state in two typed objects the strategy owns and passes to the modules below
+  (:class:`~.state.RankState`: ranks and groups; :class:`~.state.PipelineState`: what this rank runs).
 - :mod:`.args`: its constructor arguments, checked when it is built (before any process starts).
 - :mod:`.trainer_checks`: Trainer setups the strategy cannot honour, refused with the alternative.
 - :mod:`.connection`: the process groups (the control group with its own timeout), failure board, stall watch.

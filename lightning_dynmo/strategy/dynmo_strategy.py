@@ -44,27 +44,19 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.console_log import show_info_on_rank_zero
 from lightning_dynmo.pipeline import (
     DEFAULT_CONTROL_TIMEOUT,
-    BuiltPipeline,
     CommContext,
-    FailureBoard,
     MicrobatchCount,
     MigrationReport,
-    ModelSpec,
-    PipelineEvaluator,
     PipelineLossScaling,
     RankGrid,
     ReleaseEvent,
-    SigtermAgreement,
-    StallWatch,
-    TiedCopies,
     TiedParameter,
     UnitMove,
     communication_guard,
     control_timeout_of,
     full_state_from_checkpoint,
-    initial_placement,
+    layout_of,
     load_local_state,
-    pipeline_units,
     report_interrupt,
     resolve_schedule,
 )
@@ -75,6 +67,7 @@ from lightning_dynmo.pipeline.model.compiled import check_compile_option
 from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
 from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
 from lightning_dynmo.strategy.child_watch import WatchedScriptLauncher
+from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
 from lightning_dynmo.strategy.view import PipelineView
 
@@ -172,65 +165,46 @@ class DynMoStrategy(ParallelStrategy):
             val_loss_log_name=val_loss_log_name,
             test_loss_log_name=test_loss_log_name,
         )
-        self._schedule = resolve_schedule(schedule)
-        self._pipeline_size_arg, self._microbatches = pipeline_size, MicrobatchCount(num_microbatches)
-        self._timeout, self._control_timeout = timeout, control_timeout_of(timeout, control_timeout)
+        self._pipeline_size_arg = pipeline_size
         self._start_method, self._process_group_backend = start_method, process_group_backend
-        self._loss_log_name, self._on_release, self._released = loss_log_name, on_release, False
-        self._saved_optimizer_states: list[Any] | None = None
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        self._activation_checkpointing = activation_checkpointing
-        self._compile_options = check_compile_option(compile_blocks)
-        self._evaluator: PipelineEvaluator | None = None
-        self._cut_module: nn.Module | None = None
+        self._loss_log_name, self._on_release = loss_log_name, on_release
+        self._checkpoints = checkpointing.CheckpointParts(save_distributed_checkpoint)
         self.num_nodes = 1
-        # Filled in by set_world_ranks / setup_environment / setup.
-        self._grid: RankGrid | None = None
-        self._active_ranks: tuple[int, ...] = ()
-        self._active_group: dist.ProcessGroup | None = None
-        self._control_group: dist.ProcessGroup | None = None  # DynMo's agreements (its own timeout)
-        self._pipeline_group: dist.ProcessGroup | None = None
-        self._data_parallel_group: dist.ProcessGroup | None = None
-        self._spec: ModelSpec | None = None
-        self._placement: Placement | None = None
-        self._pipe: BuiltPipeline | None = None
-        # First/last-part parameter ties; when the two parts are on different ranks, the global rank
-        # holding the other copy and this rank's side ("first" or "last"), else None.
-        self._ties = TiedCopies()
+        # The run's state (strategy/state.py), filled in by set_world_ranks / setup_environment / setup.
+        self._ranks = RankState(timeout=timeout, control_timeout=control_timeout_of(timeout, control_timeout))
+        self._pipeline = PipelineState(
+            schedule=resolve_schedule(schedule),
+            microbatches=MicrobatchCount(num_microbatches),
+            recompute=activation_checkpointing,
+            compile_options=check_compile_option(compile_blocks),
+        )
         self._sync_blocked = False
-        self._board: FailureBoard | None = None
-        self._watch: StallWatch | None = None
-        self._sigterm = SigtermAgreement()
-        self._step_in_flight = False  # see training_step and apply_placement
-        self._loss_scaling = PipelineLossScaling(None, lambda: None, torch.device("cpu"))  # set in setup
 
     # -- the surface callbacks use ------------------------------------------------------------------
 
     def pipeline_view(self) -> PipelineView:
         """What callbacks read of the pipeline now (take a fresh one after :meth:`apply_placement`)."""
-        return PipelineView.of(self)
+        return PipelineView.of(self, self._ranks, self._pipeline)
 
     @property
     def placement(self) -> Placement:
         """The current placement (set up in ``setup``)."""
-        if self._placement is None:
-            raise RuntimeError("DynMoStrategy.placement is only known after Trainer.fit set up the model.")
-        return self._placement
+        return self._pipeline.require_placement()
 
     @property
     def pipeline_size(self) -> int:
         """Ranks per pipeline."""
-        return self._require_grid().pipeline_size
+        return self._ranks.require_grid().pipeline_size
 
     @property
     def data_parallel_size(self) -> int:
         """Number of pipeline replicas."""
-        return self._require_grid().data_parallel_size
+        return self._ranks.require_grid().data_parallel_size
 
     @property
     def data_parallel_rank(self) -> int:
         """Which replica this rank belongs to."""
-        return self._require_grid().data_parallel_rank(self.global_rank)
+        return self._ranks.require_grid().data_parallel_rank(self.global_rank)
 
     @property
     def stage_index(self) -> int | None:
@@ -240,25 +214,25 @@ class DynMoStrategy(ParallelStrategy):
         schedules see :attr:`stage_indices`.
         """
         return (
-            self._require_grid().pipeline_rank(self.global_rank)
-            if self.global_rank in self._active_ranks
+            self._ranks.require_grid().pipeline_rank(self.global_rank)
+            if self.global_rank in self._ranks.active_ranks
             else None
         )
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
         """The placement stages this rank runs (one, or two virtual stages), in increasing order."""
-        return self._pipe.stage_indices if self._pipe is not None else ()
+        return self._pipeline.pipe.stage_indices if self._pipeline.pipe is not None else ()
 
     @property
     def is_first_stage(self) -> bool:
         """Whether this rank runs stage 0 (it feeds the inputs)."""
-        return self._pipe is not None and self._pipe.has_first
+        return self._pipeline.pipe is not None and self._pipeline.pipe.has_first
 
     @property
     def is_last_stage(self) -> bool:
         """Whether this rank runs the last stage (it computes the loss)."""
-        return self._pipe is not None and self._pipe.has_last
+        return self._pipeline.pipe is not None and self._pipeline.pipe.has_last
 
     @property
     def local_layers(self) -> Mapping[int, nn.Module]:
@@ -268,22 +242,22 @@ class DynMoStrategy(ParallelStrategy):
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
         """The process group of this rank's pipeline (ranks in pipeline order)."""
-        return self._pipeline_group
+        return self._ranks.pipeline_group
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """The group of ranks holding the same stage in every replica (``None`` without data parallelism)."""
-        return self._data_parallel_group
+        return self._ranks.data_parallel_group
 
     @property
     def active_ranks(self) -> tuple[int, ...]:
         """The global ranks taking part in training; collectives of this strategy run over them."""
-        return self._active_ranks
+        return self._ranks.active_ranks
 
     @property
     def active_group(self) -> dist.ProcessGroup | None:
         """The process group over :attr:`active_ranks` (``None`` once this rank is released)."""
-        return self._active_group
+        return self._ranks.active_group
 
     @property
     def pipeline_stages(self) -> list[Any]:
@@ -291,26 +265,31 @@ class DynMoStrategy(ParallelStrategy):
 
         Profilers wrap their methods to time a step; they are rebuilt by :meth:`apply_placement`.
         """
-        return [] if self._pipe is None else self._pipe.stages
+        return [] if self._pipeline.pipe is None else self._pipeline.pipe.stages
 
     def pipeline_rank_of(self, global_rank: int) -> int:
         """The position in its pipeline (0 = first stage's rank) of an active ``global_rank``."""
-        return self._require_grid().pipeline_rank(global_rank)
+        return self._ranks.require_grid().pipeline_rank(global_rank)
 
     @property
     def is_released(self) -> bool:
         """Whether this rank was released by a re-pack (it no longer trains; see :meth:`apply_placement`)."""
-        return self._released
+        return self._ranks.released
+
+    @property
+    def save_distributed_checkpoint(self) -> bool:
+        """Whether checkpoints are directories each rank writes its units to (else one gathered file)."""
+        return self._checkpoints.sharded
 
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per training step."""
-        return self._microbatches.current
+        return self._pipeline.microbatches.current
 
     @property
     def schedule_name(self) -> str:
         """The canonical name of the pipeline schedule."""
-        return self._schedule.name
+        return self._pipeline.schedule.name
 
     # -- Lightning plumbing ---------------------------------------------------------------------------
 
@@ -360,23 +339,31 @@ class DynMoStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's rank_zero_only too
         # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
-        self._grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
+        self._ranks.grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        connection.connect(self)
+        assert self.cluster_environment is not None
+        self._process_group_backend = connection.connect(
+            self._ranks,
+            self.cluster_environment,
+            self._process_group_backend,
+            self.root_device,
+            self.global_rank,
+            self.world_size,
+        )
 
     @property
     def tied_parameters(self) -> tuple[TiedParameter, ...]:
         """Parameters the first-stage and last-stage parts share (e.g. token embedding and head)."""
-        return self._ties.ties
+        return self._pipeline.ties.ties
 
     def _sync_tied_grads(self) -> None:
         guard = partial(self.guard, "the tied-parameter gradient exchange")
-        self._ties.sync_grads(self._module(), self._pipeline_group, guard)
+        self._pipeline.ties.sync_grads(self._module(), self._ranks.pipeline_group, guard)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -389,26 +376,27 @@ class DynMoStrategy(ParallelStrategy):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         check_trainer_setup(module, self.precision_plugin, self._layer_sync, callbacks, fitting)
         # Trainer.validate / test after fit set up the same, already cut module again: keep its stages.
-        if module is not self._cut_module:
-            replacement.place_initially(self, module)
+        if module is not self._pipeline.cut_module:
+            replacement.place_initially(self, self._ranks, self._pipeline, module, self._placement_arg)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._route_clipping_through_pipeline()
-        sigterm.install(self, trainer)
+        sigterm.install(self._ranks, self.guard, self.root_device, trainer, self.launcher)
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self._loss_scaling = PipelineLossScaling(
-            self.precision_plugin, lambda: self._active_group, self.root_device
+        groups = self._ranks
+        self._pipeline.loss_scaling = PipelineLossScaling(
+            self.precision_plugin, lambda: groups.active_group, self.root_device
         )
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._loss_scaling.agree_on_overflow()
+            self._pipeline.loss_scaling.agree_on_overflow()
         self.rebuild_pipeline()
         log.info(
             "rank %d: placement %s, schedule %s, stages %s, layers %s",
             self.global_rank,
-            self._placement,
+            self._pipeline.placement,
             self.schedule_name,
             self.stage_indices,
             sorted(self.local_layers),
@@ -421,16 +409,8 @@ class DynMoStrategy(ParallelStrategy):
 
     # -- placement and units --------------------------------------------------------------------------
 
-    def _resolve_placement(self, spec: ModelSpec, module: nn.Module) -> Placement:
-        blocks = [module.get_submodule(f"layers.{i}") for i in range(spec.num_layers)]
-        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
-        return initial_placement(self._placement_arg, spec.num_layers, self._num_stages_of_run(), sizes)
-
-    def _num_stages_of_run(self) -> int:
-        return self.pipeline_size * self._schedule.stages_per_rank
-
     def _local_units(self) -> dict[str, nn.Module]:
-        return pipeline_units(self._module(), self._require_spec())
+        return self._pipeline.local_units(self._module())
 
     def apply_placement(self, new: Placement | str, num_microbatches: int | None = None) -> MigrationReport:
         """Move layers so that ``new`` becomes the placement; call on all ranks at a step boundary.
@@ -462,23 +442,32 @@ class DynMoStrategy(ParallelStrategy):
             RuntimeError: if this rank was released, it is called inside a training step, or a peer was
                 lost during the transfer.
         """
-        return replacement.apply_placement(self, new, num_microbatches)
+        return replacement.apply_placement(
+            self,
+            self._ranks,
+            self._pipeline,
+            new,
+            num_microbatches,
+            migrate=self._migrate,
+            on_release=self._on_release,
+        )
 
     def _migrate(self, moves: list[UnitMove], what: str) -> MigrationReport:
-        return replacement.migrate(self, moves, what)
+        return replacement.migrate(self, self._ranks, self._pipeline, moves, what)
 
     # -- re-pack and release (phase 2) ----------------------------------------------------------------
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        steps.batch_start(self, batch, batch_idx)
+        steps.batch_start(self._ranks, self.guard, self.root_device, self._trainer(), batch, batch_idx)
 
     def _trainer(self) -> pl.Trainer | None:
-        module = self.lightning_module
-        return getattr(module, "_trainer", None) if module is not None else None
+        return trainer_of(self)
 
     def _comm_context(self, control: bool = False) -> CommContext:
-        return connection.comm_context(self, control)
+        return connection.comm_context(
+            self._ranks, self._pipeline, self.global_rank, self._local_units, control
+        )
 
     def guard(self, what: str, control: bool = False) -> AbstractContextManager[None]:
         """Context for a collective named ``what`` on this strategy's ranks: a failure names the peers.
@@ -489,8 +478,8 @@ class DynMoStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._watch is not None:
-            self._watch.close()
+        if self._ranks.watch is not None:
+            self._ranks.watch.close()
         super().teardown()
 
     @override
@@ -518,7 +507,7 @@ class DynMoStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self, io: CheckpointIO) -> None:
         # The Trainer sets its plugins here: a custom one must not be ignored by sharded saves.
-        checkpointing.check_checkpoint_io(io, self._save_distributed_checkpoint)
+        checkpointing.check_checkpoint_io(io, self._checkpoints.sharded)
         self._checkpoint_io = io
 
     @override
@@ -528,26 +517,39 @@ class DynMoStrategy(ParallelStrategy):
 
         It also takes the optimizer state returned by :meth:`optimizer_state`.
         """
-        return checkpointing.module_state_dict(self)
+        return self._checkpoints.model_state(
+            self._ranks, self.guard, self._local_units, list(self.optimizers), self.global_rank
+        )
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This optimizer's state keyed by parameter name, gathered by :meth:`lightning_module_state_dict`."""
-        return checkpointing.optimizer_state(self, optimizer)
+        return self._checkpoints.optimizer_state(optimizer, self.optimizers)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpointing.check_storage_options(storage_options, self._save_distributed_checkpoint)
+        checkpointing.check_storage_options(storage_options, self._checkpoints.sharded)
         save_file = partial(super().save_checkpoint, storage_options=storage_options)
-        checkpointing.save(self, checkpoint, filepath, save_file)
+        layout = partial(layout_of, self)
+        self._checkpoints.save(
+            self._ranks, self.guard, checkpoint, filepath, save_file, layout, self.is_global_zero
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint after verifying its checksums; from a directory, only this rank's units."""
-        checkpoint_path = checkpointing.choose_resume_path(self, checkpoint_path)
-        return checkpointing.load(self, checkpoint_path, weights_only, super().load_checkpoint)
+        path = checkpointing.choose_resume_path(self._ranks, self.guard, self.global_rank, checkpoint_path)
+        units, aliases, with_optimizer = (
+            self._local_units(),
+            self._pipeline.ties.aliases,
+            bool(self.optimizers),
+        )
+        read_file = super().load_checkpoint
+        return checkpointing.load(
+            self._ranks, self.guard, units, aliases, with_optimizer, path, weights_only, read_file
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -560,33 +562,35 @@ class DynMoStrategy(ParallelStrategy):
         """Load the optimizer state of the parameters this rank owns, by parameter name."""
         full = full_state_from_checkpoint(checkpoint, with_optimizer=True)
         # A single-process checkpoint keeps a tie's optimizer state under its first-stage name only.
-        load_local_state(full, self._local_units(), list(self.optimizers), aliases=self._ties.aliases)
+        load_local_state(
+            full, self._local_units(), list(self.optimizers), aliases=self._pipeline.ties.aliases
+        )
 
     def rebuild_pipeline(self) -> None:
         """New stages and schedule on this rank (all active ranks together, at a step boundary)."""
-        replacement.rebuild_pipeline(self)
+        replacement.rebuild_pipeline(self, self._ranks, self._pipeline)
 
     # -- one training step ------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        return steps.training_step(self, *args, **kwargs)
+        return steps.training_step(self, self._ranks, self._pipeline, self._loss_log_name, args, kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._step_in_flight = False
+        self._pipeline.step_in_flight = False
         if not self._sync_blocked:
             self._sync_data_parallel_grads()
             self._sync_tied_grads()
         return out
 
     def _sync_data_parallel_grads(self) -> None:
-        if self._data_parallel_group is None:
+        if self._ranks.data_parallel_group is None:
             return
         # By name: every replica's stage lists the same parameters in the same order.
         params = [p for _, p in sorted(self._module().named_parameters())]
-        pipeline_grads.average_grads(params, self._data_parallel_group, self.data_parallel_size)
+        pipeline_grads.average_grads(params, self._ranks.data_parallel_group, self.data_parallel_size)
 
     @contextmanager
     @override
@@ -599,7 +603,7 @@ class DynMoStrategy(ParallelStrategy):
             self._sync_blocked = False
 
     def _route_clipping_through_pipeline(self) -> None:
-        steps.route_clipping_through_pipeline(self)
+        steps.route_clipping_through_pipeline(self, self._ranks, self._pipeline, self._module())
 
     # -- evaluation (validate / test / predict) ---------------------------------------------------------
 
@@ -611,13 +615,15 @@ class DynMoStrategy(ParallelStrategy):
         ``on_validation_batch_end`` hooks receive the returned loss.
         """
         with self.precision_plugin.val_step_context():
-            return steps.evaluation_step(self, "validate", *args, **kwargs)
+            name = self._eval_log_names["validate"]
+            return steps.evaluation_step(self, self._ranks, self._pipeline, name, "validate", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Tensor:
         """Like :meth:`validation_step`, for ``Trainer.test`` (logged as ``test_loss_log_name``)."""
         with self.precision_plugin.test_step_context():
-            return steps.evaluation_step(self, "test", *args, **kwargs)
+            name = self._eval_log_names["test"]
+            return steps.evaluation_step(self, self._ranks, self._pipeline, name, "test", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -628,58 +634,37 @@ class DynMoStrategy(ParallelStrategy):
         the pipeline, so ``Trainer.predict`` returns the same predictions on every rank (as a
         single-device run would). The model's own ``predict_step`` is not called.
         """
-        return steps.predict_step(self, *args, **kwargs)
+        return steps.predict_step(self, self._ranks, self._pipeline, args, kwargs)
 
     # -- collectives over the active ranks ------------------------------------------------------------------
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        collectives.barrier(self, name)
+        collectives.barrier(self._ranks, self.guard, name)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast(self, obj, src)
+        return collectives.broadcast(self._ranks, self.guard, obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        return collectives.reduce(self, tensor, group, reduce_op)
+        return collectives.reduce(self._ranks, self.guard, tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self._released:
-            return tensor.unsqueeze(0)  # gathered over this rank alone: it no longer shares any group
-        with self.guard("strategy.all_gather"):
-            return super().all_gather(tensor, group=group or self._active_group, sync_grads=sync_grads)
+        gather = partial(super().all_gather)
+        return collectives.all_gather(self._ranks, self.guard, gather, tensor, group, sync_grads)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        return collectives.reduce_boolean_decision(self, decision, all)
+        return collectives.reduce_boolean_decision(self._ranks, self.guard, self.root_device, decision, all)
 
     # -- helpers ------------------------------------------------------------------------------------------
 
     def _module(self) -> pl.LightningModule:
-        if self.lightning_module is None:
-            raise RuntimeError("DynMoStrategy has no LightningModule yet; call it from within Trainer.fit.")
-        return self.lightning_module
-
-    def _require_grid(self) -> RankGrid:
-        if self._grid is None:
-            raise RuntimeError(
-                "DynMoStrategy's rank layout is only known once the Trainer has set up the processes."
-            )
-        return self._grid
-
-    def _require_spec(self) -> ModelSpec:
-        if self._spec is None:
-            raise RuntimeError("DynMoStrategy has not checked the model yet; this is known after setup().")
-        return self._spec
-
-    def _require_pipe(self) -> BuiltPipeline:
-        if self._pipe is None:
-            raise RuntimeError("DynMoStrategy has no pipeline yet; it is built in setup().")
-        return self._pipe
+        return module_of(self)
 
 
 StrategyRegistry.register(

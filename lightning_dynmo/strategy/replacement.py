@@ -4,8 +4,12 @@
 applies the same placement, then either a migration of units between the ranks (same stage count) or a
 re-pack onto fewer ranks (:func:`repack`), which builds the smaller pipeline's groups on the ranks that
 stay and releases the others (:func:`release`: they free their units and optimizer state and leave
-``fit``), then tells ``on_release`` and the callbacks (:func:`announce_release`). The strategy's
-``_migrate`` moves the units (tests override it to spoil a move).
+``fit``), then tells ``on_release`` and the callbacks (:func:`announce_release`). The units move through
+the ``migrate`` function the strategy passes (its ``_migrate``, which tests override to spoil a move).
+
+Every function takes the strategy for what Lightning makes public on it (its rank, device, optimizers,
+``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`lightning_dynmo.strategy.state`) it
+reads and writes.
 
 Re-pack and release in detail: the layers are packed onto the lowest pipeline ranks of each data-parallel
 replica (global rank 0 always stays) and a new pipeline group is built among them. The released ranks
@@ -21,9 +25,11 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline import (
@@ -40,9 +46,9 @@ from lightning_dynmo.pipeline import (
     check_not_compiled,
     check_placement,
     check_same_on_all_ranks,
-    communication_guard,
     detach_unit,
     find_tied_parameters,
+    initial_placement,
     keep_local_units,
     migrate_units,
     pipeline_units,
@@ -53,103 +59,122 @@ from lightning_dynmo.pipeline import (
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.model.compiled import compile_blocks
 from lightning_dynmo.strategy import steps
+from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 
 if TYPE_CHECKING:
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
 
 log = logging.getLogger(__name__)
 
+#: ``migrate(moves, what)``: move the planned units and re-attach what arrived (:func:`migrate`).
+Migrate = Callable[[list[UnitMove], str], MigrationReport]
+
 
 def apply_placement(
-    strategy: DynMoStrategy, new: Placement | str, num_microbatches: int | None = None
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    new: Placement | str,
+    num_microbatches: int | None,
+    *,
+    migrate: Migrate,
+    on_release: Callable[[ReleaseEvent], Any] | None,
 ) -> MigrationReport:
-    if strategy._released:
+    if ranks.released:
         raise RuntimeError(
             f"apply_placement was called on rank {strategy.global_rank}, which a re-pack released; only the "
-            f"active ranks {list(strategy._active_ranks)} take part. Check strategy.is_released first."
+            f"active ranks {list(ranks.active_ranks)} take part. Check strategy.is_released first."
         )
-    pipeline_grads.check_no_step_in_flight(strategy._step_in_flight, "apply_placement")
-    spec = strategy._require_spec()
+    pipeline_grads.check_no_step_in_flight(pipeline.step_in_flight, "apply_placement")
+    spec, old = pipeline.require_spec(), pipeline.require_placement()
     target = new if isinstance(new, Placement) else Placement.from_string(new, num_layers=spec.num_layers)
     check = "apply_placement (the check that every rank applies the same placement)"
     with strategy.guard(check, control=True):
         what = "apply_placement was called with different placements (or micro-batch counts)"
         agreed = f"{target}" + ("" if num_microbatches is None else f" num_microbatches={num_microbatches}")
-        check_same_on_all_ranks(agreed, strategy._active_ranks, strategy._control_group, what)
-    if target.num_stages > strategy.placement.num_stages:
+        check_same_on_all_ranks(agreed, ranks.active_ranks, ranks.control_group, what)
+    if target.num_stages > old.num_stages:
         raise ValueError(
             f"placement {target} has {target.num_stages} stages but the pipeline runs "
-            f"{strategy.placement.num_stages} on the active ranks {list(strategy._active_ranks)}; "
+            f"{old.num_stages} on the active ranks {list(ranks.active_ranks)}; "
             "apply_placement keeps or reduces the number of stages (re-pack) but never grows it, "
             "because released ranks have left the job. To train on more stages, save a checkpoint "
             "and resume it with more devices: DynMo checkpoints load at any placement."
         )
     # Before anything moves, so that a bad count fails every rank alike.
-    strategy._microbatches.check_retune(num_microbatches, strategy._schedule, target, strategy.placement)
-    if target.num_stages < strategy.placement.num_stages:
-        return repack(strategy, target, num_microbatches)
-    check_placement(target, spec.num_layers, strategy._num_stages_of_run())
-    old = strategy.placement
+    pipeline.microbatches.check_retune(num_microbatches, pipeline.schedule, target, old)
+    if target.num_stages < old.num_stages:
+        return repack(
+            strategy, ranks, pipeline, target, num_microbatches, migrate=migrate, on_release=on_release
+        )
+    check_placement(target, spec.num_layers, pipeline.num_stages(strategy.pipeline_size))
     if target == old:
         return MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
-    planned = unit_moves(
-        old, target, strategy._require_grid(), strategy._schedule.style, spec.first_parts, spec.last_parts
-    )
-    report = strategy._migrate(planned, f"migration {old} -> {target}")
-    strategy._placement = target
+    grid, style = ranks.require_grid(), pipeline.schedule.style
+    planned = unit_moves(old, target, grid, style, spec.first_parts, spec.last_parts)
+    report = migrate(planned, f"migration {old} -> {target}")
+    pipeline.placement = target
     strategy.rebuild_pipeline()
     log.info("rank %d: placement %s -> %s (%d units moved)", strategy.global_rank, old, target, len(planned))
     return report
 
 
-def repack(strategy: DynMoStrategy, target: Placement, num_microbatches: int | None) -> MigrationReport:
-    spec, old, old_grid = strategy._require_spec(), strategy.placement, strategy._require_grid()
+def repack(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    target: Placement,
+    num_microbatches: int | None,
+    *,
+    migrate: Migrate,
+    on_release: Callable[[ReleaseEvent], Any] | None,
+) -> MigrationReport:
+    spec, old, old_grid = pipeline.require_spec(), pipeline.require_placement(), ranks.require_grid()
     check_placement(target, spec.num_layers, target.num_stages)
-    new_grid = plan_repack(old_grid, old, target, strategy._schedule.stages_per_rank)
-    style = strategy._schedule.style
+    new_grid = plan_repack(old_grid, old, target, pipeline.schedule.stages_per_rank)
+    style = pipeline.schedule.style
     planned = unit_moves(old, target, old_grid, style, spec.first_parts, spec.last_parts, new_grid=new_grid)
-    report = strategy._migrate(planned, f"re-pack {old} -> {target}")
-    old_active = strategy._active_ranks
-    strategy._grid, strategy._placement = new_grid, target
-    strategy._active_ranks = active_ranks_of(new_grid)
-    trainer = strategy._trainer()
+    report = migrate(planned, f"re-pack {old} -> {target}")
+    old_active = ranks.active_ranks
+    ranks.grid, pipeline.placement = new_grid, target
+    ranks.active_ranks = active_ranks_of(new_grid)
+    trainer = trainer_of(strategy)
     event = ReleaseEvent(
-        released_ranks=tuple(r for r in old_active if r not in strategy._active_ranks),
-        active_ranks=strategy._active_ranks,
+        released_ranks=tuple(r for r in old_active if r not in ranks.active_ranks),
+        active_ranks=ranks.active_ranks,
         old_placement=str(old),
         new_placement=str(target),
         global_step=trainer.global_step if trainer is not None else 0,
     )
-    if strategy.global_rank in strategy._active_ranks:
+    if strategy.global_rank in ranks.active_ranks:
         # Only members build the new groups; the data-parallel groups of kept positions are unchanged.
-        strategy._pipeline_group, strategy._active_group, strategy._control_group = build_repacked_groups(
-            new_grid, strategy.global_rank, strategy._timeout, strategy._control_timeout
+        ranks.pipeline_group, ranks.active_group, ranks.control_group = build_repacked_groups(
+            new_grid, strategy.global_rank, ranks.timeout, ranks.control_timeout
         )
-        pair_tied_copies(strategy)
-        strategy._microbatches.retune(num_microbatches)
+        pair_tied_copies(strategy, ranks, pipeline)
+        pipeline.microbatches.retune(num_microbatches)
         strategy.rebuild_pipeline()
     else:
-        strategy._ties.clear()
-        release(strategy)
-    announce_release(strategy, event)
+        pipeline.ties.clear()
+        release(strategy, ranks, pipeline)
+    announce_release(strategy, ranks, event, on_release)
     return report
 
 
-def release(strategy: DynMoStrategy) -> None:
-    for unit in list(strategy._local_units()):
-        detach_unit(strategy._module(), unit)
+def release(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:
+    module = module_of(strategy)
+    for unit in list(pipeline.local_units(module)):
+        detach_unit(module, unit)
     for optimizer in strategy.optimizers:
         optimizer.state.clear()
         for group in optimizer.param_groups:
             group["params"] = []
-    strategy._pipe = None
-    strategy._pipeline_group = strategy._active_group = strategy._data_parallel_group = None
-    strategy._control_group = None
-    strategy._released = True
+    pipeline.pipe = None
+    ranks.release()
     gc.collect()
     if strategy.root_device.type == "cuda":
         torch.cuda.empty_cache()
-    trainer = strategy._trainer()
+    trainer = trainer_of(strategy)
     if trainer is not None:
         # Leave fit at the next batch boundary; min_epochs/min_steps must not hold a released rank back.
         trainer.should_stop = True
@@ -157,100 +182,117 @@ def release(strategy: DynMoStrategy) -> None:
         trainer.fit_loop.epoch_loop.min_steps = 0
 
 
-def announce_release(strategy: DynMoStrategy, event: ReleaseEvent) -> None:
+def announce_release(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    event: ReleaseEvent,
+    on_release: Callable[[ReleaseEvent], Any] | None,
+) -> None:
     if strategy.is_global_zero:
         log.info(event.describe())
-    if strategy._released:
+    if ranks.released:
         log.info(
             "rank %d: released by the re-pack %s -> %s; freeing its modules and leaving fit.",
             strategy.global_rank,
             event.old_placement,
             event.new_placement,
         )
-    if strategy._on_release is not None:
-        strategy._on_release(event)
-    trainer = strategy._trainer()
+    if on_release is not None:
+        on_release(event)
+    trainer = trainer_of(strategy)
     if trainer is None:
         return
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         hook = getattr(callback, "on_dynmo_ranks_released", None)
         if callable(hook):
-            hook(trainer, strategy._module(), event)
+            hook(trainer, module_of(strategy), event)
 
 
-def place_initially(strategy: DynMoStrategy, module: Any) -> None:
-    """Check the model, resolve the initial placement, and cut ``module`` down to this rank's units."""
-    strategy._spec = check_model_contract(module)
-    check_not_compiled(pipeline_units(module, strategy._spec))  # the profiler's hooks must reach blocks
-    if strategy._num_stages_of_run() > 1:
-        strategy._ties = TiedCopies(find_tied_parameters(module, strategy._spec))
-        check_no_user_hooks(strategy._local_units())  # units may migrate; hooks would not
-    strategy._placement = strategy._resolve_placement(strategy._spec, module)
-    pair_tied_copies(strategy)
-    spec, grid, style = strategy._spec, strategy._require_grid(), strategy._schedule.style
-    owners = unit_owners(strategy._placement, grid, style, spec.first_parts, spec.last_parts)
+def place_initially(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    module: nn.Module,
+    placement: str | Placement,
+) -> None:
+    """Check the model, resolve the initial ``placement``, and cut ``module`` down to this rank's units."""
+    spec = pipeline.spec = check_model_contract(module)
+    check_not_compiled(pipeline_units(module, spec))  # the profiler's hooks must reach blocks
+    num_stages = pipeline.num_stages(strategy.pipeline_size)
+    if num_stages > 1:
+        pipeline.ties = TiedCopies(find_tied_parameters(module, spec))
+        check_no_user_hooks(pipeline.local_units(module))  # units may migrate; hooks would not
+    blocks = [module.get_submodule(f"layers.{i}") for i in range(spec.num_layers)]
+    sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    pipeline.placement = initial_placement(placement, spec.num_layers, num_stages, sizes)
+    pair_tied_copies(strategy, ranks, pipeline)
+    grid, style = ranks.require_grid(), pipeline.schedule.style
+    owners = unit_owners(pipeline.placement, grid, style, spec.first_parts, spec.last_parts)
     mine = (strategy.data_parallel_rank, strategy.global_rank)
     owned = [unit for (replica, unit), rank in owners.items() if (replica, rank) == mine]
     keep_local_units(module, spec, owned, device=strategy.root_device)
-    compile_local_blocks(strategy, module)
-    strategy._cut_module = module
+    compile_local_blocks(module, pipeline, strategy.global_rank)
+    pipeline.cut_module = module
 
 
-def compile_local_blocks(strategy: DynMoStrategy, module: Any) -> None:
+def compile_local_blocks(module: nn.Module, pipeline: PipelineState, global_rank: int) -> None:
     """With ``compile_blocks``: compile this rank's blocks not compiled yet (at setup, after arrivals)."""
-    if strategy._compile_options is None:
+    if pipeline.compile_options is None:
         return
     blocks = module.get_submodule("layers")
-    compiled = compile_blocks(dict(blocks.items()), strategy._compile_options)
+    compiled = compile_blocks(dict(blocks.named_children()), pipeline.compile_options)
     if compiled:
-        log.debug("rank %d: compiled blocks %s", strategy.global_rank, compiled)
+        log.debug("rank %d: compiled blocks %s", global_rank, compiled)
 
 
-def migrate(strategy: DynMoStrategy, moves: list[UnitMove], what: str) -> MigrationReport:
+def migrate(
+    strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState, moves: list[UnitMove], what: str
+) -> MigrationReport:
     """Move ``moves`` (one plan for every data-parallel replica) and re-attach what arrived."""
+    module = module_of(strategy)
     # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
     # one agreement over the active ranks, and all replicas' transfers at the same time.
-    with communication_guard(what, strategy._comm_context()):
+    with strategy.guard(what):
         received, report = migrate_units(
             moves,
-            strategy._local_units(),
+            pipeline.local_units(module),
             strategy.optimizers,
             device=strategy.root_device,
-            group=strategy._active_group,
+            group=ranks.active_group,
             lr_schedulers=[config.scheduler for config in strategy.lr_scheduler_configs],
         )
     for move in moves:
         if move.src == strategy.global_rank:
-            detach_unit(strategy._module(), move.unit)
-    for unit, module in received.items():
-        attach_unit(strategy._module(), unit, module)
-    compile_local_blocks(strategy, strategy._module())  # what arrived; the blocks that stayed keep theirs
+            detach_unit(module, move.unit)
+    for unit, arrived in received.items():
+        attach_unit(module, unit, arrived)
+    compile_local_blocks(module, pipeline, strategy.global_rank)  # what arrived; the rest keep theirs
     return report
 
 
-def rebuild_pipeline(strategy: DynMoStrategy) -> None:
+def rebuild_pipeline(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:
     """New stages and schedule on this rank for the current placement and micro-batch count."""
-    strategy._pipe = build_pipeline(
-        strategy._module(),
-        strategy._require_spec(),
-        strategy.placement,
-        strategy._schedule,
-        pipeline_rank=strategy._require_grid().pipeline_rank(strategy.global_rank),
+    pipeline.pipe = build_pipeline(
+        module_of(strategy),
+        pipeline.require_spec(),
+        pipeline.require_placement(),
+        pipeline.schedule,
+        pipeline_rank=ranks.require_grid().pipeline_rank(strategy.global_rank),
         pipeline_size=strategy.pipeline_size,
-        num_microbatches=strategy._microbatches.current,
+        num_microbatches=pipeline.microbatches.current,
         device=strategy.root_device,
-        group=strategy._pipeline_group,
-        recompute=strategy._activation_checkpointing,
+        group=ranks.pipeline_group,
+        recompute=pipeline.recompute,
     )
-    strategy._microbatches.batch_shape = None
+    pipeline.microbatches.batch_shape = None
 
 
-def pair_tied_copies(strategy: DynMoStrategy) -> None:
+def pair_tied_copies(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:
     """Pair this rank's copy of each tied parameter with the other stage's (a tied embedding and head)."""
-    strategy._ties.pair(
-        strategy._module(),
+    pipeline.ties.pair(
+        module_of(strategy),
         strategy.optimizers,
         rank=strategy.global_rank,
-        pipeline_ranks=steps.pipeline_global_ranks(strategy),
-        last_position=steps.last_stage_position(strategy),
+        pipeline_ranks=steps.pipeline_global_ranks(ranks, strategy.global_rank),
+        last_position=steps.last_stage_position(pipeline, strategy.pipeline_size),
     )

@@ -23,6 +23,10 @@ every rank.
 ``val_loss`` / ``test_loss``; ``predict_step`` runs the same forward-only step without a loss and
 broadcasts the last stage's output, so ``Trainer.predict`` returns the whole model's predictions on
 every rank.
+
+Each function takes the strategy for what Lightning makes public on it (its device, precision plugin,
+``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`lightning_dynmo.strategy.state`) it
+reads and writes.
 """
 
 from __future__ import annotations
@@ -33,14 +37,13 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dynmo.pipeline import (
     PipelineEvaluator,
     broadcast_from,
     call_step_end_hook,
     checked_loss_fn,
-    communication_guard,
     global_mean_loss,
     reduce_step_losses,
     run_schedule_step,
@@ -49,6 +52,8 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.strategy import sigterm
+from lightning_dynmo.strategy.collectives import Guard
+from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 from lightning_dynmo.strategy.trainer_checks import check_same_batch_in_pipeline
 
 if TYPE_CHECKING:
@@ -57,27 +62,33 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def training_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
-    if strategy._released:
+def training_step(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    loss_log_name: str | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Tensor:
+    if ranks.released:
         # Not reached through Lightning (the epoch loop stops first); a harmless zero if called anyway.
         zero = torch.zeros((), device=strategy.root_device)
         return pipeline_grads.loss_carrying_grads(zero, [], [])
-    strategy._step_in_flight = True  # until backward has put this step's gradients into .grad
-    module, spec = strategy._module(), strategy._require_spec()
+    pipeline.step_in_flight = True  # until backward has put this step's gradients into .grad
+    module, spec = module_of(strategy), pipeline.require_spec()
     batch = args[0] if args else kwargs["batch"]
     inputs, target, side = split_batch(module, spec, batch)
     # The schedule caches activation shapes from its first step; a new shape needs new stages.
-    if strategy._microbatches.new_pipeline_needed(inputs, target, side):
+    if pipeline.microbatches.new_pipeline_needed(inputs, target, side):
         strategy.rebuild_pipeline()
     params = list(module.parameters())
     # Keep gradients accumulated so far aside: the schedule adds to .grad and rescales all of it.
     accumulated = pipeline_grads.take_grads(params)
-    context = strategy._comm_context()
-    pipe = strategy._require_pipe()
+    pipe, scaling = pipeline.require_pipe(), pipeline.loss_scaling
     with (
         strategy.precision_plugin.train_step_context(),
-        communication_guard("a schedule step", context),
-        strategy._loss_scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
+        strategy.guard("a schedule step"),
+        scaling.scaled_backward(pipe),  # fp16: the pipeline's backward runs scaled
     ):
         step = run_schedule_step(
             pipe,
@@ -85,114 +96,138 @@ def training_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
             target,
             side,
             aux_losses=spec.aux_losses,
-            aux_loss_scale=strategy._loss_scaling.scale,
+            aux_loss_scale=scaling.scale,
             model_name=type(module).__name__,
             average_grads=False,  # divided in the same pass that carries them into backward (below)
         )
     step_grads = pipeline_grads.take_grads(params)
     pipeline_grads.restore_grads(params, accumulated)
-    with communication_guard("the loss reduction", context):
+    with strategy.guard("the loss reduction"):
         loss, aux = reduce_step_losses(
             step.losses,
             step.aux,
             spec.aux_losses,
-            num_microbatches=strategy._microbatches.current,
+            num_microbatches=pipeline.microbatches.current,
             data_parallel_size=strategy.data_parallel_size,
-            group=strategy._active_group,
+            group=ranks.active_group,
             device=strategy.root_device,
             dtype=step.losses[0].dtype
             if step.losses
             else (params[0].dtype if params else torch.get_default_dtype()),
         )
-    if strategy._loss_log_name is not None:
-        module.log(strategy._loss_log_name, loss, prog_bar=True)
+    if loss_log_name is not None:
+        module.log(loss_log_name, loss, prog_bar=True)
         for name, value in aux.items():
             module.log(f"train_aux/{name}", value)
     call_step_end_hook(module, loss, batch, args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
     return pipeline_grads.loss_carrying_grads(loss, params, step_grads, scale=1.0 / pipe.num_microbatches)
 
 
-def predict_step(strategy: DynMoStrategy, *args: Any, **kwargs: Any) -> Tensor:
-    _, evaluator, (inputs, _, side) = _forward_only_step(strategy, "predict", args, kwargs)
-    src = pipeline_global_ranks(strategy)[last_stage_position(strategy)]
+def predict_step(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Tensor:
+    _, evaluator, (inputs, _, side) = _forward_only_step(strategy, ranks, pipeline, "predict", args, kwargs)
+    position = last_stage_position(pipeline, strategy.pipeline_size)
+    src = pipeline_global_ranks(ranks, strategy.global_rank)[position]
     with (
         strategy.precision_plugin.predict_step_context(),
         strategy.guard("a predict step"),
     ):
         output = evaluator.predict(
-            strategy._require_pipe(),
+            pipeline.require_pipe(),
             inputs,
             side,
             device=strategy.root_device,
-            group=strategy._pipeline_group,
+            group=ranks.pipeline_group,
         )
-        return broadcast_from(output, src, group=strategy._pipeline_group, device=strategy.root_device)
+        return broadcast_from(output, src, group=ranks.pipeline_group, device=strategy.root_device)
 
 
-def evaluation_step(strategy: DynMoStrategy, phase: str, *args: Any, **kwargs: Any) -> Tensor:
-    module, evaluator, (inputs, target, side) = _forward_only_step(strategy, phase, args, kwargs)
+def evaluation_step(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    log_name: str | None,
+    phase: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Tensor:
+    """One forward-only step of ``phase`` (``"validate"`` / ``"test"``), its loss logged as ``log_name``."""
+    module, evaluator, (inputs, target, side) = _forward_only_step(
+        strategy, ranks, pipeline, phase, args, kwargs
+    )
     with strategy.guard(f"a {phase} step"):
         losses = evaluator.step(
-            strategy._require_pipe(),
+            pipeline.require_pipe(),
             inputs,
             target,
             side,
             loss_fn=checked_loss_fn(module),
             device=strategy.root_device,
-            group=strategy._pipeline_group,
+            group=ranks.pipeline_group,
         )
         params = list(module.parameters())
         dtype = losses[0].dtype if losses else (params[0].dtype if params else torch.get_default_dtype())
         loss, num_samples = global_mean_loss(
             losses,
             int(inputs.shape[0]),
-            group=strategy._active_group,
+            group=ranks.active_group,
             device=strategy.root_device,
             dtype=dtype,
         )
-    name = strategy._eval_log_names[phase]
-    if name is not None:
+    if log_name is not None:
         # Already the same value on every rank; sync_dist only silences Lightning's epoch-level warning.
-        module.log(name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
+        module.log(log_name, loss, prog_bar=True, batch_size=num_samples, sync_dist=True)
     return loss
 
 
 def _forward_only_step(
-    strategy: DynMoStrategy, phase: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    phase: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> tuple[pl.LightningModule, PipelineEvaluator, tuple[Any, Any, Any]]:
-    check_not_released(strategy, phase)
-    sigterm.agree(strategy)
-    module = strategy._module()
+    check_not_released(ranks, strategy.global_rank, phase)
+    sigterm.agree(ranks, strategy.guard, strategy.root_device, trainer_of(strategy))
+    module = module_of(strategy)
     batch = args[0] if args else kwargs["batch"]
-    split = split_batch(module, strategy._require_spec(), batch)
-    if strategy._evaluator is None:
-        strategy._evaluator = PipelineEvaluator(strategy._schedule, strategy._microbatches.current)
-    return module, strategy._evaluator, split
+    split = split_batch(module, pipeline.require_spec(), batch)
+    if pipeline.evaluator is None:
+        pipeline.evaluator = PipelineEvaluator(pipeline.schedule, pipeline.microbatches.current)
+    return module, pipeline.evaluator, split
 
 
-def last_stage_position(strategy: DynMoStrategy) -> int:
-    placement = strategy.placement
-    return stage_to_pipeline_rank(
-        placement.num_stages - 1, placement.num_stages, strategy.pipeline_size, strategy._schedule.style
-    )
+def last_stage_position(pipeline: PipelineState, pipeline_size: int) -> int:
+    """The pipeline rank that runs the last placement stage."""
+    num_stages = pipeline.require_placement().num_stages
+    return stage_to_pipeline_rank(num_stages - 1, num_stages, pipeline_size, pipeline.schedule.style)
 
 
-def pipeline_global_ranks(strategy: DynMoStrategy) -> list[int]:
-    if strategy._pipeline_group is None:
-        return [strategy.global_rank]
-    return dist.get_process_group_ranks(strategy._pipeline_group)
+def pipeline_global_ranks(ranks: RankState, global_rank: int) -> list[int]:
+    """The global ranks of this rank's pipeline, in pipeline order."""
+    if ranks.pipeline_group is None:
+        return [global_rank]
+    return dist.get_process_group_ranks(ranks.pipeline_group)
 
 
-def check_not_released(strategy: DynMoStrategy, phase: str) -> None:
-    if strategy._released:
+def check_not_released(ranks: RankState, global_rank: int, phase: str) -> None:
+    if ranks.released:
         raise RuntimeError(
-            f"rank {strategy.global_rank} was released by a re-pack and holds no part of the model, so it "
-            f"cannot {phase}; run it on the active ranks {list(strategy._active_ranks)} (check "
+            f"rank {global_rank} was released by a re-pack and holds no part of the model, so it "
+            f"cannot {phase}; run it on the active ranks {list(ranks.active_ranks)} (check "
             "strategy.is_released) or on a single device from a checkpoint."
         )
 
 
-def route_clipping_through_pipeline(strategy: DynMoStrategy) -> None:
+def route_clipping_through_pipeline(
+    strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState, module: nn.Module
+) -> None:
     # Lightning clips through the precision plugin on local parameters only; the norm must cover
     # every stage. Data-parallel replicas hold identical gradients by then: the pipeline group suffices.
     plugin = strategy.precision_plugin
@@ -201,23 +236,28 @@ def route_clipping_through_pipeline(strategy: DynMoStrategy) -> None:
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
         params = list(plugin.main_params(optimizer))
         # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
-        second = strategy._ties.second_copies(strategy._module())
+        second = pipeline.ties.second_copies(module)
         counted = [p for p in params if id(p) not in second]
-        pipeline_grads.clip_grad_norm(params, float(clip_val), strategy._pipeline_group, counted=counted)
+        pipeline_grads.clip_grad_norm(params, float(clip_val), ranks.pipeline_group, counted=counted)
 
     plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
 
-def batch_start(strategy: DynMoStrategy, batch: Any, batch_idx: int) -> None:
+def batch_start(
+    ranks: RankState,
+    guard: Guard,
+    device: torch.device,
+    trainer: pl.Trainer | None,
+    batch: Any,
+    batch_idx: int,
+) -> None:
     """A released rank leaves the epoch; at the first batch, every stage must read the same batch."""
-    if strategy._released:
-        trainer = strategy._trainer()
+    if ranks.released:
         if trainer is not None:
             trainer.should_stop = True
         raise StopIteration  # ends the epoch loop on this rank; should_stop then ends fit
-    if batch_idx == 0 and len(strategy._active_ranks) > 1:
-        replicas = [strategy._require_grid().data_parallel_rank(r) for r in strategy._active_ranks]
-        with strategy.guard("the check that every stage reads the same batch"):
-            check_same_batch_in_pipeline(
-                batch, strategy._active_group, strategy._active_ranks, replicas, strategy.root_device
-            )
+    if batch_idx == 0 and len(ranks.active_ranks) > 1:
+        grid = ranks.require_grid()
+        replicas = [grid.data_parallel_rank(r) for r in ranks.active_ranks]
+        with guard("the check that every stage reads the same batch"):
+            check_same_batch_in_pipeline(batch, ranks.active_group, ranks.active_ranks, replicas, device)

@@ -23,6 +23,7 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import pipeline_layout
 from lightning_dynmo.pipeline import SigtermAgreement, repack_layouts, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.step.schedule import ScheduleSpec
+from lightning_dynmo.strategy.state import PipelineState, RankState
 
 if TYPE_CHECKING:
     from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -84,8 +85,8 @@ class PipelineView:
     sigterm: SigtermAgreement | None = None
 
     @classmethod
-    def of(cls, strategy: DynMoStrategy) -> PipelineView:
-        """The view of ``strategy``'s pipeline now."""
+    def of(cls, strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> PipelineView:
+        """The view of ``strategy``'s pipeline now (its public properties and its state objects)."""
         same_name = (
             "placement", "num_microbatches", "pipeline_size", "stage_index", "stage_indices",
             "is_first_stage", "is_released", "global_rank", "active_ranks", "pipeline_rank_of",
@@ -93,11 +94,11 @@ class PipelineView:
             "data_parallel_size",
         )  # fmt: skip
         return cls(
-            schedule=strategy._schedule,
-            control_group=strategy._control_group,
+            schedule=pipeline.schedule,
+            control_group=ranks.control_group,
             local_layers=strategy.local_layers if strategy.stage_index is not None else {},
             has_tied_parameters=bool(strategy.tied_parameters),
-            sigterm=strategy._sigterm,
+            sigterm=ranks.sigterm,
             **{name: getattr(strategy, name) for name in same_name},
         )
 

@@ -165,7 +165,7 @@ def eval_worker(rank: int, world_size: int, run: EvalRun, ckpt_dir: str) -> dict
     out = _execute(trainer, run.model(), run, run.train.datamodule().train_dataloader())
     strategy = trainer.strategy
     assert isinstance(strategy, DynMoStrategy)
-    evaluator = strategy._evaluator
+    evaluator = strategy._pipeline.evaluator
     out["eval_builds"] = evaluator.num_builds if evaluator is not None else 0
     return out
 

@@ -96,7 +96,7 @@ class NoOverflowAgreement(DynMoStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        vars(self._loss_scaling.scaler).pop("unscale_", None)
+        vars(self._pipeline.loss_scaling.scaler).pop("unscale_", None)
 
 
 class UnscaledPipelineBackward(DynMoStrategy):
@@ -104,7 +104,7 @@ class UnscaledPipelineBackward(DynMoStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        self._loss_scaling.scaled_backward = lambda pipe: contextlib.nullcontext()  # type: ignore[method-assign]
+        self._pipeline.loss_scaling.scaled_backward = lambda pipe: contextlib.nullcontext()  # type: ignore[method-assign]
 
 
 def _plugin(kind: str) -> MixedPrecision:
@@ -203,7 +203,7 @@ class AuxUnscaled(DynMoStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        scaling = self._loss_scaling
+        scaling = self._pipeline.loss_scaling
         scaling.__class__ = type("Unscaled", (type(scaling),), {"scale": property(lambda _: 1.0)})
 
 

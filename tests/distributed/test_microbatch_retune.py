@@ -75,7 +75,7 @@ class UnequalMicrobatchesStrategy(DynMoStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._microbatches = _UncheckedCount(self._microbatches.configured)
+        self._pipeline.microbatches = _UncheckedCount(self._pipeline.microbatches.configured)
 
 
 def retune_worker(rank: int, world_size: int, count: int, negative: bool) -> dict[str, Any]:

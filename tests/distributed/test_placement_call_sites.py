@@ -51,7 +51,7 @@ class NoInStepCheck(DynMoStrategy):
     """Negative control: lets a migration happen inside the step, as before the check existed."""
 
     def apply_placement(self, new: Any) -> Any:
-        self._step_in_flight = False
+        self._pipeline.step_in_flight = False
         return super().apply_placement(new)
 
 

@@ -2,7 +2,9 @@
 
 - every module is summarised in its package's docstring;
 - no class is longer than 600 lines;
-- an import inside a function says why it is not at module level (a comment on its line or the line above).
+- an import inside a function says why it is not at module level (a comment on its line or the line above);
+- no module but the strategy's own reaches into its private state (``strategy._x``): the modules receive the
+  state objects of :mod:`lightning_dynmo.strategy.state` instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import re
 from pathlib import Path
 
 import pytest
@@ -91,12 +94,35 @@ def test_every_import_inside_a_function_says_why() -> None:
     assert not {k: v for k, v in found.items() if v}
 
 
+#: What issue 44 greps for: an attribute of the strategy whose name starts with an underscore (also
+#: read by name through ``getattr``).
+_PRIVATE_REACH = re.compile(r"strategy\._[A-Za-z]|self\._strategy\._[A-Za-z]|strategy, \"_[A-Za-z]")
+_STRATEGY_FILE = Path("strategy") / "dynmo_strategy.py"
+
+
+def _private_reaches(source: str) -> list[int]:
+    return [n for n, line in enumerate(source.splitlines(), 1) if _PRIVATE_REACH.search(line)]
+
+
+def test_no_module_reaches_into_the_strategys_private_state() -> None:
+    found = {
+        str(p.relative_to(ROOT)): _private_reaches(p.read_text())
+        for p in _sources()
+        if p.relative_to(ROOT) != _STRATEGY_FILE
+    }
+    assert not {k: v for k, v in found.items() if v}
+
+
 def test_the_shape_checks_catch_offenders() -> None:
-    # Negative controls for the two source checks above.
+    # Negative controls for the source checks above.
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))
     assert _long_classes(f"class Big:\n{body}\n") == [("Big", MAX_CLASS_LINES + 1)]
     assert _silent_local_imports("def f():\n    import os\n") == [2]
     assert _silent_local_imports("def f():\n    # a cycle with the strategy\n    import os\n") == []
+    assert _private_reaches("x = 1\nif strategy._released:\n    pass\n") == [2]
+    assert _private_reaches("self._strategy._pipe = None\n") == [1]
+    assert _private_reaches('x = getattr(strategy, "_released", False)\n') == [1]
+    assert _private_reaches("strategy.is_released and ranks._x\n") == []
 
 
 def test_the_callback_takes_no_more_knobs_than_model_checkpoint() -> None:

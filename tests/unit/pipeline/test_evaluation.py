@@ -74,7 +74,7 @@ def test_evaluation_log_names_accept_none_and_names() -> None:
 
 def test_a_released_rank_cannot_predict() -> None:
     strategy = DynMoStrategy()
-    strategy._released = True
+    strategy._ranks.released = True
     with pytest.raises(RuntimeError, match=r"was released by a re-pack .* so it cannot predict"):
         strategy.predict_step(torch.zeros(2, 3), 0)
 
