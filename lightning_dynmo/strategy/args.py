@@ -87,7 +87,7 @@ def _check_placement_arg(placement: Any) -> str | Placement:
 
 
 def check_data_parallel_sharding(
-    value: Any, *, save_distributed_checkpoint: bool, compile_blocks: Any
+    value: Any, save_distributed_checkpoint: bool, compile_blocks: Any
 ) -> DataParallelSharding:
     """Check ``data_parallel_sharding`` and the arguments it cannot go with.
 

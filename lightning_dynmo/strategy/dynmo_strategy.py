@@ -65,7 +65,13 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.pipeline.model.compiled import check_compile_option
 from lightning_dynmo.strategy import checkpointing, collectives, connection, replacement, sigterm, steps
-from lightning_dynmo.strategy.args import StartMethod, check_strategy_args
+from lightning_dynmo.strategy.args import (
+    DataParallelSharding,
+    StartMethod,
+    check_data_parallel_sharding,
+    check_sharding_fits,
+    check_strategy_args,
+)
 from lightning_dynmo.strategy.child_watch import WatchedScriptLauncher
 from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 from lightning_dynmo.strategy.trainer_checks import check_trainer_setup
@@ -120,6 +126,8 @@ class DynMoStrategy(ParallelStrategy):
         compile_blocks: Compile each block's ``forward`` with ``torch.compile``: ``True``, or a dict of its
             keyword arguments. Hooks and parameter names stay outside the compiled code; what recompiles
             when: :mod:`lightning_dynmo.pipeline.model.compiled`. Blocks compiled by the user are refused.
+        data_parallel_sharding: ``"replicate"`` (default) keeps a whole stage on every replica; ``"fsdp"``
+            shards each stage over its replicas with torch's FSDP2 (see ``docs/guides/sharding.md``).
     """
 
     strategy_name = "dynmo"
@@ -147,6 +155,7 @@ class DynMoStrategy(ParallelStrategy):
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
         compile_blocks: bool | Mapping[str, Any] = False,
+        data_parallel_sharding: DataParallelSharding = "replicate",
     ) -> None:
         checkpointing.check_checkpoint_io(checkpoint_io, save_distributed_checkpoint)
         super().__init__(
@@ -172,11 +181,15 @@ class DynMoStrategy(ParallelStrategy):
         self.num_nodes = 1
         # The run's state (strategy/state.py), filled in by set_world_ranks / setup_environment / setup.
         self._ranks = RankState(timeout=timeout, control_timeout=control_timeout_of(timeout, control_timeout))
+        mode = check_data_parallel_sharding(
+            data_parallel_sharding, save_distributed_checkpoint, compile_blocks
+        )
         self._pipeline = PipelineState(
             schedule=resolve_schedule(schedule),
             microbatches=MicrobatchCount(num_microbatches),
             recompute=activation_checkpointing,
             compile_options=check_compile_option(compile_blocks),
+            data_parallel_sharding=mode,
         )
         self._sync_blocked = False
 
@@ -340,6 +353,7 @@ class DynMoStrategy(ParallelStrategy):
         utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's rank_zero_only too
         # Runs when the Trainer is built, so a bad pipeline_size fails before any process starts.
         self._ranks.grid = RankGrid(self.world_size, self._pipeline_size_arg or self.world_size)
+        check_sharding_fits(self._pipeline.data_parallel_sharding, self.world_size, self.pipeline_size)
 
     @override
     def setup_environment(self) -> None:
@@ -380,6 +394,7 @@ class DynMoStrategy(ParallelStrategy):
             replacement.place_initially(self, self._ranks, self._pipeline, module, self._placement_arg)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        replacement.shard_local_units(self, self._ranks, self._pipeline)  # before the optimizers see them
         self._route_clipping_through_pipeline()
         sigterm.install(self._ranks, self.guard, self.root_device, trainer, self.launcher)
         if fitting:
@@ -586,8 +601,8 @@ class DynMoStrategy(ParallelStrategy):
         return out
 
     def _sync_data_parallel_grads(self) -> None:
-        if self._ranks.data_parallel_group is None:
-            return
+        if self._ranks.data_parallel_group is None or self._pipeline.sharding is not None:
+            return  # sharded: FSDP reduce-scattered the gradients in the schedule step
         # By name: every replica's stage lists the same parameters in the same order.
         params = [p for _, p in sorted(self._module().named_parameters())]
         pipeline_grads.average_grads(params, self._ranks.data_parallel_group, self.data_parallel_size)

@@ -7,6 +7,11 @@ stay and releases the others (:func:`release`: they free their units and optimiz
 ``fit``), then tells ``on_release`` and the callbacks (:func:`announce_release`). The units move through
 the ``migrate`` function the strategy passes (its ``_migrate``, which tests override to spoil a move).
 
+Under ``data_parallel_sharding="fsdp"`` the units are sharded at setup (:func:`shard_local_units`,
+before the optimizers are built), each new stage module is made the FSDP root the schedule drives
+(:func:`rebuild_pipeline`), and :func:`migrate` moves units shard for shard, sharded again on arrival
+(:class:`~lightning_dynmo.pipeline.sharding.StageSharding`); a re-pack keeps the data-parallel groups.
+
 Every function takes the strategy for what Lightning makes public on it (its rank, device, optimizers,
 ``guard``, ``rebuild_pipeline``) and the run's state objects (:mod:`lightning_dynmo.strategy.state`) it
 reads and writes.
@@ -58,6 +63,7 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.model.compiled import compile_blocks
+from lightning_dynmo.pipeline.sharding import StageSharding, check_shardable_ties
 from lightning_dynmo.strategy import steps
 from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 
@@ -252,15 +258,26 @@ def migrate(
     module = module_of(strategy)
     # One plan for every data-parallel replica (each moves its own copy of a unit inside the replica):
     # one agreement over the active ranks, and all replicas' transfers at the same time.
+    schedulers = [config.scheduler for config in strategy.lr_scheduler_configs]
     with strategy.guard(what):
-        received, report = migrate_units(
-            moves,
-            pipeline.local_units(module),
-            strategy.optimizers,
-            device=strategy.root_device,
-            group=ranks.active_group,
-            lr_schedulers=[config.scheduler for config in strategy.lr_scheduler_configs],
-        )
+        if pipeline.sharding is not None:  # shard for shard, received units sharded on arrival
+            received, report = pipeline.sharding.migrate(
+                moves,
+                pipeline.local_units(module),
+                strategy.optimizers,
+                data_parallel_rank=ranks.require_grid().data_parallel_rank,
+                group=ranks.active_group,
+                lr_schedulers=schedulers,
+            )
+        else:
+            received, report = migrate_units(
+                moves,
+                pipeline.local_units(module),
+                strategy.optimizers,
+                device=strategy.root_device,
+                group=ranks.active_group,
+                lr_schedulers=schedulers,
+            )
     for move in moves:
         if move.src == strategy.global_rank:
             detach_unit(module, move.unit)
@@ -283,6 +300,7 @@ def rebuild_pipeline(strategy: DynMoStrategy, ranks: RankState, pipeline: Pipeli
         device=strategy.root_device,
         group=ranks.pipeline_group,
         recompute=pipeline.recompute,
+        prepare_stage=None if pipeline.sharding is None else pipeline.sharding.shard_stage,
     )
     pipeline.microbatches.batch_shape = None
 
@@ -296,3 +314,17 @@ def pair_tied_copies(strategy: DynMoStrategy, ranks: RankState, pipeline: Pipeli
         pipeline_ranks=steps.pipeline_global_ranks(ranks, strategy.global_rank),
         last_position=steps.last_stage_position(pipeline, strategy.pipeline_size),
     )
+
+
+def shard_local_units(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:
+    """Under ``data_parallel_sharding="fsdp"``: shard this rank's units over its stage's data-parallel
+    group (once; a later ``Trainer.validate`` finds them sharded), with the Trainer's precision's policy."""
+    if pipeline.data_parallel_sharding != "fsdp" or pipeline.sharding is not None:
+        return
+    check_shardable_ties(pipeline.ties.ties)
+    pipeline.sharding = StageSharding.over_group(
+        ranks.data_parallel_group,
+        device_type=strategy.root_device.type,
+        precision=str(strategy.precision_plugin.precision),
+    )
+    pipeline.sharding.shard_units(pipeline.local_units(module_of(strategy)))

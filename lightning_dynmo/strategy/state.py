@@ -39,7 +39,9 @@ from lightning_dynmo.pipeline import (
     pipeline_units,
 )
 from lightning_dynmo.pipeline.placement.groups import GridGroups
+from lightning_dynmo.pipeline.sharding import StageSharding
 from lightning_dynmo.pipeline.step.schedule import ScheduleSpec
+from lightning_dynmo.strategy.args import DataParallelSharding
 
 __all__ = ["PipelineState", "RankState", "module_of", "trainer_of"]
 
@@ -121,12 +123,17 @@ class PipelineState:
         recompute: ``DynMoStrategy(activation_checkpointing=...)``: stages recompute each block's forward.
         compile_options: ``DynMoStrategy(compile_blocks=...)`` as ``torch.compile``'s keyword arguments
             (``None``: blocks are not compiled).
+        data_parallel_sharding: ``DynMoStrategy(data_parallel_sharding=...)``: ``"replicate"`` or ``"fsdp"``.
+        sharding: Under ``"fsdp"``, how this rank's units are sharded (its stage's data-parallel mesh and the
+            precision's policy; set at setup); ``None`` while every replica holds whole stages.
     """
 
     schedule: ScheduleSpec
     microbatches: MicrobatchCount
     recompute: bool = False
     compile_options: Mapping[str, Any] | None = None
+    data_parallel_sharding: DataParallelSharding = "replicate"
+    sharding: StageSharding | None = None
     spec: ModelSpec | None = None
     placement: Placement | None = None
     pipe: BuiltPipeline | None = None

@@ -235,6 +235,9 @@ def route_clipping_through_pipeline(
 
     def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
         params = list(plugin.main_params(optimizer))
+        if pipeline.sharding is not None:  # every shard of every stage once: the active ranks
+            pipeline.sharding.clip_grad_norm_(params, float(clip_val), ranks.active_group)
+            return
         # A tie's second copy (on the last stage) is the same parameter: count it in the norm once.
         second = pipeline.ties.second_copies(module)
         counted = [p for p in params if id(p) not in second]

@@ -57,3 +57,19 @@ def test_placement_object_and_policies_accepted() -> None:
 def test_start_method_is_checked() -> None:
     with pytest.raises(ValueError, match=r"start_method='thread' is not one of"):
         DynMoStrategy(start_method="thread")  # type: ignore[arg-type]
+
+
+def test_data_parallel_sharding_fails_early() -> None:
+    with pytest.raises(
+        ValueError, match=r"data_parallel_sharding='zero3' is not one of \('replicate', 'fsdp'\)"
+    ):
+        DynMoStrategy(data_parallel_sharding="zero3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"save_distributed_checkpoint=False.*export_full_checkpoint"):
+        DynMoStrategy(data_parallel_sharding="fsdp", save_distributed_checkpoint=False)
+    with pytest.raises(ValueError, match=r"compile_blocks=True: compiled blocks are not sharded yet"):
+        DynMoStrategy(data_parallel_sharding="fsdp", compile_blocks=True)
+    strategy = DynMoStrategy(pipeline_size=2, data_parallel_sharding="fsdp")
+    with pytest.raises(
+        ValueError, match=r"world_size=2 with pipeline_size=2 runs 1 replica.*pipeline_size of at most"
+    ):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=strategy)
