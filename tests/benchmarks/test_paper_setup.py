@@ -130,13 +130,18 @@ def test_zbv_placements_balance_the_ranks_as_the_policy_does():
     assert heaviest(partition(step.problem(), 8)) == 42.0  # control: the per-stage split
 
 
-def test_quick_mode_writes_the_three_tables(tmp_path):
+def test_quick_mode_writes_the_four_tables(tmp_path):
     out = tmp_path / "paper.md"
     report = main(["--quick", "--out", str(out)])
     assert out.read_text() == report + "\n"
-    for table in ("**(a) Mean step", "**(b) Bubble", "**(c) Best fixed, re-derived independently"):
+    for table in (
+        "**(a) Mean step",
+        "**(b) Bubble",
+        "**(c) Best fixed, re-derived independently",
+        "**(d) The policy's decision time",
+    ):
         assert table in report
-    assert report.count("| synthetic | 8 | 2 x ") == 6  # two shapes in each of the three tables
+    assert report.count("| synthetic | 8 | 2 x ") == 8  # two shapes in each of the four tables
     assert "all rows within 1%" in report
 
 
