@@ -340,34 +340,35 @@ DECISION_SHAPES: tuple[tuple[int, str], ...] = ((16, "ZBVZeroBubble"), (32, "1F1
 
 def decision_times(traces: Sequence[CostTrace], shapes: Sequence[Shape], repeats: int = 3) -> list[str]:
     """(d) The policy's decision (:func:`lightning_dynmo.balancing.policy.decide` with the schedule's
-    action lists, from the uniform split, on each trace's first row): its wall time on this machine (the
-    median of ``repeats``), the simulations its search ran and the predicted gain."""
+    action lists, from the uniform split, on each trace's first row): its wall and CPU time on this
+    machine (medians of ``repeats``), the simulations its search ran and the predicted gain."""
     lines = [
         "**(d) The policy's decision time** (`decide` with the schedule's action lists, from the uniform "
-        f"split, on each trace's first row; median of {repeats} on the shared 2-core VM, every time "
-        "printed):",
+        f"split, on each trace's first row; medians of {repeats} on the shared 2-core VM, every wall time "
+        "printed; CPU: this process's own seconds, what a busy machine's queueing leaves out):",
         "",
-        "| case | layers | shape | decision (s, median) | every run (s) | search | predicted step (s): "
-        "before -> after |",
-        "|---|---:|---|---:|---|---|---|",
+        "| case | layers | shape | wall (s, median) | CPU (s, median) | every wall (s) | search | predicted "
+        "step (s): before -> after |",
+        "|---|---:|---|---:|---:|---|---|---|",
     ]
     for trace in traces:
         for shape in shapes:
             row = trace.rows[0]
             workers = stage_workers(shape) if shape.stages > shape.ranks else None
             current = uniform(trace.num_layers, shape.stages)
-            times = []
+            wall, cpu = [], []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 made = decide(
                     row.problem(), current, BalanceConfig(), shape.microbatches, shape.order, workers
                 )
-                times.append(time.perf_counter() - start)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
             how = made.reason.split("refined by ")
             search = how[-1].split(";")[0] if len(how) > 1 else "-"
             lines.append(
-                f"| {trace.case} | {trace.num_layers} | {shape} | {statistics.median(times):.3f} | "
-                f"{', '.join(f'{t:.3f}' for t in times)} | {search} | "
+                f"| {trace.case} | {trace.num_layers} | {shape} | {statistics.median(wall):.3f} | "
+                f"{statistics.median(cpu):.3f} | {', '.join(f'{t:.3f}' for t in wall)} | {search} | "
                 f"{made.predicted_step_before:.3f} -> {made.predicted_step_after:.3f} |"
             )
     return [*lines, ""]
@@ -483,6 +484,11 @@ def main(argv: list[str] | None = None) -> str:
         action="store_true",
         help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
     )
+    parser.add_argument(
+        "--decisions-only",
+        action="store_true",
+        help="only table (d): time the policy's decision at the largest depth (seconds, not minutes)",
+    )
     args = parser.parse_args(argv)
     if args.clamp_curves and args.kernels is None:
         parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
@@ -522,7 +528,7 @@ def main(argv: list[str] | None = None) -> str:
                 timed.append(trace)
             for ranks, schedule in shapes:
                 shape = Shape(ranks, schedule, m)
-                if shape.stages > layers:
+                if shape.stages > layers or args.decisions_only:
                     continue
                 print(f"[{s.case}] {layers} layers, {shape} ...", file=sys.stderr, flush=True)
                 results.append(run_case(trace, dense, shape, args.budget, CASES[s.case].phases))
@@ -550,11 +556,17 @@ def main(argv: list[str] | None = None) -> str:
         f"Costs: {source}. Micro-batches: {m} per step ({per_mb}). Rows: at most "
         f"{args.rows} per trace, evenly spaced. Depth mapping: by depth fraction (see the script).",
         "",
-        f"Independent check: largest policy's search / independent search = {worst:.4f} "
-        f"({'all rows within 1%' if worst <= 1.01 else 'NOT within 1% on every row'}); the best fixed "
-        "placement of (a) is the faster of the two.",
-        "",
-        *tables(results),
+        *(
+            [
+                f"Independent check: largest policy's search / independent search = {worst:.4f} "
+                f"({'all rows within 1%' if worst <= 1.01 else 'NOT within 1% on every row'}); the best "
+                "fixed placement of (a) is the faster of the two.",
+                "",
+                *tables(results),
+            ]
+            if not args.decisions_only
+            else ["Only table (d) (`--decisions-only`): no projection ran.", ""]
+        ),
         *decision_times(
             timed, [Shape(r, sch, m) for r, sch in (QUICK_SHAPES if args.quick else DECISION_SHAPES)]
         ),
