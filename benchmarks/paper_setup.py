@@ -24,12 +24,14 @@ The paper's appendix: GPT models of 24-48 layers, hidden 1024, 32 heads, sequenc
 Placements per case and shape: **uniform** (Megatron), **params** (DeepSpeed: exact min-max of the
 parameters; pruning counts the non-zeros), **head-aware static** (partitioned once from row 0's costs,
 refined by the step model, then fixed), **best fixed** in hindsight (the faster of two searches over the
-whole trace: the policy's, i.e. the mean costs' partition, per worker under ZBV, refined by the step model;
-and :mod:`benchmarks._lib.independent_search`, its own evaluator and search, no shared code; table (c)
-compares them under that evaluator), **DynMo** (:func:`dynmo_placements`), and the **dense model** (the
-same depth, no dynamism) static uniform -> balanced.
+whole trace: the policy's, i.e. the mean costs' partition, per worker under ZBV, refined by the library's
+search (:func:`~lightning_dynmo.balancing.placement_search.refine`) with the step summed over the trace's
+rows as its cost; and :mod:`benchmarks._lib.independent_search`, its own evaluator and search, no shared
+code; table (c) compares them under that evaluator), **DynMo** (:func:`dynmo_placements`), and the
+**dense model** (the same depth, no dynamism) static uniform -> balanced. Table (d) times the policy's
+decision (:func:`~lightning_dynmo.balancing.policy.decide`) at the largest depth and stage counts.
 
-    python -m benchmarks.paper_setup             # the full projection (minutes)
+    python -m benchmarks.paper_setup             # the full projection (~15 minutes on 2 busy cores)
     python -m benchmarks.paper_setup --quick     # synthetic trace, tiny shapes: not figures
     python -m benchmarks.paper_setup --kernels benchmarks/results/gpu/<date>/kernels.json
 
@@ -47,7 +49,9 @@ import dataclasses
 import datetime as dt
 import itertools
 import json
+import statistics
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +71,8 @@ from benchmarks._lib.trace_cases import (
 )
 from benchmarks.projection import Run, Shape, simulate, step_s
 from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, partition, uniform
-from lightning_dynmo.balancing.step_prediction import refine
+from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, refine
+from lightning_dynmo.balancing.policy import BalanceConfig, decide
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.balancing.workers import partition_workers
 from lightning_dynmo.pipeline.step.actions import schedule_actions
@@ -242,21 +247,36 @@ class Row:
         return self.runs[over].total_s / self.runs[to].total_s
 
 
-def best_placement(costs: StepCosts, shape: Shape, budget: int) -> Placement:
+def stage_workers(shape: Shape) -> list[int]:
+    """The rank of each stage under ``shape``'s schedule (its action lists say which rank runs it)."""
+    workers = [0] * shape.stages
+    for rank, acts in enumerate(schedule_actions(shape.schedule, shape.stages, shape.microbatches)):
+        for stage, _, _ in acts:
+            workers[stage] = rank
+    return workers
+
+
+def best_placement(
+    costs: StepCosts, shape: Shape, budget: int, over: Sequence[StepCosts] | None = None
+) -> Placement:
     """What DynMo's policy picks (:func:`lightning_dynmo.balancing.policy.decide`): the exact partition of
     ``costs`` (per worker under a schedule of several stages per rank: :func:`partition_workers` with the
-    schedule's stage-to-rank map), refined by the step model."""
+    schedule's stage-to-rank map), refined by the step model
+    (:func:`~lightning_dynmo.balancing.placement_search.refine`, ``budget`` simulations). With ``over``,
+    the refinement minimises the step summed over those rows instead (the best fixed placement in
+    hindsight of a trace)."""
     problem = costs.problem()
-    if shape.stages > shape.ranks:
-        actions = schedule_actions(shape.schedule, shape.stages, shape.microbatches)
-        workers = [0] * shape.stages
-        for rank, acts in enumerate(actions):
-            for stage, _, _ in acts:
-                workers[stage] = rank
+    workers = stage_workers(shape) if shape.stages > shape.ranks else None
+    if workers is not None:
         proposal = partition_workers(problem, workers).placement
     else:
         proposal = partition(problem, shape.stages)
-    return refine(problem, proposal, lambda p: step_s(costs, p, shape), budget=budget).placement
+    rows = [costs] if over is None else list(over)
+
+    def step_of(placement: Placement) -> float:
+        return sum(step_s(row, placement, shape) for row in rows)
+
+    return refine(problem, proposal, step_of, budget=budget, stage_workers=workers).placement
 
 
 def dynmo_placements(trace: CostTrace, shape: Shape, budget: int, phases: bool) -> list[Placement]:
@@ -292,7 +312,7 @@ def run_case(trace: CostTrace, dense: CostTrace, shape: Shape, budget: int, phas
         "uniform": uniform(layers, stages),
         "params": by_parameters(list(mean.layers), stages),
         "head-aware static": best_placement(trace.rows[0], shape, budget),
-        "best fixed, policy's search": best_placement(mean, shape, budget),
+        "best fixed, policy's search": best_placement(mean, shape, budget, over=trace.rows),
     }
     runs = {name: simulate(trace, [p] * rows, shape) for name, p in fixed.items()}
     runs["DynMo"] = simulate(trace, dynmo_placements(trace, shape, budget, phases), shape)
@@ -312,6 +332,46 @@ def run_case(trace: CostTrace, dense: CostTrace, shape: Shape, budget: int, phas
         runs["best fixed, policy's search"], runs["independent search"], key=lambda run: run.total_s
     )
     return Row(trace.case, layers, shape, runs, fixed, d_uniform / d_best, check)
+
+
+#: Where the decision is timed: the most stages at the most layers, under each schedule.
+DECISION_SHAPES: tuple[tuple[int, str], ...] = ((16, "ZBVZeroBubble"), (32, "1F1B"))
+
+
+def decision_times(traces: Sequence[CostTrace], shapes: Sequence[Shape], repeats: int = 3) -> list[str]:
+    """(d) The policy's decision (:func:`lightning_dynmo.balancing.policy.decide` with the schedule's
+    action lists, from the uniform split, on each trace's first row): its wall and CPU time on this
+    machine (medians of ``repeats``), the simulations its search ran and the predicted gain."""
+    lines = [
+        "**(d) The policy's decision time** (`decide` with the schedule's action lists, from the uniform "
+        f"split, on each trace's first row; medians of {repeats} on the shared 2-core VM, every wall time "
+        "printed; CPU: this process's own seconds, what a busy machine's queueing leaves out):",
+        "",
+        "| case | layers | shape | wall (s, median) | CPU (s, median) | every wall (s) | search | predicted "
+        "step (s): before -> after |",
+        "|---|---:|---|---:|---:|---|---|---|",
+    ]
+    for trace in traces:
+        for shape in shapes:
+            row = trace.rows[0]
+            workers = stage_workers(shape) if shape.stages > shape.ranks else None
+            current = uniform(trace.num_layers, shape.stages)
+            wall, cpu = [], []
+            for _ in range(repeats):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                made = decide(
+                    row.problem(), current, BalanceConfig(), shape.microbatches, shape.order, workers
+                )
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+            how = made.reason.split("refined by ")
+            search = how[-1].split(";")[0] if len(how) > 1 else "-"
+            lines.append(
+                f"| {trace.case} | {trace.num_layers} | {shape} | {statistics.median(wall):.3f} | "
+                f"{statistics.median(cpu):.3f} | {', '.join(f'{t:.3f}' for t in wall)} | {search} | "
+                f"{made.predicted_step_before:.3f} -> {made.predicted_step_after:.3f} |"
+            )
+    return [*lines, ""]
 
 
 def tables(results: Sequence[Row]) -> list[str]:
@@ -398,7 +458,9 @@ def main(argv: list[str] | None = None) -> str:
     parser = trace_parser(
         "python -m benchmarks.paper_setup", __doc__.split("\n")[0], "a synthetic trace, 2 ranks"
     )
-    parser.add_argument("--budget", type=int, default=8, help="step-model simulations per refinement")
+    parser.add_argument(
+        "--budget", type=int, default=SEARCH_BUDGET, help="step-model simulations per refinement"
+    )
     parser.add_argument("--rows", type=int, default=8, help="most rows of each trace (evenly spaced)")
     parser.add_argument("--depths", type=int, nargs="+", default=list(DEPTHS), help="model depths (layers)")
     parser.add_argument("--case", nargs="+", default=None, help="cases (default: every trace found)")
@@ -422,6 +484,11 @@ def main(argv: list[str] | None = None) -> str:
         action="store_true",
         help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
     )
+    parser.add_argument(
+        "--decisions-only",
+        action="store_true",
+        help="only table (d): time the policy's decision at the largest depth (seconds, not minutes)",
+    )
     args = parser.parse_args(argv)
     if args.clamp_curves and args.kernels is None:
         parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
@@ -444,6 +511,7 @@ def main(argv: list[str] | None = None) -> str:
         if args.case:
             stats = [s for s in stats if s.case in args.case]
     results: list[Row] = []
+    timed: list[CostTrace] = []  # each case at the largest depth: the decision is timed on it
     curves: dict[str, str] = {}  # per case, where its block costs come from (with --kernels)
     for s in stats:
         for layers in depths:
@@ -456,9 +524,11 @@ def main(argv: list[str] | None = None) -> str:
             else:
                 assert costs is not None
                 trace, dense = cost_trace(st, costs), cost_trace(st, costs, dense=True)
+            if layers == max(depths):
+                timed.append(trace)
             for ranks, schedule in shapes:
                 shape = Shape(ranks, schedule, m)
-                if shape.stages > layers:
+                if shape.stages > layers or args.decisions_only:
                     continue
                 print(f"[{s.case}] {layers} layers, {shape} ...", file=sys.stderr, flush=True)
                 results.append(run_case(trace, dense, shape, args.budget, CASES[s.case].phases))
@@ -486,11 +556,20 @@ def main(argv: list[str] | None = None) -> str:
         f"Costs: {source}. Micro-batches: {m} per step ({per_mb}). Rows: at most "
         f"{args.rows} per trace, evenly spaced. Depth mapping: by depth fraction (see the script).",
         "",
-        f"Independent check: largest policy's search / independent search = {worst:.4f} "
-        f"({'all rows within 1%' if worst <= 1.01 else 'NOT within 1% on every row'}); the best fixed "
-        "placement of (a) is the faster of the two.",
-        "",
-        *tables(results),
+        *(
+            [
+                f"Independent check: largest policy's search / independent search = {worst:.4f} "
+                f"({'all rows within 1%' if worst <= 1.01 else 'NOT within 1% on every row'}); the best "
+                "fixed placement of (a) is the faster of the two.",
+                "",
+                *tables(results),
+            ]
+            if not args.decisions_only
+            else ["Only table (d) (`--decisions-only`): no projection ran.", ""]
+        ),
+        *decision_times(
+            timed, [Shape(r, sch, m) for r, sch in (QUICK_SHAPES if args.quick else DECISION_SHAPES)]
+        ),
     ]
     report = "\n".join(lines)
     write_report(report, "paper_setup", out)

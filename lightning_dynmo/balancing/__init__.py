@@ -19,7 +19,9 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``metrics``: imbalance and the event-driven pipeline simulator.
 - ``schedule_model``: a step model that follows each rank's real action list (F, B, I, W), with a critical
   path.
-- ``step_prediction``: a placement's step under a schedule's action lists, and the search it refines.
+- ``compiled_schedule``: that step compiled once per action lists, one pass per placement (for searches).
+- ``placement_search``: the placement a schedule's step predicts fastest, from the balancer's proposal.
+- ``step_prediction``: a placement's step under a schedule's action lists (re-exports the search).
 - ``trace``: recorded dynamism as costs: a statistic trace, a cost curve, per-step costs and their mean.
 - ``microbatches``: the micro-batch count a re-packed pipeline should run.
 - ``trigger``: *when* to rebalance (periodic, events, every step, auto).

@@ -377,7 +377,9 @@ def decide(
         # The search ranks placements by their work alone: the runtime's cost per action is one number
         # fitted to the running placement's step, no measure of where the work should go.
         work = problem.with_hardware(per_op_s=0.0)
-        refined = refine(work, proposed, lambda p: evaluate(p, stage_workers, work).step)
+        refined = refine(
+            work, proposed, lambda p: evaluate(p, stage_workers, work).step, stage_workers=stage_workers
+        )
         proposed, reason = refined.placement, f"{reason}, refined by {refined.describe()}"
     proposed_workers = (
         stage_workers

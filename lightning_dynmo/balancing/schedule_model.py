@@ -24,7 +24,7 @@ go on, names the actions that wait and what they wait for.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 #: One action of a rank: ``(stage, kind, micro_batch)``, kind ``"F"``, ``"B"`` (full backward),
@@ -161,9 +161,9 @@ def simulate_step(
             a negative or non-finite time, a mismatched number of links, or action lists that deadlock
             (the message names each waiting rank, its action and what it waits for).
     """
-    lists = _check_actions(actions, len(stage_times))
+    lists = check_action_lists(actions, len(stage_times))
     durations = _check_stage_times(stage_times, lists)
-    fwd_link, bwd_link = _check_links(links, len(stage_times))
+    fwd_link, bwd_link = check_links(links, len(stage_times))
     rank_of = {stage: rank for rank, acts in enumerate(lists) for stage, _, _ in acts}
     timed, cause = _run(lists, durations, fwd_link, bwd_link, rank_of)
     step = max((t.end_s for t in timed.values()), default=0.0)
@@ -178,7 +178,8 @@ def simulate_step(
     )
 
 
-def _check_actions(actions: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action]]:
+def check_action_lists(actions: Sequence[Sequence[Action]], num_stages: int) -> list[list[Action]]:
+    """``actions`` as lists, checked: known kinds, stages in range and on one rank, no repeats."""
     if num_stages < 1:
         raise ValueError("stage_times is empty; give one StageTimes per stage.")
     lists: list[list[Action]] = []
@@ -236,7 +237,8 @@ def _check_stage_times(
     return {(s, k): stage_times[s].duration(k, s) for acts in lists for s, k, _ in acts}
 
 
-def _check_links(links: float | Sequence[LinkTime], num_stages: int) -> tuple[list[float], list[float]]:
+def check_links(links: float | Sequence[LinkTime], num_stages: int) -> tuple[list[float], list[float]]:
+    """Per boundary, the forward and the backward link time, checked."""
     if isinstance(links, (int, float)) and not isinstance(links, bool):
         _check_time(links, "links", optional=False)
         return [float(links)] * (num_stages - 1), [float(links)] * (num_stages - 1)
@@ -296,11 +298,11 @@ def _run(
                 cursor[rank] += 1
                 progress = True
     if any(c < len(acts) for c, acts in zip(cursor, lists, strict=True)):
-        raise ValueError(_deadlock_message(lists, cursor, done, len(fwd_link) + 1))
+        raise ValueError(deadlock_message(lists, cursor, done, len(fwd_link) + 1))
     return done, cause
 
 
-def _needs(action: Action, num_stages: int) -> list[tuple[Action, ...]]:
+def needs(action: Action, num_stages: int) -> list[tuple[Action, ...]]:
     """What ``action`` needs, each entry satisfied by any one of its alternatives."""
     stage, kind, mb = action
     if kind == "F":
@@ -323,7 +325,7 @@ def _dependencies(
 ) -> list[tuple[float, _Cause]] | None:
     """When each dependency's result reaches ``rank``, and what produced it; ``None`` if one is not done."""
     out: list[tuple[float, _Cause]] = []
-    for alternatives in _needs(action, len(fwd_link) + 1):
+    for alternatives in needs(action, len(fwd_link) + 1):
         found = next((a for a in alternatives if a in done), None)
         if found is None:
             return None
@@ -335,16 +337,17 @@ def _dependencies(
     return out
 
 
-def _deadlock_message(
-    lists: list[list[Action]], cursor: list[int], done: dict[Action, TimedAction], num_stages: int
+def deadlock_message(
+    lists: list[list[Action]], cursor: list[int], done: Collection[Action], num_stages: int
 ) -> str:
+    """What each rank that cannot go on waits for (``done``: the actions that ran)."""
     listed = {a for acts in lists for a in acts}
     waits = []
     for rank, acts in enumerate(lists):
         if cursor[rank] == len(acts):
             continue
         action = acts[cursor[rank]]
-        missing = next(alts for alts in _needs(action, num_stages) if not any(a in done for a in alts))
+        missing = next(alts for alts in needs(action, num_stages) if not any(a in done for a in alts))
         wanted = " or ".join(_name(a) for a in missing)
         never = "" if any(a in listed for a in missing) else " (which no rank lists)"
         waits.append(f"rank {rank} waits at {_name(action)} (position {cursor[rank]}) for {wanted}{never}")

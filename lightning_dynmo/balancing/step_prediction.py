@@ -2,46 +2,48 @@
 
 Read in this order: :class:`ScheduleOrder` (a schedule and the per-rank action lists it runs), then
 :func:`predict_step` (costs + hardware + placement -> :class:`StepPrediction`, through
-:func:`~lightning_dynmo.balancing.schedule_model.simulate_step`), then :func:`refine` (the best
-contiguous placement under that model, from the balancer's proposal).
+:class:`~lightning_dynmo.balancing.compiled_schedule.CompiledSchedule`, the step of
+:func:`~lightning_dynmo.balancing.schedule_model.simulate_step` compiled once per action lists), then
+:func:`per_action_s` and :func:`fit_per_op` (the runtime's own cost per action).
 
 Why: the balancers minimise the heaviest stage (plus its sends). The step a schedule runs also has
 a warm-up and a cool-down, first and last parts on particular ranks, several stages per rank under the
 interleaved and V schedules, and a backward split into input and weight gradients under the zero-bubble
 ones; two placements with the same heaviest stage can run at different speeds, and the placement with
-the lightest heaviest stage need not be the fastest. :func:`refine` searches with the step itself as the
-cost:
+the lightest heaviest stage need not be the fastest. :func:`refine` (re-exported from
+:mod:`~lightning_dynmo.balancing.placement_search`) searches with this step as the cost.
 
-- **exact** when the stage count leaves at most ``budget`` contiguous placements (every placement is
-  simulated: 8 layers on 2 stages are 7, 16 on 4 are 455);
-- otherwise a **local search** from the balancer's proposal: move one boundary by one layer while that
-  shortens the predicted step, at most ``budget`` simulations. Its guarantee is one-sided: the result
-  is never predicted slower than the proposal (the balancer's own optimum), and it is a local optimum
-  of single-boundary moves when the budget is not exhausted.
-
-Placements that break a memory cap are never chosen. Nothing here imports torch: the action lists come
-from the caller (:func:`lightning_dynmo.pipeline.step.actions.schedule_actions` reads torch's schedules).
+Nothing here imports torch: the action lists come from the caller
+(:func:`lightning_dynmo.pipeline.step.actions.schedule_actions` reads torch's schedules).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
 from lightning_dynmo.balancing.hardware import check_per_op, stage_times
 from lightning_dynmo.balancing.placement import Placement
+from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, Refinement, refine
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulate_step
-from lightning_dynmo.balancing.stage_model import StageModel
+
+__all__ = [
+    "SEARCH_BUDGET",
+    "ActionLists",
+    "Refinement",
+    "ScheduleOrder",
+    "StepPrediction",
+    "fit_per_op",
+    "per_action_s",
+    "predict_step",
+    "refine",
+]
 
 #: ``(num_stages, num_microbatches)`` -> per pipeline rank, the actions it runs in one step.
 ActionLists = Callable[[int, int], Sequence[Sequence[Action]]]
-
-#: Simulations :func:`refine` may run: exact up to this many contiguous placements, a bounded local
-#: search beyond (a 2-stage, 8-micro-batch step simulates in well under a millisecond).
-SEARCH_BUDGET = 2048
 
 
 @dataclass(frozen=True)
@@ -127,13 +129,13 @@ def predict_step(
         per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
     check_per_op(per_op_s)
     times = stage_times(problem, placement, stage_workers)
-    actions = order.actions(placement.num_stages, num_microbatches)
-    rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
+    compiled = _compiled(order.actions(placement.num_stages, num_microbatches), placement.num_stages)
+    rank_of = compiled.rank_of
     per_stage = []
     for s, (f, b, send, w, whole) in enumerate(
         zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, times.whole_bwd_s, strict=True)
     ):
-        sends = s + 1 < placement.num_stages and rank_of.get(s) != rank_of.get(s + 1)
+        sends = s + 1 < placement.num_stages and rank_of[s] != rank_of[s + 1]
         m = num_microbatches
         fwd = f / m + (send if sends else 0.0) + per_op_s
         igrad, wgrad = _split_backward(
@@ -147,11 +149,30 @@ def predict_step(
                 weight_grad_s=wgrad + per_op_s,
             )
         )
-    sim = simulate_step(actions, per_stage)
-    ranks, step = len(sim.rank_busy_s), sim.step_time_s
-    bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0
+    step, busy = compiled.step(per_stage)
+    ranks = len(busy)
+    bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
     loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
     return StepPrediction(step, bubble, loads)
+
+
+#: Compiled action lists by the identity of the lists (kept alive beside them, so an id is never reused
+#: while cached): a :class:`ScheduleOrder` built by ``schedule_order`` returns the same lists per shape.
+_COMPILED: dict[int, tuple[Sequence[Sequence[Action]], CompiledSchedule]] = {}
+_COMPILED_MAX = 32
+
+
+def _compiled(actions: Sequence[Sequence[Action]], num_stages: int) -> CompiledSchedule:
+    """``actions`` compiled once while the same lists come back (an order whose lists are rebuilt per
+    call is compiled per call, which is correct and only slower)."""
+    hit = _COMPILED.get(id(actions))
+    if hit is not None and hit[0] is actions and hit[1].num_stages == num_stages:
+        return hit[1]
+    compiled = CompiledSchedule.build(actions, num_stages)
+    if len(_COMPILED) >= _COMPILED_MAX:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[id(actions)] = (actions, compiled)
+    return compiled
 
 
 def _split_backward(
@@ -220,94 +241,3 @@ def fit_per_op(
         middle = (low + high) / 2
         low, high = (middle, high) if step(middle) < measured_step_s else (low, middle)
     return (low + high) / 2
-
-
-@dataclass(frozen=True)
-class Refinement:
-    """What :func:`refine` found.
-
-    Attributes:
-        placement: The placement predicted fastest (the proposal on a tie).
-        step_s: Its predicted step.
-        proposal_step_s: The proposal's predicted step.
-        exact: Whether every contiguous placement was simulated.
-        simulations: How many steps were simulated.
-    """
-
-    placement: Placement
-    step_s: float
-    proposal_step_s: float
-    exact: bool
-    simulations: int
-
-    def describe(self) -> str:
-        """One phrase for the decision's reason."""
-        how = "exact search" if self.exact else "local search"
-        return f"{how} by the schedule's step ({self.simulations} simulated)"
-
-
-def refine(
-    problem: BalanceProblem,
-    proposal: Placement,
-    step_of: Callable[[Placement], float],
-    budget: int = SEARCH_BUDGET,
-) -> Refinement:
-    """The contiguous placement of ``proposal``'s stage count predicted fastest by ``step_of``.
-
-    Args:
-        problem: The costs and hardware (its memory caps bound the candidates).
-        proposal: The balancer's placement; the search never returns one predicted slower.
-        step_of: A placement's predicted step (e.g. :func:`predict_step`'s ``step_s``).
-        budget: The most simulations: exact search when there are at most this many placements.
-
-    Raises:
-        ValueError: for a budget below 1.
-    """
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"budget={budget!r} must be an integer >= 1 (simulations the search may run).")
-    stages, layers = proposal.num_stages, proposal.num_layers
-    # Only its memory is read: links and worker speeds are the step's business (and may not fit a view).
-    model = StageModel.build(problem.with_hardware(comm_time_s=None, worker_slowdown=None), stages)
-
-    def fits(placement: Placement) -> bool:
-        return model.overflow(placement)[0] <= 0
-
-    start = step_of(proposal)
-    count = math.comb(layers - 1, stages - 1)
-    if count <= budget:
-        best, best_s, runs = proposal, start, 1
-        for cuts in itertools.combinations(range(1, layers), stages - 1):
-            candidate = Placement((0, *cuts, layers))
-            if candidate == proposal or not fits(candidate):
-                continue
-            runs += 1
-            step = step_of(candidate)
-            if step < best_s:
-                best, best_s = candidate, step
-        return Refinement(best, best_s, start, exact=True, simulations=runs)
-    best, best_s, runs = proposal, start, 1
-    improved = True
-    while improved and runs < budget:
-        improved = False
-        for candidate in _neighbours(best):
-            if runs >= budget:
-                break
-            if not fits(candidate):
-                continue
-            runs += 1
-            step = step_of(candidate)
-            if step < best_s:
-                best, best_s, improved = candidate, step, True
-    return Refinement(best, best_s, start, exact=False, simulations=runs)
-
-
-def _neighbours(placement: Placement) -> list[Placement]:
-    """Every placement one boundary of ``placement`` away by one layer, no stage left empty."""
-    bounds = placement.boundaries
-    out = []
-    for i in range(1, len(bounds) - 1):
-        for delta in (-1, 1):
-            moved = bounds[i] + delta
-            if bounds[i - 1] < moved < bounds[i + 1]:
-                out.append(Placement((*bounds[:i], moved, *bounds[i + 1 :])))
-    return out

@@ -130,13 +130,18 @@ def test_zbv_placements_balance_the_ranks_as_the_policy_does():
     assert heaviest(partition(step.problem(), 8)) == 42.0  # control: the per-stage split
 
 
-def test_quick_mode_writes_the_three_tables(tmp_path):
+def test_quick_mode_writes_the_four_tables(tmp_path):
     out = tmp_path / "paper.md"
     report = main(["--quick", "--out", str(out)])
     assert out.read_text() == report + "\n"
-    for table in ("**(a) Mean step", "**(b) Bubble", "**(c) Best fixed, re-derived independently"):
+    for table in (
+        "**(a) Mean step",
+        "**(b) Bubble",
+        "**(c) Best fixed, re-derived independently",
+        "**(d) The policy's decision time",
+    ):
         assert table in report
-    assert report.count("| synthetic | 8 | 2 x ") == 6  # two shapes in each of the three tables
+    assert report.count("| synthetic | 8 | 2 x ") == 8  # two shapes in each of the four tables
     assert "all rows within 1%" in report
 
 
@@ -144,3 +149,10 @@ def test_the_search_returns_the_only_placement_when_every_stage_has_one_layer():
     row = ([(1.0, 2.0)] * 4, (0.0, 0.0), (3.0, 6.0))
     actions = schedule_actions("1F1B", 4, 4)
     assert ind.search([row], 4, actions, 4) == [1, 1, 1, 1]
+
+
+def test_decisions_only_writes_table_d_alone(tmp_path):
+    report = main(["--quick", "--decisions-only", "--out", str(tmp_path / "d.md")])
+    assert "**(d) The policy's decision time**" in report and "no projection ran" in report
+    assert "**(a) Mean step" not in report and "Independent check" not in report
+    assert report.count("| synthetic | 8 | 2 x ") == 2  # one line per timed shape

@@ -128,7 +128,8 @@ def test_quick_mode_with_kernels_writes_its_tables_with_the_gpu_label(tmp_path):
     assert "forward : backward = 1 : 2" in report and "scaled" not in report.split("\n")[0]
     for table in ("**(a) Mean step", "**(b) Bubble", "**(c) Best fixed, re-derived independently"):
         assert table in report
-    assert report.count("| synthetic | 8 | 2 x ") == 6
+    assert "**(d) The policy's decision time" in report
+    assert report.count("| synthetic | 8 | 2 x ") == 8  # two shapes in each of the four tables
 
 
 def test_kernels_options_fail_with_the_fix(tmp_path, capsys):

@@ -1,0 +1,156 @@
+"""The schedule model's step, compiled once per action lists, for searches that predict many placements.
+
+Read in this order: :meth:`CompiledSchedule.build` (checks the lists as
+:func:`~lightning_dynmo.balancing.schedule_model.simulate_step` does and fixes the order to evaluate
+them in), then :meth:`CompiledSchedule.step` (one pass: the step and each rank's busy time).
+
+Why: :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` checks its input, records every
+action's timeline and traces the critical path on every call; a placement search predicts the same action
+lists hundreds of times with only the stage times changed. Which actions its loop can run next depends
+only on which results exist, never on how long anything took, so that order is found once; a step is then
+one pass in it, each action starting at the latest of its rank's previous action and its dependencies
+(plus the link where they run on another rank). Same arithmetic in the same order, so the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_dynmo.balancing.schedule_model import (
+    KINDS,
+    Action,
+    LinkTime,
+    StageTimes,
+    check_action_lists,
+    check_links,
+    deadlock_message,
+    needs,
+)
+
+_SLOT = {kind: i for i, kind in enumerate(KINDS)}
+
+
+#: One action in evaluation order: its duration slot (4 * stage + kind), the index of its rank's previous
+#: action and of its (at most two) dependencies with their link slots. Index -1 reads the sentinel 0 s
+#: after the last action, link slot -1 the 0 s after the last link: "none" costs no branch.
+_Step = tuple[int, int, int, int, int, int]
+
+
+@dataclass(frozen=True)
+class CompiledSchedule:
+    """Per-rank action lists, checked once and put in an order that evaluates their step in one pass.
+
+    Attributes:
+        num_stages: Stages the lists run.
+        num_ranks: Ranks (one list each).
+        rank_of: Per stage, its rank (-1 for a stage no list runs).
+    """
+
+    num_stages: int
+    num_ranks: int
+    rank_of: tuple[int, ...]
+    _plan: tuple[_Step, ...]
+    _rank_slots: tuple[tuple[int, ...], ...]  # per rank, its actions' duration slots in its order
+    _kinds: tuple[tuple[str, ...], ...]  # per stage, the kinds its actions use
+
+    @classmethod
+    def build(cls, actions: Sequence[Sequence[Action]], num_stages: int) -> CompiledSchedule:
+        """Check ``actions`` (per rank, ``(stage, kind, micro_batch)`` in order) and compile them.
+
+        Raises:
+            ValueError: as :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` on bad lists,
+                or lists that deadlock.
+        """
+        lists = check_action_lists(actions, num_stages)
+        owner = {stage: rank for rank, acts in enumerate(lists) for stage, _, _ in acts}
+        index: dict[Action, int] = {}
+        steps: list[_Step] = []
+        cursor = [0] * len(lists)
+        progress = True
+        while progress:
+            progress = False
+            for rank, acts in enumerate(lists):
+                while cursor[rank] < len(acts):
+                    action = acts[cursor[rank]]
+                    deps = _resolved(action, rank, num_stages, owner, index)
+                    if deps is None:
+                        break
+                    previous = index[acts[cursor[rank] - 1]] if cursor[rank] else -1
+                    index[action] = len(steps)
+                    (dep1, link1), (dep2, link2) = (*deps, (-1, -1), (-1, -1))[:2]
+                    steps.append((4 * action[0] + _SLOT[action[1]], previous, dep1, link1, dep2, link2))
+                    cursor[rank] += 1
+                    progress = True
+        if len(steps) < sum(len(acts) for acts in lists):
+            raise ValueError(deadlock_message(lists, cursor, set(index), num_stages))
+        kinds = tuple(tuple(sorted({k for s, k, _ in index if s == stage})) for stage in range(num_stages))
+        rank_of = tuple(owner.get(s, -1) for s in range(num_stages))
+        slots = tuple(tuple(4 * s + _SLOT[k] for s, k, _ in acts) for acts in lists)
+        return cls(num_stages, len(lists), rank_of, tuple(steps), slots, kinds)
+
+    def step(
+        self, stage_times: Sequence[StageTimes], links: float | Sequence[LinkTime] = 0.0
+    ) -> tuple[float, tuple[float, ...]]:
+        """The step time and each rank's busy time, as ``simulate_step`` computes them.
+
+        Args:
+            stage_times: Per stage, one micro-batch's compute times.
+            links: Per stage boundary, its link times; or one number of seconds for every boundary.
+
+        Raises:
+            ValueError: for a stage count other than the lists', a missing, negative or non-finite time.
+        """
+        if len(stage_times) != self.num_stages:
+            raise ValueError(
+                f"stage_times has {len(stage_times)} entries but the compiled lists run {self.num_stages} "
+                "stages; give one StageTimes per stage."
+            )
+        durations = [0.0] * (4 * self.num_stages)
+        for stage, (times, kinds) in enumerate(zip(stage_times, self._kinds, strict=True)):
+            for kind in kinds:
+                value = times.duration(kind, stage)
+                if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                    raise ValueError(
+                        f"stage_times[{stage}] gives {kind} {value!r}; times must be finite numbers of "
+                        "seconds >= 0: fix the measurement."
+                    )
+                durations[4 * stage + _SLOT[kind]] = value
+        link = _link_slots(links, self.num_stages)  # slot -1: its last entry, 0 (same rank)
+        end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
+        for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
+            start = end[previous]
+            ready = end[dep1] + link[link1]
+            if ready > start:
+                start = ready
+            ready = end[dep2] + link[link2]
+            if ready > start:
+                start = ready
+            end[i] = start + durations[slot]
+        busy = tuple(sum(map(durations.__getitem__, slots)) for slots in self._rank_slots)
+        return max(end), busy
+
+
+def _resolved(
+    action: Action, rank: int, num_stages: int, owner: dict[int, int], index: dict[Action, int]
+) -> tuple[tuple[int, int], ...] | None:
+    """``action``'s dependencies as (index, link slot); ``None`` while one has not run."""
+    out = []
+    for alternatives in needs(action, num_stages):
+        found = next((a for a in alternatives if a in index), None)
+        if found is None:
+            return None
+        slot = -1
+        if owner[found[0]] != rank:
+            boundary = min(found[0], action[0])
+            slot = boundary if found[1] == "F" else num_stages - 1 + boundary
+        out.append((index[found], slot))
+    return tuple(out)
+
+
+def _link_slots(links: float | Sequence[LinkTime], num_stages: int) -> list[float]:
+    """Forward link times per boundary, then backward ones (the slots :func:`_resolved` refers to), then
+    0 for slot -1 (no link: the two stages share a rank)."""
+    forward, backward = check_links(links, num_stages)
+    return [*forward, *backward, 0.0]

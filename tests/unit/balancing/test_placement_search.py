@@ -1,0 +1,237 @@
+"""The placement search by the schedule's step, and the compiled step it scores placements with.
+
+- The compiled step equals :func:`simulate_step` (its reference) on hand-written action lists, V-shaped
+  and split-backward ones included, with random times and links; bad lists fail alike.
+- The local search (forced by a budget below the number of placements) never returns a placement slower
+  than the proposal, and on small cases equals the brute-force optimum over every placement (enumerated
+  here); the min-max partition it starts from is strictly slower on a constructed case (the negative
+  control), and so is a descent of single-boundary moves (the old search) on a lumpy one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+
+from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
+from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
+from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from tests.unit.balancing.brute import all_placements
+
+
+def one_f_one_b(num_stages: int, m: int) -> list[list[Action]]:
+    out = []
+    for s in range(num_stages):
+        warmup = min(m, num_stages - s)
+        order: list[Action] = [(s, "F", i) for i in range(warmup)]
+        for i in range(m):
+            order.append((s, "B", i))
+            if warmup + i < m:
+                order.append((s, "F", warmup + i))
+        out.append(order)
+    return out
+
+
+def v_split(num_stages: int, m: int) -> list[list[Action]]:
+    """A V over ``num_stages // 2`` ranks (rank r holds stages r and S-1-r), backward split in I and W:
+    each rank runs its first stage's forwards, its second's, then I and W of its second and first."""
+    ranks = num_stages // 2
+    out = []
+    for r in range(ranks):
+        first, second = r, num_stages - 1 - r
+        acts: list[Action] = [(first, "F", i) for i in range(m)] + [(second, "F", i) for i in range(m)]
+        for stage in (second, first):
+            for i in range(m):
+                acts += [(stage, "I", i), (stage, "W", i)]
+        out.append(acts)
+    return out
+
+
+V_ORDER = ScheduleOrder("V", v_split)
+ORDER = ScheduleOrder("1F1B", one_f_one_b)
+
+
+def random_times(draw: random.Random, stages: int) -> list[StageTimes]:
+    return [
+        StageTimes(draw.uniform(0, 3), draw.uniform(0, 5), draw.uniform(0, 2), draw.uniform(0, 2))
+        for _ in range(stages)
+    ]
+
+
+@pytest.mark.parametrize("lists", [one_f_one_b, v_split], ids=["1F1B", "V split"])
+def test_the_compiled_step_equals_simulate_step(lists: Callable[[int, int], list[list[Action]]]) -> None:
+    draw = random.Random(7)
+    for stages, m in ((2, 1), (4, 3), (6, 5), (8, 4)):
+        actions = lists(stages, m)
+        compiled = CompiledSchedule.build(actions, stages)
+        for _ in range(5):
+            times = random_times(draw, stages)
+            links = [LinkTime(draw.uniform(0, 1), draw.uniform(0, 1)) for _ in range(stages - 1)]
+            for link in (0.0, 0.25, links):
+                reference = simulate_step(actions, times, link)
+                step, busy = compiled.step(times, link)
+                assert step == reference.step_time_s
+                assert busy == reference.rank_busy_s
+
+
+def test_the_compiled_step_rejects_what_simulate_step_rejects() -> None:
+    stuck = [[(0, "B", 0), (0, "F", 0)], [(1, "F", 0), (1, "B", 0)]]  # rank 0 waits for its own F
+    with pytest.raises(ValueError, match=r"the action lists deadlock: rank 0 waits at B\(stage 0, mb 0\)"):
+        CompiledSchedule.build(stuck, 2)
+    with pytest.raises(ValueError, match="stage 1 has actions on rank 0 and rank 1"):
+        CompiledSchedule.build([[(0, "F", 0), (1, "F", 0)], [(1, "B", 0)]], 2)
+    compiled = CompiledSchedule.build(one_f_one_b(2, 2), 2)
+    with pytest.raises(ValueError, match="stage_times has 1 entries but the compiled lists run 2 stages"):
+        compiled.step([StageTimes(1.0, 1.0)])
+    with pytest.raises(ValueError, match=r"stage_times\[1\] gives F -1.0; times must be finite"):
+        compiled.step([StageTimes(1.0, 1.0), StageTimes(-1.0, 1.0)])
+    with pytest.raises(ValueError, match="links has 2 entries but 2 stages have 1 boundaries"):
+        compiled.step([StageTimes(1.0, 1.0)] * 2, [LinkTime(0.1)] * 2)
+
+
+def brute_best(problem: BalanceProblem, stages: int, step_of: Callable[[Placement], float]) -> float:
+    return min(step_of(p) for p in all_placements(problem.num_layers, stages))
+
+
+def dense_with_head(layers: int) -> BalanceProblem:
+    """Equal blocks and a head + loss of 2 blocks pinned to the last stage (the paper's shape, small)."""
+    block = LayerCost(fwd_time_s=1.0, bwd_time_s=2.0)
+    return BalanceProblem([block] * layers, hardware=Hardware(last_stage_extra=LayerCost(2.0, 4.0)))
+
+
+def lumpy(layers: int) -> BalanceProblem:
+    """Mixture-of-Depths-like: dense layers alternate with routed ones at 0.3 of their cost."""
+    costs = [LayerCost(fwd_time_s=1.0, bwd_time_s=2.0), LayerCost(fwd_time_s=0.3, bwd_time_s=0.6)] * (
+        layers // 2
+    )
+    return BalanceProblem(costs, hardware=Hardware(last_stage_extra=LayerCost(1.5, 3.0)))
+
+
+def random_problem(seed: int, layers: int) -> BalanceProblem:
+    draw = random.Random(seed)
+    costs = [
+        LayerCost(fwd_time_s=draw.uniform(0.2, 2), bwd_time_s=draw.uniform(0.4, 4)) for _ in range(layers)
+    ]
+    return BalanceProblem(costs, hardware=Hardware(last_stage_extra=LayerCost(2.0, 3.0)))
+
+
+CASES = [
+    ("dense + head, 1F1B", dense_with_head(12), 4, ORDER, None),
+    ("lumpy, 1F1B", lumpy(12), 4, ORDER, None),
+    ("random, 1F1B", random_problem(3, 11), 4, ORDER, None),
+    ("dense + head, V", dense_with_head(12), 4, V_ORDER, [0, 1, 1, 0]),
+    ("lumpy, V", lumpy(12), 4, V_ORDER, [0, 1, 1, 0]),
+]
+
+
+@pytest.mark.parametrize(
+    ("problem", "stages", "order", "workers"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_the_local_search_is_never_slower_than_the_proposal_and_finds_the_brute_force_optimum(
+    problem: BalanceProblem, stages: int, order: ScheduleOrder, workers: list[int] | None
+) -> None:
+    m = 6
+
+    def step_of(p: Placement) -> float:
+        return predict_step(problem, p, order, m, workers).step_s
+
+    proposal = partition(problem, stages)
+    count = sum(1 for _ in all_placements(problem.num_layers, stages))
+    found = refine(problem, proposal, step_of, budget=count - 1, stage_workers=workers)
+    assert not found.exact and found.simulations <= count - 1  # the local search, not the enumeration
+    assert found.proposal_step_s == step_of(proposal)
+    assert found.step_s <= found.proposal_step_s
+    assert found.step_s == step_of(found.placement)
+    assert found.step_s == pytest.approx(brute_best(problem, stages, step_of), rel=1e-12)
+
+
+def test_on_random_v_cases_the_local_search_is_a_local_search_within_3_percent_of_the_optimum() -> None:
+    # No guarantee of the optimum: on 9 random V problems it reaches it on 6 and misses by 0.2-2.5% on
+    # 3 (seeds 5, 6, 7). Below ``budget`` placements the search enumerates them all instead.
+    reached = 0
+    for seed in range(3, 12):
+        problem, workers = random_problem(seed, 11), [0, 1, 1, 0]
+
+        def step_of(p: Placement, problem: BalanceProblem = problem) -> float:
+            return predict_step(problem, p, V_ORDER, 6, [0, 1, 1, 0]).step_s
+
+        proposal = partition(problem, 4)
+        found = refine(problem, proposal, step_of, budget=119, stage_workers=workers)  # 120 placements
+        best = brute_best(problem, 4, step_of)
+        assert not found.exact and found.step_s <= step_of(proposal)
+        assert found.step_s <= best * 1.03
+        reached += found.step_s <= best * (1 + 1e-12)
+    assert reached == 6
+
+
+def test_negative_control_the_partition_and_a_single_boundary_descent_are_strictly_slower() -> None:
+    # The min-max partition of equal blocks beside a heavy head ties many stages at its bottleneck;
+    # the schedule's fill and drain then favour another placement of that bottleneck.
+    problem, m = dense_with_head(12), 6
+
+    def step_of(p: Placement) -> float:
+        return predict_step(problem, p, ORDER, m).step_s
+
+    best = brute_best(problem, 4, step_of)
+    proposal = partition(problem, 4)
+    assert step_of(proposal) > best * (1 + 1e-9)
+    # On lumpy layers (dense and routed alternating) one boundary moved by one layer swaps a dense layer
+    # for a routed one: a descent of such moves (the search before this one) stops above the optimum.
+    lumpy_problem = lumpy(12)
+
+    def lumpy_step(p: Placement) -> float:
+        return predict_step(lumpy_problem, p, ORDER, m).step_s
+
+    start = partition(lumpy_problem, 4)
+    _, stuck_s = single_boundary_descent(start, lumpy_step)
+    optimum = brute_best(lumpy_problem, 4, lumpy_step)
+    assert stuck_s > optimum * (1 + 1e-9)
+    found = refine(lumpy_problem, start, lumpy_step, budget=100)
+    assert not found.exact and found.step_s == pytest.approx(optimum, rel=1e-12)
+
+
+def single_boundary_descent(
+    start: Placement, step_of: Callable[[Placement], float]
+) -> tuple[Placement, float]:
+    best, best_s = start, step_of(start)
+    improved = True
+    while improved:
+        improved = False
+        bounds = best.boundaries
+        for i, delta in itertools.product(range(1, len(bounds) - 1), (-1, 1)):
+            moved = (*bounds[:i], bounds[i] + delta, *bounds[i + 1 :])
+            if moved[i - 1] < moved[i] < moved[i + 1] and step_of(Placement(moved)) < best_s:
+                best, best_s, improved = Placement(moved), step_of(Placement(moved)), True
+                break
+    return best, best_s
+
+
+def test_beyond_eight_stages_the_result_is_a_local_optimum_of_neighbour_and_same_worker_moves() -> None:
+    problem, stages, m = random_problem(11, 24), 12, 4
+    workers = [min(s, stages - 1 - s) for s in range(stages)]  # a V: rank r holds stages r and 11 - r
+
+    def step_of(p: Placement) -> float:
+        return predict_step(problem, p, V_ORDER, m, workers).step_s
+
+    proposal = partition(problem, stages)
+    found = refine(problem, proposal, step_of, budget=2000, stage_workers=workers)
+    assert not found.exact and found.simulations < 2000 and found.step_s <= step_of(proposal)
+    pairs = [(a, a + 1) for a in range(stages - 1)] + [(s, stages - 1 - s) for s in range(stages // 2)]
+    bounds = found.placement.boundaries
+    for (a, b), count, sign in itertools.product(pairs, (1, 2), (1, -1)):
+        src, dst = (a, b) if sign > 0 else (b, a)
+        moved = list(bounds)
+        for i in range(min(src, dst) + 1, max(src, dst) + 1):
+            moved[i] += -count if src < dst else count
+        if all(x < y for x, y in itertools.pairwise(moved)):
+            assert step_of(Placement(tuple(moved))) >= found.step_s
+
+
+def test_refine_rejects_workers_that_do_not_match_the_stages() -> None:
+    problem = dense_with_head(8)
+    with pytest.raises(ValueError, match=r"stage_workers has 3 entries but proposal=.* has 4 stages"):
+        refine(problem, partition(problem, 4), lambda p: 0.0, stage_workers=[0, 1, 0])
