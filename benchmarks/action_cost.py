@@ -309,6 +309,21 @@ def run_dynmo(sizes: Sizes, window: str, compile_backend: str | None = None) -> 
     for name, piece in (("take_grads", SPLIT), ("restore_grads", SPLIT), ("loss_carrying_grads", CARRY)):
         setattr(pipeline_grads, name, pieces.wrap(piece, getattr(pipeline_grads, name)))
     model.log = pieces.wrap(LOG, model.log)  # type: ignore[method-assign]
+    # Which steps each profiling window measured (its steps after warm-up), to set the profiled costs
+    # against the measured steps they came from: a shared machine's load moves from second to second.
+    from lightning_dynmo.profiling import LayerProfiler
+
+    windows: list[tuple[LayerProfiler, list[int]]] = []
+    profiler_begin_step = LayerProfiler.begin_step
+
+    def counted_begin_step(profiler: LayerProfiler) -> None:
+        if not windows or windows[-1][0] is not profiler:
+            windows.append((profiler, []))
+        calls = windows[-1][1]
+        calls.append(len(pieces.steps.get(WHOLE, ())))  # this step's index
+        profiler_begin_step(profiler)
+
+    LayerProfiler.begin_step = counted_begin_step  # type: ignore[method-assign]
 
     class Wrap(pl.Callback):
         """First in the list: wraps what DynMo runs for a step once the Trainer has set it up."""
@@ -375,6 +390,13 @@ def run_dynmo(sizes: Sizes, window: str, compile_backend: str | None = None) -> 
             "blocks": sum(c.fwd_time_s + c.bwd_time_s for c in callback.last_costs),
             "parts": sum(c.fwd_time_s + c.bwd_time_s for c in parts),
         }
+        # The last complete window's measured steps: those of the last decision's costs.
+        complete = [
+            steps[profiler.warmup_steps :]
+            for profiler, steps in windows
+            if len(steps) == profiler.warmup_steps + profiler.profile_steps
+        ]
+        report["window_steps"] = complete[-1] if complete else []
     return report
 
 
@@ -469,21 +491,31 @@ def check_jobs(backend: str) -> dict[str, str]:
     return jobs
 
 
-def _median_ms(values: Sequence[float], sizes: Sizes) -> float:
-    return 1e3 * statistics.median(values[sizes.skip :])
+def _median_ms(values: Sequence[float], steps: Sequence[int]) -> float:
+    return 1e3 * statistics.median(values[i] for i in steps)
 
 
-def check_rounds(run: dict[str, Any], sizes: Sizes) -> dict[str, float] | None:
+def check_rounds(run: dict[str, Any], sizes: Sizes, over: str) -> dict[str, float] | None:
     """One run's profiled account against its measured steps (ms and ratios), or ``None`` without a
     decision. Every figure is measured: the profiled costs by the callback's profiler, the steps by the
-    benchmark's clocks around the same steps; none is derived from another."""
+    benchmark's clocks; none is derived from another.
+
+    Args:
+        run: A check job's report.
+        sizes: Its sizes.
+        over: ``"window"``: medians over the steps the last decision's window measured (the same steps
+            the profiled costs come from); ``"run"``: over the run's steps ``skip``+.
+    """
     costs = run.get("profiled_s")
     if costs is None:
         return None
+    steps = run["window_steps"] if over == "window" else range(sizes.skip, len(run["wall_s"]))
+    if not steps:
+        return None
     total = 1e3 * (costs["blocks"] + costs["parts"])
-    schedule = _median_ms(run["schedule_s"], sizes)
-    dynmo = _median_ms(run["wall_s"], sizes)
-    whole = _median_ms(run["pieces_s"][WHOLE], sizes)
+    schedule = _median_ms(run["schedule_s"], steps)
+    dynmo = _median_ms(run["wall_s"], steps)
+    whole = _median_ms(run["pieces_s"][WHOLE], steps)
     return {
         "blocks": 1e3 * costs["blocks"],
         "parts": 1e3 * costs["parts"],
@@ -510,33 +542,46 @@ CHECK_COLUMNS = (
 )
 
 
+OVER = {
+    "window": "over the steps the profiler measured (the last decision's window)",
+    "run": "over the run's steps after the skipped ones",
+}
+
+
 def profiled_vs_measured(
     runs: dict[str, list[dict[str, Any]]], sizes: Sizes, tolerance: float = 0.10
-) -> tuple[list[str], dict[str, float]]:
+) -> tuple[list[str], dict[tuple[str, str], float]]:
     """The profiler's account of a step (blocks + parts) against the measured steps of the same run, every
-    round and the median, per check job; and each job's median ratio to Lightning's whole step."""
-    lines = [
-        "### The profiler's costs against the measured step of the same run",
-        "",
-        "| run | round | " + " | ".join(title for _, title, _ in CHECK_COLUMNS) + " |",
-        "|---|---|" + "---:|" * len(CHECK_COLUMNS),
-    ]
-    verdicts: dict[str, float] = {}
-    for label, job_runs in runs.items():
-        rows = [check_rounds(run, sizes) for run in job_runs]
-        for r, row in enumerate(rows):
-            cells = (
-                [format(row[key], fmt) for key, _, fmt in CHECK_COLUMNS]
-                if row is not None
-                else ["no decision recorded", *[""] * (len(CHECK_COLUMNS) - 1)]
-            )
-            lines.append(f"| {label} | {r + 1} | " + " | ".join(cells) + " |")
-        measured = [row for row in rows if row is not None]
-        if measured:
-            median = {key: statistics.median(row[key] for row in measured) for key, _, _ in CHECK_COLUMNS}
-            cells = [f"**{format(median[key], fmt)}**" for key, _, fmt in CHECK_COLUMNS]
-            lines.append(f"| {label} | median | " + " | ".join(cells) + " |")
-            verdicts[label] = median["of_whole"]
+    round and the median, per check job, over the window's steps and over the run's; and each job's median
+    ratio to Lightning's whole step, by (job label, ``over``)."""
+    lines = ["### The profiler's costs against the measured step of the same run"]
+    verdicts: dict[tuple[str, str], float] = {}
+    for over, heading in OVER.items():
+        lines += [
+            "",
+            f"Measured steps: medians {heading}:",
+            "",
+            "| run | round | " + " | ".join(title for _, title, _ in CHECK_COLUMNS) + " |",
+            "|---|---|" + "---:|" * len(CHECK_COLUMNS),
+        ]
+        for label, job_runs in runs.items():
+            rows = [check_rounds(run, sizes, over) for run in job_runs]
+            for r, row in enumerate(rows):
+                cells = (
+                    [format(row[key], fmt) for key, _, fmt in CHECK_COLUMNS]
+                    if row is not None
+                    else ["no decision recorded", *[""] * (len(CHECK_COLUMNS) - 1)]
+                )
+                steps = (
+                    f" (steps {', '.join(map(str, job_runs[r]['window_steps']))})" if over == "window" else ""
+                )
+                lines.append(f"| {label} | {r + 1}{steps} | " + " | ".join(cells) + " |")
+            measured = [row for row in rows if row is not None]
+            if measured:
+                median = {key: statistics.median(row[key] for row in measured) for key, _, _ in CHECK_COLUMNS}
+                cells = [f"**{format(median[key], fmt)}**" for key, _, fmt in CHECK_COLUMNS]
+                lines.append(f"| {label} | median | " + " | ".join(cells) + " |")
+                verdicts[(label, over)] = median["of_whole"]
     lines += [
         "",
         "Blocks and parts: the costs the callback's last decision gave the balancer (per step: each unit's "
@@ -546,15 +591,16 @@ def profiled_vs_measured(
         "DynMo's step: the timed section of the per-action table (the strategy's training_step, backward and "
         "batch-start hook, the callback's hooks); Lightning's whole step: from the first callback's "
         "batch-start hook to the last one's batch-end hook (all of that plus zero_grad, the optimizer update "
-        f"and Lightning's own loop). Medians over steps {sizes.skip}+; a round's ratio is its own run's. The "
+        "and Lightning's own loop). Medians over the steps named; a round's ratio is its own run's. The "
         "median row gives the median of each column over the rounds.",
         "",
     ]
-    for label, ratio in verdicts.items():
+    for (label, over), ratio in verdicts.items():
         within = abs(ratio - 1.0) <= tolerance
         lines.append(
-            f"- {label}: profiled blocks + parts / Lightning's whole step, median of the rounds: "
-            f"**{ratio:.3f}**: {'within' if within else 'NOT within'} {tolerance:.0%} of the measured step."
+            f"- {label}, {OVER[over]}: profiled blocks + parts / Lightning's whole step, median of the "
+            f"rounds: **{ratio:.3f}**: {'within' if within else 'NOT within'} {tolerance:.0%} of the "
+            "measured step."
         )
     return lines, verdicts
 
@@ -571,13 +617,17 @@ def breakdown(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> list[str]:
     ]
     medians = {
         label: {
-            name: statistics.median(_median_ms(run["pieces_s"][name], sizes) for run in job_runs)
+            name: statistics.median(
+                _median_ms(run["pieces_s"][name], range(sizes.skip, len(run["wall_s"]))) for run in job_runs
+            )
             for name in PIECES
         }
         for label, job_runs in runs.items()
     }
     profiled = {
-        label: [row["total"] for row in (check_rounds(run, sizes) for run in job_runs) if row is not None]
+        label: [
+            row["total"] for row in (check_rounds(run, sizes, "run") for run in job_runs) if row is not None
+        ]
         for label, job_runs in runs.items()
     }
     for name in PIECES:

@@ -49,6 +49,7 @@ def _fake_run(share: float) -> dict[str, Any]:
         "pieces_s": pieces,
         "losses": [5.0] * steps,
         "profiled_s": {"blocks": 0.008 * share, "parts": 0.002 * share},
+        "window_steps": [9, 10, 11],
     }
 
 
@@ -68,8 +69,11 @@ def test_check_only_runs_the_check_jobs_alone_and_its_verdict_can_fail(
     report = out.read_text()
     assert "CPU per action" not in report  # no per-action table
     assert "| uncompiled | 2 |" in report
-    assert "median of the rounds: **0.950**: within 10% of the measured step." in report
-    assert "median of the rounds: **0.500**: NOT within 10% of the measured step." in report
+    for over in ("over the steps the profiler measured", "over the run's steps"):
+        assert f"- uncompiled, {over}" in report
+    assert report.count("median of the rounds: **0.950**: within 10% of the measured step.") == 2
+    assert report.count("median of the rounds: **0.500**: NOT within 10% of the measured step.") == 2
+    assert "| uncompiled | 1 (steps 9, 10, 11) |" in report
     assert "| · optimizer update (AdamW) | 1.00 | 10.0% |" in report
 
 
