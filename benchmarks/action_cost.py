@@ -34,14 +34,16 @@ each piece (loss reduction, loss logging, the carried gradients' backward, the o
 callback's hooks, ...) timed by its own clock, never as a remainder.
 
 ``--shape`` chooses the stage: ``small`` (the sizes above: a stage whose fixed costs are a large share of
-its step) or ``d512`` (4 GPT blocks of width 512, 8 heads, 256 tokens, 1 row a micro-batch, 4 micro-batches,
-12 steps, medians of steps 4+: the blocks' work dominates the step, as at the sizes users train).
+its step), ``d512`` (4 GPT blocks of width 512, 8 heads, 256 tokens, 1 row a micro-batch, 4 micro-batches,
+12 steps, medians of steps 4+: the blocks' work dominates the step, as at the sizes users train) or
+``d512x2`` (the same blocks, 2 rows a micro-batch, 8 steps: one window, steps 5-7; the optimizer update,
+which grows with the parameters but not the tokens, is half the share of the step).
 ``--check-only`` runs the check's jobs alone.
 
 Real compute.
 
     python -m benchmarks.action_cost                # 4 rounds, ~5 minutes on 2 busy cores
-    python -m benchmarks.action_cost --shape d512 --check-only   # 3 rounds of the check, ~2.5 minutes
+    python -m benchmarks.action_cost --shape d512 --check-only   # 3 rounds of the check, ~4.5 minutes
     python -m benchmarks.action_cost --quick        # a smoke run (1 round, few steps): not figures
     python -m benchmarks.action_cost --profile dynmo_idle   # cProfile of one job's timed steps, to stderr
 """
@@ -115,12 +117,14 @@ PIECES = (
 ) = PIECES
 
 QUICK = Sizes(layers=2, width=32, heads=2, tokens=16, rows=2, microbatches=2, steps=6, skip=2)
-#: ``--shape``: ``small`` (the calibration's sizes: a stage whose fixed costs are a large share of its step)
-#: and ``d512`` (GPT blocks of width 512 over 256 tokens, where the blocks' work dominates a step, as it
-#: does at the sizes users train).
+#: ``--shape``: ``small`` (the calibration's sizes: a stage whose fixed costs are a large share of its step),
+#: ``d512`` (GPT blocks of width 512 over 256 tokens, where the blocks' work dominates a step, as it does at
+#: the sizes users train) and ``d512x2`` (the same with 2 rows a micro-batch: twice the tokens a step, so the
+#: optimizer update, which scales with the parameters alone, is half the share; 8 steps, one window).
 SHAPES = {
     "small": Sizes(),
     "d512": Sizes(layers=4, width=512, heads=8, tokens=256, rows=1, microbatches=4, steps=12, skip=4),
+    "d512x2": Sizes(layers=4, width=512, heads=8, tokens=256, rows=2, microbatches=4, steps=8, skip=4),
 }
 
 
@@ -678,7 +682,7 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--rounds", type=int, default=None, help="interleaved rounds (default: 4, or 3 with --shape d512)"
+        "--rounds", type=int, default=None, help="interleaved rounds (default: 4, or 3 with a d512 shape)"
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 1 round; not figures")
     parser.add_argument(
@@ -717,7 +721,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks._lib import harness
     from benchmarks._lib.common import results_path
 
-    rounds = 1 if args.quick else (args.rounds or (3 if args.shape == "d512" else 4))
+    rounds = 1 if args.quick else (args.rounds or (4 if args.shape == "small" else 3))
     if args.rounds is not None and args.rounds < 1:
         raise ValueError(
             f"--rounds={args.rounds}: a comparison needs at least 1 round; pass --rounds 1 or more"

@@ -85,7 +85,7 @@ def test_shape_d512_is_a_realistic_stage_and_quick_overrides_it() -> None:
 
 
 def test_unknown_shape_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"--shape='d4096' is not one of \['d512', 'small'\]"):
+    with pytest.raises(ValueError, match=r"--shape='d4096' is not one of \['d512', 'd512x2', 'small'\]"):
         main(["--shape", "d4096", "--out", str(tmp_path / "x.md")])
 
 
