@@ -42,7 +42,7 @@ which grows with the parameters but not the tokens, is half the share of the ste
 
 Real compute.
 
-    python -m benchmarks.action_cost                # 4 rounds, ~5 minutes on 2 busy cores
+    python -m benchmarks.action_cost                # 4 rounds, ~6 minutes on 2 busy cores
     python -m benchmarks.action_cost --shape d512 --check-only   # 3 rounds of the check, ~4.5 minutes
     python -m benchmarks.action_cost --quick        # a smoke run (1 round, few steps): not figures
     python -m benchmarks.action_cost --profile dynmo_idle   # cProfile of one job's timed steps, to stderr
