@@ -81,8 +81,10 @@ class StepPrediction:
     """A placement's simulated step.
 
     Attributes:
-        step_s: The step time (the view's unit: seconds with ``by="time"``).
-        bubble_ratio: Idle share of all ranks over the step.
+        step_s: The step time (the view's unit: seconds with ``by="time"``): the schedule's, plus the
+            slowest stage's optimizer update
+            (:attr:`~lightning_dynmo.balancing.hardware.StageCosts.update_s`).
+        bubble_ratio: Idle share of all ranks over the schedule's part of the step.
         stage_loads: Per stage, forward + backward of one step (all micro-batches) on its worker.
     """
 
@@ -150,6 +152,7 @@ def predict_step(
     sim = simulate_step(actions, per_stage)
     ranks, step = len(sim.rank_busy_s), sim.step_time_s
     bubble = sum(sim.rank_idle_s) / (ranks * step) if step > 0 else 0.0
+    step += max(times.update_s, default=0.0)  # the update: once, after the flush, every stage at once
     loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
     return StepPrediction(step, bubble, loads)
 

@@ -350,6 +350,12 @@ class DynMoCallback(Callback):
         self._step_start = self._clock()
 
     @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._window.before_update()  # a window times the update, to its step post-hook
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
