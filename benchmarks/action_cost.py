@@ -25,13 +25,14 @@ Then the check (in the same rounds, interleaved with the jobs above): the profil
 against the measured step of the same run. Two more jobs, ``dynmo_check:none`` (blocks not compiled) and
 ``dynmo_check:<--compile-backend>`` (``DynMoStrategy(compile_blocks={"backend": ...})``, inductor by
 default), open a window every ``skip`` steps from step ``skip`` on (none measures the first, compiling
-steps). The blocks' profiled costs plus the parts' (embedding; head and loss), exactly as the callback's
-last decision gave them to the balancer, are set against three measured medians of the same run: the
-schedule step (every action), DynMo's step (the timed section above) and Lightning's whole step (from the
-first callback's batch-start hook to the last one's batch-end hook: also zero_grad, the optimizer update
-and Lightning's own loop). Every round and the median are reported, and a breakdown of where the step goes:
-each piece (loss reduction, loss logging, the carried gradients' backward, the optimizer update, the
-callback's hooks, ...) timed by its own clock, never as a remainder.
+steps). The blocks' profiled costs plus the parts' (embedding; head and loss) plus the optimizer update
+the profiler timed in the window (shared among the units by parameter entries with a gradient), exactly
+as the callback's last decision gave them to the balancer, are set against three measured medians of
+the same run: the schedule step (every action), DynMo's step (the timed section above) and Lightning's
+whole step (from the first callback's batch-start hook to the last one's batch-end hook: also zero_grad,
+the optimizer update and Lightning's own loop). Every round and the median are reported, and a breakdown
+of where the step goes: each piece (loss reduction, loss logging, the carried gradients' backward, the
+optimizer update, the callback's hooks, ...) timed by its own clock, never as a remainder.
 
 ``--shape`` chooses the stage: ``small`` (the sizes above: a stage whose fixed costs are a large share of
 its step), ``d512`` (4 GPT blocks of width 512, 8 heads, 256 tokens, 1 row a micro-batch, 4 micro-batches,
@@ -400,6 +401,9 @@ def run_dynmo(sizes: Sizes, window: str, compile_backend: str | None = None) -> 
         report["profiled_s"] = {
             "blocks": sum(c.fwd_time_s + c.bwd_time_s for c in callback.last_costs),
             "parts": sum(c.fwd_time_s + c.bwd_time_s for c in parts),
+            # The optimizer update the profiler timed, as shared among the units (one stage: its sum is
+            # the step model's once-per-step term, the largest stage's update).
+            "update": sum(c.update_time_s for c in [*callback.last_costs, *parts]),
         }
         # The last complete window's measured steps: those of the last decision's costs.
         complete = [
@@ -523,7 +527,8 @@ def check_rounds(run: dict[str, Any], sizes: Sizes, over: str) -> dict[str, floa
     steps = run["window_steps"] if over == "window" else range(sizes.skip, len(run["wall_s"]))
     if not steps:
         return None
-    total = 1e3 * (costs["blocks"] + costs["parts"])
+    update = 1e3 * costs.get("update", 0.0)
+    total = 1e3 * (costs["blocks"] + costs["parts"]) + update
     schedule = _median_ms(run["schedule_s"], steps)
     dynmo = _median_ms(run["wall_s"], steps)
     whole = _median_ms(run["pieces_s"][WHOLE], steps)
@@ -531,6 +536,7 @@ def check_rounds(run: dict[str, Any], sizes: Sizes, over: str) -> dict[str, floa
     return {
         "blocks": 1e3 * costs["blocks"],
         "parts": 1e3 * costs["parts"],
+        "update": update,
         "total": total,
         "schedule": schedule,
         "of_schedule": total / schedule,
@@ -546,7 +552,8 @@ def check_rounds(run: dict[str, Any], sizes: Sizes, over: str) -> dict[str, floa
 CHECK_COLUMNS = (
     ("blocks", "blocks (ms)", ".2f"),
     ("parts", "parts (ms)", ".2f"),
-    ("total", "blocks + parts (ms)", ".2f"),
+    ("update", "update (ms)", ".2f"),
+    ("total", "blocks + parts + update (ms)", ".2f"),
     ("schedule", "schedule step (ms)", ".2f"),
     ("of_schedule", "/ schedule step", ".3f"),
     ("dynmo", "DynMo's step (ms)", ".2f"),
@@ -567,9 +574,9 @@ OVER = {
 def profiled_vs_measured(
     runs: dict[str, list[dict[str, Any]]], sizes: Sizes, tolerance: float = 0.10
 ) -> tuple[list[str], dict[tuple[str, str], float]]:
-    """The profiler's account of a step (blocks + parts) against the measured steps of the same run, every
-    round and the median, per check job, over the window's steps and over the run's; and each job's median
-    ratio to Lightning's whole step, by (job label, ``over``)."""
+    """The profiler's account of a step (blocks + parts + the optimizer update) against the measured steps
+    of the same run, every round and the median, per check job, over the window's steps and over the run's;
+    and each job's median ratio to Lightning's whole step, by (job label, ``over``)."""
     lines = ["### The profiler's costs against the measured step of the same run"]
     verdicts: dict[tuple[str, str], float] = {}
     for over, heading in OVER.items():
@@ -602,7 +609,10 @@ def profiled_vs_measured(
         "",
         "Blocks and parts: the costs the callback's last decision gave the balancer (per step: each unit's "
         "median call times its calls over the window's measured steps), measured with the profiler's hooks "
-        f"outside each (compiled) block. A window every {sizes.skip} steps from step {sizes.skip} on. "
+        "outside each (compiled) block. Update: the optimizer update the profiler timed in the same window "
+        "(from on_before_optimizer_step to the optimizer's step post-hook), shared among the units by their "
+        "parameter entries with a gradient and summed back (the step model's once-per-step term on the one "
+        f"stage). A window every {sizes.skip} steps from step {sizes.skip} on. "
         "Schedule step: the wall time of the strategy's schedule step (every forward and backward action); "
         "DynMo's step: the timed section of the per-action table (the strategy's training_step, backward and "
         "batch-start hook, the callback's hooks); Lightning's whole step: from the first callback's "
@@ -617,8 +627,8 @@ def profiled_vs_measured(
     for (label, over), ratio in verdicts.items():
         within = abs(ratio - 1.0) <= tolerance
         lines.append(
-            f"- {label}, {OVER[over]}: profiled blocks + parts / Lightning's whole step, median of the "
-            f"rounds: **{ratio:.3f}**: {'within' if within else 'NOT within'} {tolerance:.0%} of the "
+            f"- {label}, {OVER[over]}: profiled blocks + parts + update / Lightning's whole step, median of "
+            f"the rounds: **{ratio:.3f}**: {'within' if within else 'NOT within'} {tolerance:.0%} of the "
             "measured step."
         )
     return lines, verdicts
@@ -659,7 +669,7 @@ def breakdown(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> list[str]:
     for label in labels:
         total = statistics.median(profiled[label]) if profiled[label] else float("nan")
         cells.append(f"{total:.2f} | {total / medians[label][WHOLE]:.1%}")
-    lines.append("| profiled blocks + parts (the balancer's costs) | " + " | ".join(cells) + " |")
+    lines.append("| profiled blocks + parts + update (the balancer's costs) | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Each piece is timed by its own clock around the call (a piece with one more dot is inside the "

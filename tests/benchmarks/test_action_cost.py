@@ -38,7 +38,7 @@ def test_quick_run_writes_every_job_and_the_profiled_against_measured_table(tmp_
 
 
 def _fake_run(share: float) -> dict[str, Any]:
-    """A job's report whose profiled blocks + parts are ``share`` of Lightning's whole step (10 ms)."""
+    """A job's report whose profiled blocks + parts + update are ``share`` of the whole step (10 ms)."""
     steps = 12  # the default shape's medians start at step 10
     pieces = {name: [0.001] * steps for name in PIECES}
     pieces[WHOLE] = [0.010] * steps
@@ -49,7 +49,7 @@ def _fake_run(share: float) -> dict[str, Any]:
         "pieces_s": pieces,
         "whole_cpu_s": [0.010] * steps,
         "losses": [5.0] * steps,
-        "profiled_s": {"blocks": 0.008 * share, "parts": 0.002 * share},
+        "profiled_s": {"blocks": 0.007 * share, "parts": 0.002 * share, "update": 0.001 * share},
         "window_steps": [9, 10, 11],
     }
 
@@ -75,7 +75,7 @@ def test_check_only_runs_the_check_jobs_alone_and_its_verdict_can_fail(
     # Over the window's steps and over the run's.
     assert report.count("median of the rounds: **0.950**: within 10% of the measured step.") == 2
     assert report.count("median of the rounds: **0.500**: NOT within 10% of the measured step.") == 2
-    assert "| uncompiled | 1 (steps 9, 10, 11) |" in report
+    assert "| uncompiled | 1 (steps 9, 10, 11) | 6.65 | 1.90 | 0.95 | 9.50 |" in report  # the update counts
     assert "| · optimizer update (AdamW) | 1.00 | 10.0% |" in report
 
 
