@@ -21,15 +21,30 @@ there) divided by the step's actions (one forward and one backward per micro-bat
 likewise. The ratio of a DynMo job to ``bare`` is taken within each round; the report gives the median
 and every round. The optimizer step is outside the timed step in every job (the same AdamW in each).
 
-Then, once, the profiler's account of the step against the measured step of the same run: the blocks'
-profiled costs plus the parts' (embedding; head and loss), from the callback's last decision, against the
-median wall time of the timed section, for the last round's ``dynmo window`` run and for a run whose blocks
-are compiled (``DynMoStrategy(compile_blocks={"backend": --compile-backend})``, inductor by default,
-windows every ``skip`` steps so that none measures the compiling first steps).
+Then the check (in the same rounds, interleaved with the jobs above): the profiler's account of the step
+against the measured step of the same run. Two more jobs, ``dynmo_check:none`` (blocks not compiled) and
+``dynmo_check:<--compile-backend>`` (``DynMoStrategy(compile_blocks={"backend": ...})``, inductor by
+default), open a window every ``skip`` steps from step ``skip`` on (none measures the first, compiling
+steps). The blocks' profiled costs plus the parts' (embedding; head and loss) plus the optimizer update
+the profiler timed in the window (shared among the units by parameter entries with a gradient), exactly
+as the callback's last decision gave them to the balancer, are set against three measured medians of
+the same run: the schedule step (every action), DynMo's step (the timed section above) and Lightning's
+whole step (from the first callback's batch-start hook to the last one's batch-end hook: also zero_grad,
+the optimizer update and Lightning's own loop). Every round and the median are reported, and a breakdown
+of where the step goes: each piece (loss reduction, loss logging, the carried gradients' backward, the
+optimizer update, the callback's hooks, ...) timed by its own clock, never as a remainder.
+
+``--shape`` chooses the stage: ``small`` (the sizes above: a stage whose fixed costs are a large share of
+its step), ``d512`` (4 GPT blocks of width 512, 8 heads, 256 tokens, 1 row a micro-batch, 4 micro-batches,
+12 steps, medians of steps 4+: the blocks' work dominates the step, as at the sizes users train) or
+``d512x2`` (the same blocks, 2 rows a micro-batch, 8 steps: one window, steps 5-7; the optimizer update,
+which grows with the parameters but not the tokens, is half the share of the step).
+``--check-only`` runs the check's jobs alone.
 
 Real compute.
 
-    python -m benchmarks.action_cost                # 4 rounds, ~5 minutes on 2 busy cores
+    python -m benchmarks.action_cost                # 4 rounds, ~6 minutes on 2 busy cores
+    python -m benchmarks.action_cost --shape d512 --check-only   # 3 rounds of the check, ~4.5 minutes
     python -m benchmarks.action_cost --quick        # a smoke run (1 round, few steps): not figures
     python -m benchmarks.action_cost --profile dynmo_idle   # cProfile of one job's timed steps, to stderr
 """
@@ -71,7 +86,47 @@ class Sizes:
     skip: int = 10
 
 
+#: The pieces of a DynMo step the breakdown times (wall seconds), in the order Lightning runs them; a
+#: piece with one more dot is inside the one above it.
+PIECES = (
+    "Lightning's whole step (first batch-start hook to last batch-end hook)",
+    "· batch-start hooks (strategy, callback)",
+    "· strategy training_step",
+    "· · batch split, gradients set aside and restored",
+    "· · schedule step (every forward and backward action)",
+    "· · loss reduction",
+    "· · loss logging (LightningModule.log)",
+    "· · step-end hook and the gradient carrier",
+    "· zero_grad",
+    "· strategy backward (the carried gradients into .grad)",
+    "· optimizer update (AdamW)",
+    "· callback batch-end hook",
+)
+(
+    WHOLE,
+    HOOKS_START,
+    TRAINING_STEP,
+    SPLIT,
+    SCHEDULE,
+    REDUCE,
+    LOG,
+    CARRY,
+    ZERO_GRAD,
+    BACKWARD,
+    OPTIMIZER,
+    HOOK_END,
+) = PIECES
+
 QUICK = Sizes(layers=2, width=32, heads=2, tokens=16, rows=2, microbatches=2, steps=6, skip=2)
+#: ``--shape``: ``small`` (the calibration's sizes: a stage whose fixed costs are a large share of its step),
+#: ``d512`` (GPT blocks of width 512 over 256 tokens, where the blocks' work dominates a step, as it does at
+#: the sizes users train) and ``d512x2`` (the same with 2 rows a micro-batch: twice the tokens a step, so the
+#: optimizer update, which scales with the parameters alone, is half the share; 8 steps, one window).
+SHAPES = {
+    "small": Sizes(),
+    "d512": Sizes(layers=4, width=512, heads=8, tokens=256, rows=1, microbatches=4, steps=12, skip=4),
+    "d512x2": Sizes(layers=4, width=512, heads=8, tokens=256, rows=2, microbatches=4, steps=8, skip=4),
+}
 
 
 def _config(sizes: Sizes) -> Any:
@@ -124,6 +179,40 @@ class _CpuTimer:
         self.cpu = self.wall = 0.0
 
 
+class _Pieces:
+    """Wall seconds per named piece of a step (the breakdown of the step), summed per step."""
+
+    def __init__(self) -> None:
+        self.now: dict[str, float] = {}
+        self.steps: dict[str, list[float]] = {}
+        self.marks: dict[str, float] = {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.now[name] = self.now.get(name, 0.0) + seconds
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(name, time.perf_counter() - start)
+
+        return timed
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = time.perf_counter()
+
+    def since(self, piece: str, mark: str) -> None:
+        if mark in self.marks:
+            self.add(piece, time.perf_counter() - self.marks.pop(mark))
+
+    def close_step(self) -> None:
+        for name in PIECES:
+            self.steps.setdefault(name, []).append(self.now.get(name, 0.0))
+        self.now = {}
+
+
 def _init_group() -> None:
     import torch.distributed as dist
 
@@ -174,9 +263,16 @@ def run_bare(sizes: Sizes) -> dict[str, Any]:
     return {"cpu_s": timer.steps_cpu, "wall_s": timer.steps_wall, "losses": losses_seen}
 
 
-def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) -> dict[str, Any]:
-    """One DynMo job (callback idle, or every step in a profiling window; blocks compiled with
-    ``compile_backend`` when given); per-step CPU and wall seconds, and with a window the profiled costs."""
+def run_dynmo(sizes: Sizes, window: str, compile_backend: str | None = None) -> dict[str, Any]:
+    """One DynMo job; per-step CPU and wall seconds, the step's pieces, and with windows the profiled costs.
+
+    Args:
+        sizes: The model's and the run's sizes.
+        window: ``"idle"`` (the callback's always-on parts only), ``"every_step"`` (every step in a
+            profiling window that ends in a decision) or ``"periodic"`` (a window every ``skip`` steps,
+            from step ``skip`` on: none measures the first, compiling steps).
+        compile_backend: Compile each block's forward with this ``torch.compile`` backend (``None``: not).
+    """
     import lightning.pytorch as pl
     import torch
 
@@ -185,17 +281,23 @@ def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) ->
 
     torch.manual_seed(0)
     model = GPT(_config(sizes), OptimizerConfig(lr=1e-3, weight_decay=0.0, warmup_steps=0))
-    if compile_backend is not None:  # windows from step `skip` on: none measures the first (compiling) steps
+    if window == "periodic":
         callback = DynMoCallback(every_n_steps=sizes.skip, min_gain=0.5)
-    elif window:
+    elif window == "every_step":
         callback = DynMoCallback(every_step=True, skip_balanced=False, min_gain=0.5)
     else:
         callback = DynMoCallback(every_n_steps=10_000)
     compiled = {"backend": compile_backend} if compile_backend is not None else False
     strategy = DynMoStrategy(num_microbatches=sizes.microbatches, schedule="1F1B", compile_blocks=compiled)
     timer = _CpuTimer()
+    pieces = _Pieces()
+    # Lightning's whole step in CPU seconds of the main thread (every piece runs there, one torch thread):
+    # the step's work without the time a loaded machine gave to other processes.
+    whole_cpu_s: list[float] = []
+    whole_cpu_start = [0.0]
     losses_seen: list[float] = []
     schedule_s: list[float] = []  # per step: the wall time of the schedule step alone (every action)
+    from lightning_dynmo.pipeline.step import grads as pipeline_grads
     from lightning_dynmo.strategy import steps as strategy_steps
 
     run_schedule_step = strategy_steps.run_schedule_step
@@ -206,8 +308,31 @@ def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) ->
             return run_schedule_step(*args, **kwargs)
         finally:
             schedule_s.append(time.perf_counter() - start)
+            pieces.add(SCHEDULE, schedule_s[-1])
 
-    strategy_steps.run_schedule_step = timed_schedule_step  # measurement only, in this job's process
+    # Measurement only, in this job's process: the functions the strategy's training_step calls.
+    strategy_steps.run_schedule_step = timed_schedule_step
+    strategy_steps.split_batch = pieces.wrap(SPLIT, strategy_steps.split_batch)
+    strategy_steps.reduce_step_losses = pieces.wrap(REDUCE, strategy_steps.reduce_step_losses)
+    strategy_steps.call_step_end_hook = pieces.wrap(CARRY, strategy_steps.call_step_end_hook)
+    for name, piece in (("take_grads", SPLIT), ("restore_grads", SPLIT), ("loss_carrying_grads", CARRY)):
+        setattr(pipeline_grads, name, pieces.wrap(piece, getattr(pipeline_grads, name)))
+    model.log = pieces.wrap(LOG, model.log)  # type: ignore[method-assign]
+    # Which steps each profiling window measured (its steps after warm-up), to set the profiled costs
+    # against the measured steps they came from: a shared machine's load moves from second to second.
+    from lightning_dynmo.profiling import LayerProfiler
+
+    windows: list[tuple[LayerProfiler, list[int]]] = []
+    profiler_begin_step = LayerProfiler.begin_step
+
+    def counted_begin_step(profiler: LayerProfiler) -> None:
+        if not windows or windows[-1][0] is not profiler:
+            windows.append((profiler, []))
+        calls = windows[-1][1]
+        calls.append(len(pieces.steps.get(WHOLE, ())))  # this step's index
+        profiler_begin_step(profiler)
+
+    LayerProfiler.begin_step = counted_begin_step  # type: ignore[method-assign]
 
     class Wrap(pl.Callback):
         """First in the list: wraps what DynMo runs for a step once the Trainer has set it up."""
@@ -218,7 +343,22 @@ def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) ->
                 (callback, ("on_train_batch_start", "on_train_batch_end")),
             ):
                 for name in names:
-                    setattr(obj, name, timer.wrap(getattr(obj, name)))
+                    piece = {
+                        "training_step": TRAINING_STEP,
+                        "backward": BACKWARD,
+                        "on_train_batch_end": HOOK_END,
+                    }.get(name, HOOKS_START)
+                    setattr(obj, name, timer.wrap(pieces.wrap(piece, getattr(obj, name))))
+            optimizer = trainer.optimizers[0]
+            optimizer.zero_grad = pieces.wrap(ZERO_GRAD, optimizer.zero_grad)  # type: ignore[method-assign]
+            optimizer.register_step_post_hook(lambda *_: pieces.since(OPTIMIZER, "optimizer"))
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, i: int) -> None:
+            pieces.mark("step")
+            whole_cpu_start[0] = time.thread_time()
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            pieces.mark("optimizer")  # the closure (training_step, zero_grad, backward) has run
 
     class Close(pl.Callback):
         """Last in the list: a step ends after every other callback's batch-end hook."""
@@ -227,6 +367,9 @@ def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) ->
             self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, i: int
         ) -> None:
             timer.close_step()
+            pieces.since(WHOLE, "step")
+            whole_cpu_s.append(time.thread_time() - whole_cpu_start[0])
+            pieces.close_step()
             losses_seen.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
 
     trainer = pl.Trainer(
@@ -247,16 +390,28 @@ def run_dynmo(sizes: Sizes, window: bool, compile_backend: str | None = None) ->
         "cpu_s": timer.steps_cpu,
         "wall_s": timer.steps_wall,
         "schedule_s": schedule_s,
+        "pieces_s": pieces.steps,
+        "whole_cpu_s": whole_cpu_s,
         "losses": losses_seen,
     }
+    # The costs the callback's last decision gave the balancer, exactly as it gave them.
     hardware = callback.last_hardware
-    if window and callback.last_costs is not None and hardware is not None:
+    if window != "idle" and callback.last_costs is not None and hardware is not None:
         parts = [c for c in (hardware.first_stage_extra, hardware.last_stage_extra) if c is not None]
         report["profiled_s"] = {
             "blocks": sum(c.fwd_time_s + c.bwd_time_s for c in callback.last_costs),
             "parts": sum(c.fwd_time_s + c.bwd_time_s for c in parts),
-            "per_op": 2 * sizes.microbatches * float(hardware.per_op_s or 0.0),
+            # The optimizer update the profiler timed, as shared among the units (one stage: its sum is
+            # the step model's once-per-step term, the largest stage's update).
+            "update": sum(c.update_time_s for c in [*callback.last_costs, *parts]),
         }
+        # The last complete window's measured steps: those of the last decision's costs.
+        complete = [
+            steps[profiler.warmup_steps :]
+            for profiler, steps in windows
+            if len(steps) == profiler.warmup_steps + profiler.profile_steps
+        ]
+        report["window_steps"] = complete[-1] if complete else []
     return report
 
 
@@ -268,10 +423,11 @@ def run_job(name: str, sizes: Sizes) -> dict[str, Any]:
     if name == "bare":
         return run_bare(sizes)
     if name in ("dynmo_idle", "dynmo_window"):
-        return run_dynmo(sizes, window=name == "dynmo_window")
-    if name.startswith("dynmo_compiled:"):  # "dynmo_compiled:<backend>": windows on compiled blocks
-        return run_dynmo(sizes, window=True, compile_backend=name.partition(":")[2])
-    raise ValueError(f"job={name!r} is not one of {list(JOBS)}")
+        return run_dynmo(sizes, window="idle" if name == "dynmo_idle" else "every_step")
+    if name.startswith("dynmo_check:"):  # "dynmo_check:<backend>" ("none": not compiled), periodic windows
+        backend = name.partition(":")[2]
+        return run_dynmo(sizes, window="periodic", compile_backend=None if backend == "none" else backend)
+    raise ValueError(f"job={name!r} is not one of {list(JOBS)} nor 'dynmo_check:<backend or none>'")
 
 
 def launch_job(name: str, sizes: Sizes, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -314,7 +470,7 @@ def measure(sizes: Sizes, rounds: int, jobs: Sequence[str] = JOBS) -> dict[str, 
     for r in range(rounds):
         for name in rotated(list(jobs), r):
             print(f"[action_cost] round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(launch_job(name, sizes))
+            runs[name].append(launch_job(name, sizes, timeout_s=900))
     return runs
 
 
@@ -327,7 +483,8 @@ def table(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> tuple[list[str
     ]
     ratios: dict[str, float] = {}
     bare = [per_action_us(run, "cpu_s", sizes) for run in runs["bare"]]
-    for name, job_runs in runs.items():
+    for name in JOBS:
+        job_runs = runs[name]
         cpu = [per_action_us(run, "cpu_s", sizes) for run in job_runs]
         wall = [per_action_us(run, "wall_s", sizes) for run in job_runs]
         within = [c / b for c, b in zip(cpu, bare, strict=True)]
@@ -340,36 +497,184 @@ def table(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> tuple[list[str
     return lines, ratios
 
 
-def profiled_vs_measured(runs: dict[str, dict[str, Any]], sizes: Sizes) -> list[str]:
-    """The profiler's account of a step (blocks + parts + the runtime's per-action cost) against the
-    measured step (the median wall time of the timed section, steps ``skip``+) of the same run."""
-    lines = [
-        "### The profiler's costs against the measured step of the same run",
-        "",
-        "| run | blocks (ms) | parts (ms) | blocks + parts (ms) | schedule step (ms) | (blocks + parts) / "
-        "schedule step | whole timed step (ms) | (blocks + parts) / whole |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, run in runs.items():
-        costs = run.get("profiled_s")
-        if costs is None:
-            lines.append(f"| {name} | no decision recorded | | | | | | |")
-            continue
-        total = costs["blocks"] + costs["parts"]
-        schedule = statistics.median(run["schedule_s"][sizes.skip :])
-        whole = statistics.median(run["wall_s"][sizes.skip :])
-        lines.append(
-            f"| {name} | {1e3 * costs['blocks']:.2f} | {1e3 * costs['parts']:.2f} | {1e3 * total:.2f} "
-            f"| {1e3 * schedule:.2f} | {total / schedule:.3f} | {1e3 * whole:.2f} | {total / whole:.3f} |"
-        )
+def check_jobs(backend: str) -> dict[str, str]:
+    """The check's jobs by label: DynMo with a window every ``skip`` steps, blocks not compiled and
+    compiled with ``backend`` (``"none"``: the uncompiled one alone)."""
+    jobs = {"uncompiled": "dynmo_check:none"}
+    if backend != "none":
+        jobs[f"compiled (backend {backend!r})"] = f"dynmo_check:{backend}"
+    return jobs
+
+
+def _median_ms(values: Sequence[float], steps: Sequence[int]) -> float:
+    return 1e3 * statistics.median(values[i] for i in steps)
+
+
+def check_rounds(run: dict[str, Any], sizes: Sizes, over: str) -> dict[str, float] | None:
+    """One run's profiled account against its measured steps (ms and ratios), or ``None`` without a
+    decision. Every figure is measured: the profiled costs by the callback's profiler, the steps by the
+    benchmark's clocks; none is derived from another.
+
+    Args:
+        run: A check job's report.
+        sizes: Its sizes.
+        over: ``"window"``: medians over the steps the last decision's window measured (the same steps
+            the profiled costs come from); ``"run"``: over the run's steps ``skip``+.
+    """
+    costs = run.get("profiled_s")
+    if costs is None:
+        return None
+    steps = run["window_steps"] if over == "window" else range(sizes.skip, len(run["wall_s"]))
+    if not steps:
+        return None
+    update = 1e3 * costs.get("update", 0.0)
+    total = 1e3 * (costs["blocks"] + costs["parts"]) + update
+    schedule = _median_ms(run["schedule_s"], steps)
+    dynmo = _median_ms(run["wall_s"], steps)
+    whole = _median_ms(run["pieces_s"][WHOLE], steps)
+    whole_cpu = _median_ms(run["whole_cpu_s"], steps)
+    return {
+        "blocks": 1e3 * costs["blocks"],
+        "parts": 1e3 * costs["parts"],
+        "update": update,
+        "total": total,
+        "schedule": schedule,
+        "of_schedule": total / schedule,
+        "dynmo": dynmo,
+        "of_dynmo": total / dynmo,
+        "whole": whole,
+        "of_whole": total / whole,
+        "whole_cpu": whole_cpu,
+        "of_whole_cpu": total / whole_cpu,
+    }
+
+
+CHECK_COLUMNS = (
+    ("blocks", "blocks (ms)", ".2f"),
+    ("parts", "parts (ms)", ".2f"),
+    ("update", "update (ms)", ".2f"),
+    ("total", "blocks + parts + update (ms)", ".2f"),
+    ("schedule", "schedule step (ms)", ".2f"),
+    ("of_schedule", "/ schedule step", ".3f"),
+    ("dynmo", "DynMo's step (ms)", ".2f"),
+    ("of_dynmo", "/ DynMo's step", ".3f"),
+    ("whole", "Lightning's whole step (ms)", ".2f"),
+    ("of_whole", "/ whole step", ".3f"),
+    ("whole_cpu", "whole step, CPU (ms)", ".2f"),
+    ("of_whole_cpu", "/ whole step CPU", ".3f"),
+)
+
+
+OVER = {
+    "window": "over the steps the profiler measured (the last decision's window)",
+    "run": "over the run's steps after the skipped ones",
+}
+
+
+def profiled_vs_measured(
+    runs: dict[str, list[dict[str, Any]]], sizes: Sizes, tolerance: float = 0.10
+) -> tuple[list[str], dict[tuple[str, str], float]]:
+    """The profiler's account of a step (blocks + parts + the optimizer update) against the measured steps
+    of the same run, every round and the median, per check job, over the window's steps and over the run's;
+    and each job's median ratio to Lightning's whole step, by (job label, ``over``)."""
+    lines = ["### The profiler's costs against the measured step of the same run"]
+    verdicts: dict[tuple[str, str], float] = {}
+    for over, heading in OVER.items():
+        lines += [
+            "",
+            f"Measured steps: medians {heading}:",
+            "",
+            "| run | round | " + " | ".join(title for _, title, _ in CHECK_COLUMNS) + " |",
+            "|---|---|" + "---:|" * len(CHECK_COLUMNS),
+        ]
+        for label, job_runs in runs.items():
+            rows = [check_rounds(run, sizes, over) for run in job_runs]
+            for r, row in enumerate(rows):
+                cells = (
+                    [format(row[key], fmt) for key, _, fmt in CHECK_COLUMNS]
+                    if row is not None
+                    else ["no decision recorded", *[""] * (len(CHECK_COLUMNS) - 1)]
+                )
+                steps = (
+                    f" (steps {', '.join(map(str, job_runs[r]['window_steps']))})" if over == "window" else ""
+                )
+                lines.append(f"| {label} | {r + 1}{steps} | " + " | ".join(cells) + " |")
+            measured = [row for row in rows if row is not None]
+            if measured:
+                median = {key: statistics.median(row[key] for row in measured) for key, _, _ in CHECK_COLUMNS}
+                cells = [f"**{format(median[key], fmt)}**" for key, _, fmt in CHECK_COLUMNS]
+                lines.append(f"| {label} | median | " + " | ".join(cells) + " |")
+                verdicts[(label, over)] = median["of_whole"]
     lines += [
         "",
-        "Blocks and parts: the costs of the callback's last decision (per step: each unit's median call "
-        "times its calls, median over the window's steps, smoothed over windows). Schedule step: the wall "
-        "time of the strategy's schedule step (every forward and backward action of the step), median over "
-        "steps; whole timed step: the timed section of the per-action table (the schedule step plus the "
-        "strategy's and the callback's bookkeeping, the loss logging, the carried gradients' backward, and "
-        "at a window's end the decision), median over steps.",
+        "Blocks and parts: the costs the callback's last decision gave the balancer (per step: each unit's "
+        "median call times its calls over the window's measured steps), measured with the profiler's hooks "
+        "outside each (compiled) block. Update: the optimizer update the profiler timed in the same window "
+        "(from on_before_optimizer_step to the optimizer's step post-hook), shared among the units by their "
+        "parameter entries with a gradient and summed back (the step model's once-per-step term on the one "
+        f"stage). A window every {sizes.skip} steps from step {sizes.skip} on. "
+        "Schedule step: the wall time of the strategy's schedule step (every forward and backward action); "
+        "DynMo's step: the timed section of the per-action table (the strategy's training_step, backward and "
+        "batch-start hook, the callback's hooks); Lightning's whole step: from the first callback's "
+        "batch-start hook to the last one's batch-end hook (all of that plus zero_grad, the optimizer update "
+        "and Lightning's own loop), in wall time and in CPU time of the main thread, where every piece runs "
+        "(one torch thread): where the wall time is well above the CPU time, the loaded machine gave the job "
+        "only part of a core. The profiler's clocks are wall clocks (as are a GPU's), so the verdicts set "
+        "wall against wall. Medians over the steps named; a round's ratio is its own run's. The median row "
+        "gives the median of each column over the rounds.",
+        "",
+    ]
+    for (label, over), ratio in verdicts.items():
+        within = abs(ratio - 1.0) <= tolerance
+        lines.append(
+            f"- {label}, {OVER[over]}: profiled blocks + parts + update / Lightning's whole step, median of "
+            f"the rounds: **{ratio:.3f}**: {'within' if within else 'NOT within'} {tolerance:.0%} of the "
+            "measured step."
+        )
+    return lines, verdicts
+
+
+def breakdown(runs: dict[str, list[dict[str, Any]]], sizes: Sizes) -> list[str]:
+    """Where a DynMo step's wall time goes, piece by piece, per check job: the median over rounds of each
+    run's median over steps ``skip``+ (ms), and its share of Lightning's whole step."""
+    labels = list(runs)
+    lines = [
+        "### Where the step goes",
+        "",
+        "| piece | " + " | ".join(f"{label} (ms) | share" for label in labels) + " |",
+        "|---|" + "---:|---:|" * len(labels),
+    ]
+    medians = {
+        label: {
+            name: statistics.median(
+                _median_ms(run["pieces_s"][name], range(sizes.skip, len(run["wall_s"]))) for run in job_runs
+            )
+            for name in PIECES
+        }
+        for label, job_runs in runs.items()
+    }
+    profiled = {
+        label: [
+            row["total"] for row in (check_rounds(run, sizes, "run") for run in job_runs) if row is not None
+        ]
+        for label, job_runs in runs.items()
+    }
+    for name in PIECES:
+        cells = [
+            f"{medians[label][name]:.2f} | {medians[label][name] / medians[label][WHOLE]:.1%}"
+            for label in labels
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cells = []
+    for label in labels:
+        total = statistics.median(profiled[label]) if profiled[label] else float("nan")
+        cells.append(f"{total:.2f} | {total / medians[label][WHOLE]:.1%}")
+    lines.append("| profiled blocks + parts + update (the balancer's costs) | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Each piece is timed by its own clock around the call (a piece with one more dot is inside the "
+        "one above it); none is a remainder. The optimizer update runs from Lightning's "
+        "on_before_optimizer_step to the optimizer's step post-hook.",
     ]
     return lines
 
@@ -386,12 +691,35 @@ def profile_job(name: str, sizes: Sizes) -> None:
     pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(45)
 
 
+def sizes_for(shape: str, quick: bool) -> Sizes:
+    """The sizes of ``--shape`` (``--quick``: the smoke run's, whatever the shape).
+
+    Raises:
+        ValueError: if ``shape`` is not one of :data:`SHAPES`.
+    """
+    if shape not in SHAPES:
+        raise ValueError(f"--shape={shape!r} is not one of {sorted(SHAPES)}; pass one of them")
+    return QUICK if quick else SHAPES[shape]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds (default: 4, or 3 with a d512 shape)"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, 1 round; not figures")
+    parser.add_argument(
+        "--shape",
+        default="small",
+        help=f"the stage's shape, one of {sorted(SHAPES)} (default small; see the module's docstring)",
+    )
+    parser.add_argument(
+        "--check-only",
+        action="store_true",
+        help="run only the profiled-against-measured check (not the per-action table)",
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="the report's path (default: dated, in results/)"
     )
@@ -406,7 +734,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--job-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = Sizes(**json.loads(args.sizes)) if args.sizes else (QUICK if args.quick else Sizes())
+    sizes = Sizes(**json.loads(args.sizes)) if args.sizes else sizes_for(args.shape, args.quick)
     if args.job is not None:
         report = run_job(args.job, sizes)
         assert args.job_out is not None, "--job needs --job-out"
@@ -418,34 +746,39 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks._lib import harness
     from benchmarks._lib.common import results_path
 
-    rounds = 1 if args.quick else args.rounds
-    if rounds < 1:
-        raise ValueError(f"--rounds={rounds}: a comparison needs at least 1 round; pass --rounds 1 or more")
+    rounds = 1 if args.quick else (args.rounds or (4 if args.shape == "small" else 3))
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(
+            f"--rounds={args.rounds}: a comparison needs at least 1 round; pass --rounds 1 or more"
+        )
     out = results_path("action_cost", args.out, args.force)
     started = time.perf_counter()
-    runs = measure(sizes, rounds)
-    lines, ratios = table(runs, sizes)
+    backend = "eager" if args.quick else args.compile_backend
+    checks = check_jobs(backend)
+    jobs = [*checks.values()] if args.check_only else [*JOBS, *checks.values()]
+    runs = measure(sizes, rounds, jobs)
     sections = [
         harness.header("The runtime's CPU cost per pipeline action", "action_cost", argv, [harness.REAL]),
-        f"Stage: one stage holding the whole GPT ({sizes.layers} dense blocks, width {sizes.width}, "
-        f"{sizes.tokens} tokens, {sizes.rows} rows a micro-batch), {sizes.microbatches} micro-batches a step "
-        f"under 1F1B ({2 * sizes.microbatches} actions), one process and one torch thread per job; "
-        f"{rounds} interleaved rounds of {sizes.steps} steps, medians of steps {sizes.skip}+.",
-        "\n".join(lines),
-        "Losses (first and last step of round 1): "
-        + "; ".join(f"{n}: {runs[n][0]['losses'][0]:.6f} .. {runs[n][0]['losses'][-1]:.6f}" for n in runs),
-        f"DynMo idle / bare, CPU per action: **{ratios['dynmo_idle']:.3f}** (median of the rounds' ratios).",
+        f"Stage ({'quick' if args.quick else args.shape}): one stage holding the whole GPT ({sizes.layers} "
+        f"dense blocks, width {sizes.width}, {sizes.heads} heads, {sizes.tokens} tokens, {sizes.rows} rows a "
+        f"micro-batch, float32), {sizes.microbatches} micro-batches a step under 1F1B "
+        f"({2 * sizes.microbatches} actions), one process and one torch thread per job; {rounds} interleaved "
+        f"round(s) of {sizes.steps} steps, medians of steps {sizes.skip}+.",
     ]
-    backend = "eager" if args.quick else args.compile_backend
-    checked = {"uncompiled, every step a window (the last round's dynmo_window)": runs["dynmo_window"][-1]}
-    if backend != "none":
-        print(
-            f"[action_cost] compiled blocks ({backend}), a window every {sizes.skip} steps", file=sys.stderr
-        )
-        checked[f"compiled (backend {backend!r}), a window every {sizes.skip} steps"] = launch_job(
-            f"dynmo_compiled:{backend}", sizes, timeout_s=900
-        )
-    sections.append("\n".join(profiled_vs_measured(checked, sizes)))
+    if not args.check_only:
+        lines, ratios = table(runs, sizes)
+        sections += [
+            "\n".join(lines),
+            f"DynMo idle / bare, CPU per action: **{ratios['dynmo_idle']:.3f}** (median of the rounds' "
+            "ratios).",
+        ]
+    sections.append(
+        "Losses (first and last step of round 1): "
+        + "; ".join(f"{n}: {runs[n][0]['losses'][0]:.6f} .. {runs[n][0]['losses'][-1]:.6f}" for n in runs)
+    )
+    checked = {label: runs[job] for label, job in checks.items()}
+    lines, _ = profiled_vs_measured(checked, sizes)
+    sections += ["\n".join(lines), "\n".join(breakdown(checked, sizes))]
     harness.finish("action_cost", out, sections, started)
 
 

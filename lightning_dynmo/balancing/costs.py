@@ -36,6 +36,12 @@ class LayerCost:
             optimizer state and activations held for the schedule's in-flight micro-batches.
         activation_bytes: Bytes the layer sends downstream per micro-batch (its output activation),
             which is what crosses a stage boundary if the next layer lives on another stage.
+        update_time_s: The layer's share of one optimizer update (once per step, after the pipeline's
+            flush; every stage updates its own layers in parallel), seconds. The profiler times the
+            update and shares it among a rank's layers and parts by the parameter entries that got a
+            gradient (a frozen layer's share is 0). The step model adds the largest stage's sum once
+            per step (:func:`~lightning_dynmo.balancing.step_prediction.predict_step`); 0 where it was
+            not measured (traces, emulated costs), which leaves the step as before.
     """
 
     fwd_time_s: float = 0.0
@@ -44,6 +50,7 @@ class LayerCost:
     bwd_weight_time_s: float = 0.0
     memory_bytes: int = 0
     activation_bytes: int = 0
+    update_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -142,6 +142,9 @@ class StageCosts:
             weight-gradient pass (``bwd_weight_time_s == bwd_time_s``): under a split-backward schedule
             torch runs the first stage's backward unsplit, in its ``W`` action, so what was measured on
             the first stage carries no input/weight split (its share is the schedule's on another stage).
+        update_s: Per stage, its optimizer update (the records'
+            :attr:`~lightning_dynmo.balancing.costs.LayerCost.update_time_s`, times the worker's
+            slowdown; by time only, else 0): once per step, after the flush, every stage at once.
     """
 
     fwd_s: tuple[float, ...]
@@ -149,6 +152,7 @@ class StageCosts:
     send_s: tuple[float, ...]
     wgrad_s: tuple[float, ...]
     whole_bwd_s: tuple[float, ...]
+    update_s: tuple[float, ...] = ()
 
     def per_microbatch(
         self, num_microbatches: int, measured_with: int | None = None, per_op_s: float = 0.0
@@ -195,7 +199,7 @@ def stage_times(
     slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
     links = hardware.links(placement.num_layers, stages, by)
     timed = by == "time"
-    stage_fwd, stage_bwd, send, stage_wgrad, stage_whole = [], [], [], [], []
+    stage_fwd, stage_bwd, send, stage_wgrad, stage_whole, update = [], [], [], [], [], []
     for s in range(stages):
         layers = placement.layers_of(s)
         records = [costs[i] for i in layers]
@@ -212,8 +216,11 @@ def stage_times(
         stage_bwd.append(slowdown[s] * b)
         stage_wgrad.append(slowdown[s] * w)
         stage_whole.append(slowdown[s] * whole)
+        update.append(slowdown[s] * sum(c.update_time_s for c in records) if timed else 0.0)
         send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
-    return StageCosts(tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole))
+    return StageCosts(
+        tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole), tuple(update)
+    )
 
 
 def _ran_whole(cost: LayerCost) -> bool:
@@ -315,10 +322,11 @@ def to_reference(
 
 
 def scaled(cost: LayerCost, factor: float) -> LayerCost:
-    """``cost`` with its forward and backward times multiplied by ``factor``."""
+    """``cost`` with its forward, backward and update times multiplied by ``factor``."""
     return dataclasses.replace(
         cost,
         fwd_time_s=cost.fwd_time_s * factor,
         bwd_time_s=cost.bwd_time_s * factor,
         bwd_weight_time_s=cost.bwd_weight_time_s * factor,
+        update_time_s=cost.update_time_s * factor,
     )

@@ -562,6 +562,7 @@ def smooth_costs(
             bwd_time_s=weight * old.bwd_time_s + (1.0 - weight) * new.bwd_time_s,
             bwd_weight_time_s=weight * old.bwd_weight_time_s + (1.0 - weight) * new.bwd_weight_time_s,
             num_params=new.num_params,
+            update_time_s=weight * old.update_time_s + (1.0 - weight) * new.update_time_s,
             memory_bytes=new.memory_bytes,
             activation_bytes=new.activation_bytes,
         )

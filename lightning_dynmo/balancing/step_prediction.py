@@ -83,8 +83,10 @@ class StepPrediction:
     """A placement's simulated step.
 
     Attributes:
-        step_s: The step time (the view's unit: seconds with ``by="time"``).
-        bubble_ratio: Idle share of all ranks over the step.
+        step_s: The step time (the view's unit: seconds with ``by="time"``): the schedule's, plus the
+            slowest stage's optimizer update
+            (:attr:`~lightning_dynmo.balancing.hardware.StageCosts.update_s`).
+        bubble_ratio: Idle share of all ranks over the schedule's part of the step.
         stage_loads: Per stage, forward + backward of one step (all micro-batches) on its worker.
     """
 
@@ -152,6 +154,7 @@ def predict_step(
     step, busy = compiled.step(per_stage)
     ranks = len(busy)
     bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
+    step += max(times.update_s, default=0.0)  # the update: once, after the flush, every stage at once
     loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
     return StepPrediction(step, bubble, loads)
 

@@ -121,30 +121,27 @@ class DynMoCallback(Callback):
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
     Raises:
-        TypeError: a keyword of the flat constructor of earlier versions (``auto_threshold=``,
-            ``profile_steps=``, ...): the message names its new place
-            (:data:`~lightning_dynmo.callback.config.MOVED_KEYWORDS`).
+        TypeError: a flat constructor's keyword of earlier versions (``auto_threshold=``, ``profile_steps=``,
+            ...): the message names its new place (:data:`~lightning_dynmo.callback.config.MOVED_KEYWORDS`).
 
     The history (``events``, ``rebalances``) keeps the most recent
-    :data:`~lightning_dynmo.callback.control_plane.MAX_HISTORY` records each; ``dropped_history`` counts
-    the others. Resuming from a checkpoint restores the history and, when the run has the same pipeline
-    (schedule, ranks, stages), the saved placement. On another pipeline (other devices or schedule) the
-    run keeps its own initial placement and rebalances it after profiling its first steps, without
-    re-packing then (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at
-    start-up.
+    :data:`~lightning_dynmo.callback.control_plane.MAX_HISTORY` records each; ``dropped_history`` counts the
+    others. Resuming from a checkpoint restores the history and, when the run has the same pipeline (schedule,
+    ranks, stages), the saved placement. On another pipeline (other devices or schedule) the run keeps its own
+    initial placement and rebalances it after profiling its first steps, without re-packing then
+    (:func:`~lightning_dynmo.balancing.policy.resume_plan`); ranks are never released at start-up.
 
-    Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``;
-    the running means cover every step, and decision metrics appear at the next written step):
-    ``dynmo/imbalance`` and ``dynmo/bubble_ratio``
-    (measured from per-rank busy times), their running means ``..._avg``, ``dynmo/step_time_s``,
-    ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``, with ``every_step`` ``dynmo/skipped_windows``
-    (cumulative, see ``skip_balanced``); after each decision
+    Logged through the Trainer's loggers, at the steps they write (``Trainer(log_every_n_steps=...)``; the
+    running means cover every step, and decision metrics appear at the next written step): ``dynmo/imbalance``
+    and ``dynmo/bubble_ratio`` (measured from per-rank busy times), their running means ``..._avg``,
+    ``dynmo/step_time_s``, ``dynmo/stage{s}/busy_s``, ``dynmo/active_workers``, with ``every_step``
+    ``dynmo/skipped_windows`` (cumulative, see ``skip_balanced``); after each decision
     ``dynmo/simulated_bubble_ratio``, ``dynmo/predicted_gain``, ``dynmo/profiling_s``, ``dynmo/decision_s``,
     ``dynmo/migration_s``, ``dynmo/overhead_s`` (cumulative), ``dynmo/stage{s}/num_layers``,
     ``dynmo/peak_memory_bytes`` (CUDA: peak allocated in the window; CPU: the process's peak RSS); and
-    ``dynmo/measured_gain`` once the new placement has run ``profiling.steps`` steps (against the steps
-    right before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance
-    gives the old and new placement text with predicted and then measured gain.
+    ``dynmo/measured_gain`` once the new placement has run ``profiling.steps`` steps (against the steps right
+    before the rebalance, see :mod:`lightning_dynmo.balancing.gain`). One log line per rebalance gives the old
+    and new placement text with predicted and then measured gain.
 
     ``trust`` (a :class:`~lightning_dynmo.balancing.trust.PredictionTrust`, attribute) compares each move's
     measured gain with its prediction: after 2 moves in a row that delivered less than half of it, a move
@@ -350,6 +347,10 @@ class DynMoCallback(Callback):
         self._step_start = self._clock()
 
     @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self._window.before_update()  # a window times the update, to its step post-hook
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -397,8 +398,7 @@ class DynMoCallback(Callback):
     # -- a window: open, close, decide ----------------------------------------------------------------
 
     def _open_window(self, trainer: pl.Trainer, view: PipelineView, reason: str) -> None:
-        optimizer = trainer.optimizers[0] if trainer.optimizers else None
-        self._window.open(view, optimizer, trainer.global_step, reason)
+        self._window.open(view, next(iter(trainer.optimizers), None), trainer.global_step, reason)
         self._gain.window_opened()
         log.debug("DynMo: profiling window opened at step %d (%s)", trainer.global_step, reason)
 

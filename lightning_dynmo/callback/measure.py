@@ -109,8 +109,9 @@ class CostMeter:
         What the running placement's hook-free steps (``measured_s``:
         :meth:`~lightning_dynmo.balancing.gain.GainMeter.quiet_step_s`, agreed by every rank) took beyond
         ``problem``'s predicted work, spread over the schedule's actions
-        (:func:`~lightning_dynmo.balancing.step_prediction.fit_per_op`): the optimizer, launching each
-        op, the schedule's bookkeeping, the machine's load as it is. Local (no collective).
+        (:func:`~lightning_dynmo.balancing.step_prediction.fit_per_op`): launching each op, the
+        schedule's bookkeeping, the machine's load as it is (the optimizer update is measured: the costs'
+        ``update_time_s``, which the prediction adds once per step). Local (no collective).
 
         ``measured_s=None`` gives 0 (bare work): the ``"params"`` view, or no hook-free step of the model
         as it is on this placement (a window right after a dynamism event). A window's steps carry the

@@ -151,6 +151,11 @@ class ProfilingWindow:
         self._steps_run += 1
         return "warmup" if self._steps_run <= self.warmup_steps else "profiled"
 
+    def before_update(self) -> None:
+        """The optimizer is about to update: a window times the update (outside one, nothing runs)."""
+        if self.profiler is not None:
+            self.profiler.before_update()
+
     def end_step(self, phase: StepPhase, busy_s: float | None) -> bool:
         """End a step; whether the window is complete (then :meth:`close` it)."""
         if phase == "profiled" and busy_s is not None:

@@ -3,6 +3,8 @@
 - :mod:`.profiler`: :class:`LayerProfiler`, forward/backward time and memory of a rank's layers over a
   window (hooks on, warm-up steps, measured steps, hooks off).
 - :mod:`.layer_timer`: per-layer forward and backward time measured inside a real schedule step.
+- :mod:`.update`: the optimizer update's own clock in a window, shared among the units by the parameter
+  entries that got a gradient.
 - :mod:`.clock`: time stamps for profiling hooks that never stall the device.
 - :mod:`.memory`: the per-layer memory model and the measured per-stage peak
   (:func:`inflight_microbatches`: how many micro-batches' activations a stage holds under a schedule).

@@ -35,6 +35,7 @@ from lightning_dynmo.profiling.memory import (
     reset_peak_memory,
     static_memory,
 )
+from lightning_dynmo.profiling.update import UpdateTimer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class LayerProfile:
         microbatches_per_step: Forward calls per step.
         num_params: Non-zero parameter entries.
         memory: The layer's memory, split by kind.
+        update_time_s: The layer's share of the optimizer update per step
+            (:class:`~lightning_dynmo.profiling.update.UpdateTimer`: by its entries with a gradient).
     """
 
     fwd_time_s: float
@@ -64,6 +67,7 @@ class LayerProfile:
     microbatches_per_step: float
     num_params: int
     memory: LayerMemory
+    update_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,9 @@ class ProfileResult:
         step_time_s: Mean wall (CPU) or device (CUDA) seconds per profiled step on this rank.
         hook_time_s: Mean CPU seconds per step spent inside the profiler's own hooks (its overhead).
         peak: The stage's measured peak memory over the window.
+        parts: One :class:`LayerProfile` per first/last-stage part this rank ran, by name.
+        update_time_s: Median seconds per profiled step of this rank's optimizer update, as measured
+            (its shares are the layers' and parts' ``update_time_s``); 0 without an optimizer.
     """
 
     layers: Mapping[int, LayerProfile]
@@ -84,6 +91,7 @@ class ProfileResult:
     hook_time_s: float
     peak: PeakMemory
     parts: Mapping[str, LayerProfile] = dataclasses.field(default_factory=dict)
+    update_time_s: float = 0.0
 
     def activations(self) -> dict[Unit, tuple[int, int]]:
         """``(saved-activation bytes, output bytes)`` per micro-batch of each layer and part, for reuse."""
@@ -124,6 +132,7 @@ def _cost(profile: LayerProfile, inflight_microbatches: int) -> LayerCost:
         num_params=profile.num_params,
         memory_bytes=profile.memory.total_bytes(inflight_microbatches),
         activation_bytes=profile.memory.output_bytes_per_microbatch,
+        update_time_s=profile.update_time_s,
     )
 
 
@@ -138,7 +147,9 @@ class LayerProfiler:
             so the meter's per-tensor hook never inflates a recorded forward time.
         profile_steps: Steps measured (per-layer figures are their median).
         device: The stage's device; ``cuda`` uses CUDA events and the CUDA peak-memory counter.
-        optimizer: Read for per-layer optimizer-state bytes (optional).
+        optimizer: Read for per-layer optimizer-state bytes, and its update timed (its step post-hook,
+            registered while the window is open; the update's start is :meth:`before_update`).
+            Optional: without it no update is timed.
         stages: This rank's ``PipelineStage`` objects; let deferred weight-gradient passes (zero-bubble
             schedules) be timed. Without them, such passes are not seen and backward is undercounted.
         microbatches_per_step: If given, a step in which a layer ran more forward calls than this
@@ -197,6 +208,9 @@ class LayerProfiler:
         self._microbatches = microbatches_per_step
         self._clock = StepClock(self._device)
         self._timer = LayerTimer(self._units, self._clock)
+        self._update = UpdateTimer(self._units, optimizer, self._clock)
+        self._update_shares: list[dict[Any, float]] = []
+        self._update_times_s: list[float] = []
         known = known_activations or {}
         self._known = {key: a for key, a in known.items() if key in self._layers or key in self._part_keys}
         metered = [k for k in self._units if (k[0] if isinstance(k, tuple) else k) not in self._known]
@@ -229,12 +243,14 @@ class LayerProfiler:
         if len(self._known) < len(self._layers) + len(self._part_keys):
             self._meter.attach()
         self._timer.attach(self._stages)
+        self._update.attach()
         reset_peak_memory(self._device)
 
     def stop(self) -> None:
         """Remove every hook (safe to call twice, and called by ``end_step`` once the window is done)."""
         self._timer.detach()
         self._meter.detach()
+        self._update.detach()
 
     def __enter__(self) -> LayerProfiler:
         self.start()
@@ -253,12 +269,17 @@ class LayerProfiler:
         self._meter_hook_time0 = self._meter.hook_time_s
         self._step_start = self._clock.mark()
 
+    def before_update(self) -> None:
+        """Call when the optimizer is about to update (the step's forward and backward are done)."""
+        self._update.before_update()
+
     def end_step(self) -> bool:
         """Call right after the step (after backward and any deferred weight pass); True once done."""
         if self._step_start is None:
             raise RuntimeError("LayerProfiler.end_step() without begin_step().")
         step_end = self._clock.mark()
         times = self._timer.end_step()  # synchronises once on CUDA, so step_end is resolved too
+        update_s, update_shares = self._update.end_step()  # its marks came before step_end
         self._steps_seen += 1
         if self._steps_seen == 1 and self.warmup_steps >= 1:
             # Saved-activation sizes depend only on shapes: one metered step is enough, and the meter's
@@ -266,6 +287,8 @@ class LayerProfiler:
             self._meter.detach()
         if self._steps_seen > self.warmup_steps:
             self._recorded.append(times)
+            self._update_shares.append(update_shares)
+            self._update_times_s.append(update_s)
             self._step_times_s.append(self._clock.elapsed_s(self._step_start, step_end))
             meter_time = self._meter.hook_time_s - self._meter_hook_time0
             self._hook_times_s.append(self._timer.hook_time_s + meter_time)
@@ -292,6 +315,7 @@ class LayerProfiler:
             hook_time_s=sum(self._hook_times_s) / n,
             peak=self._peak,
             parts=parts,
+            update_time_s=statistics.median(self._update_times_s),
         )
         log.debug("profiled %d layers over %d steps: %s", len(layers), n, result)
         return result
@@ -316,6 +340,7 @@ class LayerProfiler:
             bwd_weight_time_s=sum(p.bwd_weight_time_s for p in profiles),
             microbatches_per_step=profiles[0].microbatches_per_step,
             num_params=sum(p.num_params for p in profiles),
+            update_time_s=sum(p.update_time_s for p in profiles),
             memory=LayerMemory(
                 param_bytes=sum(p.memory.param_bytes for p in profiles),
                 grad_bytes=sum(p.memory.grad_bytes for p in profiles),
@@ -337,6 +362,7 @@ class LayerProfiler:
             bwd_weight_time_s=statistics.median(s.bwd_weight_time_s for s in steps),
             microbatches_per_step=sum(s.num_calls for s in steps) / n,
             num_params=count_nonzero_params(self._units[index]),
+            update_time_s=statistics.median(u[index] for u in self._update_shares),
             memory=LayerMemory(
                 param_bytes=params,
                 grad_bytes=grads,

@@ -114,6 +114,7 @@ def fit_worker(rank: int, world_size: int, scenario: str, callback_kwargs: dict[
         "costs": dynmo.last_costs,
         "hardware": hardware,
         "hooks_left": any(module_has_hooks(m) for m in [model, *trainer.strategy.local_layers.values()]),
+        "update_hooks_left": bool(trainer.optimizers[0]._optimizer_step_post_hooks),
         "decisions": decisions,
         "recorded_per_op_s": [r.per_op_s for r in dynmo.rebalances],
     }
@@ -153,6 +154,10 @@ def test_the_head_and_loss_are_profiled_and_balanced_with_the_blocks(tmp_path: A
     # 2.5 blocks of sleep plus the real projection and loss; 0-4|5-7 stays optimal for 1 to 3 blocks.
     assert 1.8 * block < head.time_s < 3.5 * block
     assert head.memory_bytes > 0 and hardware.first_stage_extra.memory_bytes > 0
+    # The optimizer update, timed in the window and shared by entries with a gradient, reaches every rank.
+    assert all(c.update_time_s > 0 for c in costs)
+    assert head.update_time_s > 0 and hardware.first_stage_extra.update_time_s > 0
+    assert not any(r["update_hooks_left"] for r in results)  # the step post-hook went with the window
     assert str(partition(BalanceProblem(costs), 2)) == "0-3|4-7"  # what a block-only balancer keeps
     for r in results:
         assert r["placement"] == "0-4|5-7"

@@ -291,3 +291,37 @@ def test_the_cost_per_action_fitted_on_a_measured_step_reproduces_it():
     assert fit_per_op(problem, placement, ORDER, 2, 30.0) == 0.0
     with pytest.raises(ValueError, match=r"measured_step_s=0\.0 must be a finite number of seconds > 0"):
         fit_per_op(problem, placement, ORDER, 2, 0.0)
+
+
+def test_the_optimizer_update_adds_the_slowest_stages_update_once_per_step():
+    # Per layer, its share of the update (seconds per step): stage 0 of 0-1|2-3 updates 1 + 2 = 3 s,
+    # stage 1 0.5 + 0.5 = 1 s; all stages update at once after the flush: 31 (the timeline above) + 3.
+    updated = [
+        dataclasses.replace(c, update_time_s=u) for c, u in zip(COSTS, (1.0, 2.0, 0.5, 0.5), strict=True)
+    ]
+    problem = BalanceProblem(updated)
+    step = predict_step(problem, Placement.from_string("0-1|2-3"), ORDER, 2)
+    assert step.step_s == pytest.approx(34.0)
+    assert step.bubble_ratio == pytest.approx(1 - 40 / 62)  # the schedule's bubble, as without the update
+    # 0-2|3: stage 0 updates 3.5 s, stage 1 0.5 s: 30 + 3.5.
+    assert predict_step(problem, Placement.from_string("0-2|3"), ORDER, 2).step_s == pytest.approx(33.5)
+    # The pinned parts update on their stages: the embedding's 2 s on stage 0 makes it 5 s.
+    parts = BalanceProblem(updated, hardware=Hardware(first_stage_extra=LayerCost(update_time_s=2.0)))
+    assert predict_step(parts, Placement.from_string("0-1|2-3"), ORDER, 2).step_s == pytest.approx(36.0)
+    # Negative controls: not the stages' sum (35), not per micro-batch; the fit no longer absorbs it.
+    assert step.step_s != pytest.approx(31.0 + 4.0)
+    assert fit_per_op(problem, Placement.from_string("0-1|2-3"), ORDER, 2, 34.0) == 0.0
+    assert fit_per_op(BalanceProblem(COSTS), Placement.from_string("0-1|2-3"), ORDER, 2, 34.0) > 0.0
+    # Costs without an update (traces, emulated models) predict as before, and "params" ignores it.
+    assert predict_step(BalanceProblem(COSTS), Placement.from_string("0-1|2-3"), ORDER, 2).step_s == 31.0
+    by_params = BalanceProblem([dataclasses.replace(c, num_params=1) for c in updated], by="params")
+    plain = BalanceProblem([dataclasses.replace(c, num_params=1) for c in COSTS], by="params")
+    placement = Placement.from_string("0-1|2-3")
+    assert (
+        predict_step(by_params, placement, ORDER, 2).step_s == predict_step(plain, placement, ORDER, 2).step_s
+    )
+
+
+def test_a_negative_or_unknown_update_time_is_refused():
+    with pytest.raises(ValueError, match=r"LayerCost\.update_time_s must be a finite number >= 0, got -1\.0"):
+        LayerCost(update_time_s=-1.0)
