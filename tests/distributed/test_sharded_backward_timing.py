@@ -6,9 +6,10 @@ input needs no gradient, and splits a zero-bubble weight pass, at parameter-grad
 hook the gathered parameters (its forward hook does, once per step).
 
 Two gloo ranks shard a stack of two units, each sleeping ``BWD_MS`` in backward (an emulated cost), and
-run a stage's backward the two ways a pipeline schedule does (as ``PipelineStage`` runs an FSDP stage: no
-gradient sync, no re-shard after backward): unsplit with an input that needs no gradient, and split
-into an input pass and a later weight pass. Units are sharded keeping their gathered parameters from
+run a stage's backward the ways a pipeline schedule does (as ``PipelineStage`` runs an FSDP stage: no
+gradient sync, no re-shard after backward): unsplit with an input that needs no gradient (1F1B's first
+stage), the same inside a weight pass (a zero-bubble schedule's first stage), and split into an input
+pass and a later weight pass (its other stages). Units are sharded keeping their gathered parameters from
 forward to backward (the default) or re-sharding after forward (gathered again for backward, into the
 same parameter objects; unsplit backward only). Every unit must read at least its sleep, sharded as
 unsharded. The control: with the forward hook's registration switched off (the former behaviour, hooks
@@ -42,7 +43,8 @@ BWD_MS = 40.0
 STEPS = 2
 
 
-def _run(sharding: str, split: bool, control: bool = False) -> dict[str, Any]:
+def _run(sharding: str, backward: str, control: bool = False) -> dict[str, Any]:
+    split = backward == "split"
     sharded = sharding != "none"
     torch.manual_seed(0)
     model = Stack({i: Block(bwd_ms=BWD_MS) for i in range(2)})
@@ -76,6 +78,9 @@ def _run(sharding: str, split: bool, control: bool = False) -> dict[str, Any]:
             _, groups = stage_backward_input([loss], None, [x], model.parameters())
             with timer.weight_pass():
                 stage_backward_weight(model.parameters(), groups)
+        elif backward == "in_weight_pass":  # as zero-bubble schedules run a first stage's backward
+            with timer.weight_pass():
+                loss.backward()
         else:
             loss.backward()
         # The timer's hooks (on the gathered parameters, if sharded) are runtime hooks: migration may
@@ -116,15 +121,18 @@ def _hooks(unit: nn.Module) -> list[int]:
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return {
-        (sharding, split, control): _run(sharding, split, control)
-        for sharding, split, control in [
-            ("none", False, False),
-            ("none", True, False),
-            ("kept", False, False),
-            ("kept", True, False),
-            ("resharded", False, False),
-            ("kept", False, True),
-            ("kept", True, True),
+        (sharding, backward, control): _run(sharding, backward, control)
+        for sharding, backward, control in [
+            ("none", "plain", False),
+            ("none", "split", False),
+            ("none", "in_weight_pass", False),
+            ("kept", "plain", False),
+            ("kept", "split", False),
+            ("kept", "in_weight_pass", False),
+            ("resharded", "plain", False),
+            ("kept", "plain", True),
+            ("kept", "split", True),
+            ("kept", "in_weight_pass", True),
         ]
     }
 
@@ -134,10 +142,11 @@ def test_sharded_units_read_their_backward_and_weight_time(tmp_path: Any) -> Non
     for result in run_distributed(_worker, 2, tmp_path, timeout_s=90):
         for sharding in ("none", "kept", "resharded"):
             sharded = sharding != "none"
-            unsplit = result[(sharding, False, False)]
+            unsplit = result[(sharding, "plain", False)]
             # Split backward with re-sharding after forward is left out: torch's stage_backward_input
             # takes the stage's parameters after forward, i.e. the shards (the strategy keeps them gathered).
-            split = result.get((sharding, True, False), unsplit)
+            split = result.get((sharding, "split", False), unsplit)
+            whole = result.get((sharding, "in_weight_pass", False), unsplit)
             for step in unsplit["steps"]:
                 # Unit 0's input is data: its backward ends at its last parameter gradient.
                 for i, (bwd, weight) in step.items():
@@ -147,7 +156,10 @@ def test_sharded_units_read_their_backward_and_weight_time(tmp_path: Any) -> Non
                 for i, (bwd, weight) in step.items():
                     assert bwd_s <= bwd < 3 * bwd_s, (sharding, i, split)  # the sleep is in the input pass
                     assert 0.0 < weight < bwd_s, (sharding, i, split)  # each unit's weight gradients
-            for run in (unsplit, split):
+            for step in whole["steps"] if whole is not unsplit else []:
+                for i, (bwd, weight) in step.items():  # all of each unit's backward is weight-pass time
+                    assert bwd_s <= weight == bwd < 3 * bwd_s, (sharding, i, whole)
+            for run in (unsplit, split, whole):
                 # In the step, parameters carry the timer's hooks, none of them a user hook; after the
                 # step, the parameters the units hold (the gathered ones, if sharded) carry none; after
                 # detach, the units carry exactly the hooks they had before attach.
@@ -157,11 +169,12 @@ def test_sharded_units_read_their_backward_and_weight_time(tmp_path: Any) -> Non
                     assert run["after_step"] == [(False, False)] * STEPS, run
                 assert run["left_after_detach"] == [False, False], run
         # The control: hooks on the shards never fire, so parameter-gradient times read 0.
-        unsplit = result[("kept", False, True)]
-        split = result[("kept", True, True)]
-        assert unsplit["shard_fires"] == split["shard_fires"] == 0
+        unsplit = result[("kept", "plain", True)]
+        split = result[("kept", "split", True)]
+        whole = result[("kept", "in_weight_pass", True)]
+        assert unsplit["shard_fires"] == split["shard_fires"] == whole["shard_fires"] == 0
         for step in unsplit["steps"]:
             assert step[0] == (0.0, 0.0), unsplit  # no input gradient, no parameter hook: no end
             assert step[1][0] >= bwd_s, unsplit  # its input gradient still ends it
-        for step in split["steps"]:
-            assert all(weight == 0.0 for _, weight in step.values()), split
+        for step in split["steps"] + whole["steps"]:
+            assert all(weight == 0.0 for _, weight in step.values()), (split, whole)
