@@ -20,6 +20,11 @@ How a layer's time is taken (one record per forward call, i.e. per micro-batch):
   re-entry is ignored. torch runs the first stage's backward unsplit, inside its weight pass (its input
   needs no gradient): there every layer's backward is all weight-gradient time, which the step model
   reads as unsplit (:func:`~lightning_dynmo.balancing.step_prediction.predict_step`).
+- **Sharded units** (FSDP2): outside its forward and backward a unit holds its parameters' shards
+  (DTensors), which never receive a gradient through autograd; during them FSDP2 swaps in the gathered
+  parameters, which do. So a sharded unit's parameter-gradient hooks go on the gathered parameters: the
+  forward hook (which runs before FSDP2's, so before any re-shard) hooks the parameters the unit holds
+  then, once per step (FSDP2 keeps one gathered parameter object per shard), as step handles.
 
 A layer's time in a step is its **median call times its number of calls**, not the sum of its calls.
 The first call after a stage waited (for its peer's activation or gradient, or at the start of a step)
@@ -30,10 +35,10 @@ micro-batch (token routing) are estimated by their median, and the profiler's wi
 follows on top.
 
 Hooks are attached by :meth:`LayerTimer.attach` and removed by :meth:`LayerTimer.detach`, including
-tensor hooks on pipeline receive buffers (they are leaves that outlive a step, so they are removed at
-every step end). They are marked as runtime hooks (``lightning_dynmo.runtime_hooks``): migration leaves
-them behind, whereas a user's hooks make it refuse the unit. Method wrappers on stages are undone
-last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
+tensor hooks on pipeline receive buffers and on gathered parameters (they outlive a step, so they are
+removed at every step end). They are marked as runtime hooks (``lightning_dynmo.runtime_hooks``):
+migration leaves them behind, whereas a user's hooks make it refuse the unit. Method wrappers on stages
+are undone last-in first-out with the :class:`StageBusyTimer`'s: each puts back what it found.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dynmo.profiling.clock import Mark, StepClock
@@ -110,6 +117,9 @@ class LayerTimer:
         self._module_handles: list[RemovableHandle] = []
         self._step_handles: list[RemovableHandle] = []
         self._patched: list[tuple[Any, Any]] = []  # (stage, what its instance dict held before)
+        self._sharded: set[int] = set()  # layers holding FSDP2-sharded parameters
+        self._hooked_at_attach: set[int] = set()  # ids of the parameters hooked by attach()
+        self._hooked_this_step: set[int] = set()  # ids of the gathered parameters hooked in this step
         self._in_weight_pass = False
         self._weight_pass_last: Mark | None = None
         self.hook_time_s = 0.0  # CPU seconds spent inside our own hooks since the last begin_step
@@ -133,8 +143,13 @@ class LayerTimer:
                 layer.register_forward_hook(self._post_hook(index), prepend=True, always_call=True)
             )
             for p in layer.parameters():
-                if p.requires_grad:
+                # A sharded parameter (a DTensor under FSDP2) never receives a gradient through autograd:
+                # its gathered copy does, and is hooked once per step by the forward hook instead.
+                if p.requires_grad and not isinstance(p, DTensor):
                     self._module_handles.append(p.register_hook(self._param_hook(index)))  # type: ignore[no-untyped-call]
+                    self._hooked_at_attach.add(id(p))
+            if any(isinstance(m, FSDPModule) for m in layer.modules()):
+                self._sharded.add(index)
         for stage in stages:
             if hasattr(stage, _WEIGHT_PASS_METHOD):
                 self._wrap_weight_pass(stage)
@@ -145,6 +160,9 @@ class LayerTimer:
             handle.remove()
         self._module_handles.clear()
         self._step_handles.clear()
+        self._sharded.clear()
+        self._hooked_at_attach.clear()
+        self._hooked_this_step.clear()
         for stage, previous in reversed(self._patched):
             # Put back whatever the instance had before (another timer's wrapper, or nothing).
             if previous is _MISSING:
@@ -166,6 +184,7 @@ class LayerTimer:
         for handle in self._step_handles:
             handle.remove()
         self._step_handles.clear()
+        self._hooked_this_step.clear()
         self._clock.synchronize()
         return {i: self._resolve(state) for i, state in self._states.items()}
 
@@ -187,12 +206,14 @@ class LayerTimer:
                 call = state.calls[-1]
                 call.fwd_end = self._clock.mark()
                 if torch.is_grad_enabled():
-                    self._watch_backward(index, call, args, output)
+                    self._watch_backward(index, call, module, args, output)
             self.hook_time_s += time.perf_counter() - t0
 
         return runtime_hook(hook)
 
-    def _watch_backward(self, index: int, call: _Call, args: tuple[Any, ...], output: Any) -> None:
+    def _watch_backward(
+        self, index: int, call: _Call, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
         out = _first_grad_tensor(output)
         if out is None:
             return  # nothing downstream needs this layer's gradient: no backward (e.g. frozen prefix)
@@ -201,6 +222,26 @@ class LayerTimer:
         if inp is not None:
             call.waits_for_input_grad = True
             self._step_handles.append(inp.register_hook(self._bwd_end_hook(index, call)))  # type: ignore[no-untyped-call]
+        if index in self._sharded:
+            self._hook_gathered_params(index, module)
+
+    def _hook_gathered_params(self, index: int, module: nn.Module) -> None:
+        """Hook the parameters a sharded layer holds right now: the gathered ones, which get the gradients.
+
+        This runs in the forward hook, before FSDP2's own (which may put the sharded parameters back).
+        FSDP2 keeps one gathered parameter object per sharded one for the module's life, so each is hooked
+        once per step; the hooks are step handles, removed at the step's end.
+        """
+        for p in module.parameters():
+            key = id(p)
+            if (
+                p.requires_grad
+                and not isinstance(p, DTensor)
+                and key not in self._hooked_at_attach
+                and key not in self._hooked_this_step
+            ):
+                self._step_handles.append(p.register_hook(self._param_hook(index)))  # type: ignore[no-untyped-call]
+                self._hooked_this_step.add(key)
 
     def _bwd_start_hook(self, index: int, call: _Call) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
