@@ -27,11 +27,17 @@ refined by the step model, then fixed), **best fixed** in hindsight (the faster 
 whole trace: the policy's, i.e. the mean costs' partition, per worker under ZBV, refined by the library's
 search (:func:`~lightning_dynmo.balancing.placement_search.refine`) with the step summed over the trace's
 rows as its cost; and :mod:`benchmarks._lib.independent_search`, its own evaluator and search, no shared
-code; table (c) compares them under that evaluator), **DynMo** (:func:`dynmo_placements`), and the
-**dense model** (the same depth, no dynamism) static uniform -> balanced. Table (d) times the policy's
-decision (:func:`~lightning_dynmo.balancing.policy.decide`) at the largest depth and stage counts.
+code; table (c) compares them under that evaluator), **DynMo** (:func:`dynmo_placements`: the library's
+own ``decide`` with its default ``min_gain``, run through every recorded step; MoE and MoD on each
+layer's moving average as their every-step recipe, the others on a fresh window), and the **dense
+model** (the same depth, no dynamism) static uniform -> balanced. Table (d) times the policy's decision
+(:func:`~lightning_dynmo.balancing.policy.decide`) at the largest depth and stage counts. Table (e) sets
+DynMo beside the paper's per-case references where the project has one (:data:`REFERENCES`): the model
+without its dynamism for sparse attention and early exit, parameter counts rebalanced every row for
+pruning, freezing on a static split for freezing (Egeria's placement; Egeria's own freezing rule is not
+in the project, the trace's freezing is used).
 
-    python -m benchmarks.paper_setup             # the full projection (~15 minutes on 2 busy cores)
+    python -m benchmarks.paper_setup             # the full projection (~10 minutes on 2 cores)
     python -m benchmarks.paper_setup --quick     # synthetic trace, tiny shapes: not figures
     python -m benchmarks.paper_setup --kernels benchmarks/results/gpu/<date>/kernels.json
 
@@ -56,7 +62,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks._lib import independent_search
+from benchmarks._lib import independent_search, paired
 from benchmarks._lib.common import results_path, write_report
 from benchmarks._lib.gpu_curves import KernelCosts, gpu_cost_trace, read_kernels
 from benchmarks._lib.trace_cases import (
@@ -72,7 +78,7 @@ from benchmarks._lib.trace_cases import (
 from benchmarks.projection import Run, Shape, simulate, step_s
 from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, partition, uniform
 from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, refine
-from lightning_dynmo.balancing.policy import BalanceConfig, decide
+from lightning_dynmo.balancing.policy import BalanceConfig, decide, smooth_costs
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.balancing.workers import partition_workers
 from lightning_dynmo.pipeline.step.actions import schedule_actions
@@ -92,6 +98,14 @@ SHAPES: tuple[tuple[int, str], ...] = (
 )
 QUICK_SHAPES: tuple[tuple[int, str], ...] = ((2, "1F1B"), (2, "ZBVZeroBubble"))
 BLOCK_PARAMS = 12 * D_MODEL * D_MODEL
+PARAMS_REBALANCED = "params, rebalanced every row"
+#: The paper's reference per case, where the project has one (see :func:`reference`).
+REFERENCES = {
+    "sparse_attention": "dense attention (the model without its dynamism), balanced",
+    "early_exit": "no exit (the model without its dynamism), balanced",
+    "pruning": "parameter counts rebalanced every row (the non-zeros)",
+    "freezing": "freezing on a static split (Egeria's placement: head-aware, from step 0)",
+}
 
 
 def seq_scale(d_model: int = D_MODEL, seq_from: int = SEQ_GPU, seq_to: int = SEQ_PAPER) -> float:
@@ -134,10 +148,15 @@ def map_depth(values: Sequence[float], layers: int) -> tuple[float, ...]:
     return tuple(values[min(n - 1, int((i + 0.5) * n / layers))] for i in range(layers))
 
 
+def kept_rows(num_rows: int, rows: int) -> list[int]:
+    """At most ``rows`` of ``num_rows`` rows, evenly spaced, the first and the last included."""
+    k = min(rows, num_rows)
+    return sorted({round(i * (num_rows - 1) / max(1, k - 1)) for i in range(k)})
+
+
 def mapped(stats: StatisticTrace, layers: int, rows: int) -> StatisticTrace:
-    """``stats`` on ``layers`` layers, at most ``rows`` rows (evenly spaced)."""
-    k = min(rows, stats.num_rows)
-    keep = sorted({round(i * (stats.num_rows - 1) / max(1, k - 1)) for i in range(k)})
+    """``stats`` on ``layers`` layers, at most ``rows`` rows (:func:`kept_rows`)."""
+    keep = kept_rows(stats.num_rows, rows)
     values = []
     for r in keep:
         row = stats.values[r]
@@ -238,6 +257,7 @@ class Row:
     fixed: dict[str, Placement]
     dense_gain: float
     check: tuple[float, float]  # independent evaluator: projection's best fixed, independent best (s)
+    reference: tuple[str, float] | None = None  # the paper's per-case reference: what, total step (s)
 
     @property
     def static(self) -> str:
@@ -245,6 +265,10 @@ class Row:
 
     def ratio(self, over: str, to: str = "DynMo") -> float:
         return self.runs[over].total_s / self.runs[to].total_s
+
+    def per_row(self, over: str, to: str = "DynMo") -> list[float]:
+        """``over``'s step / ``to``'s, row by row (each row a recorded step: the projection's spread)."""
+        return [a / b for a, b in zip(self.runs[over].steps_s, self.runs[to].steps_s, strict=True)]
 
 
 def stage_workers(shape: Shape) -> list[int]:
@@ -279,18 +303,55 @@ def best_placement(
     return refine(problem, proposal, step_of, budget=budget, stage_workers=workers).placement
 
 
-def dynmo_placements(trace: CostTrace, shape: Shape, budget: int, phases: bool) -> list[Placement]:
-    """DynMo's placement per row, as :func:`benchmarks.projection.dynmo_placements` (window 1) with this
-    module's :func:`best_placement`: the best for the row before (its own row for phases and row 0),
-    applied only when the step model predicts it faster."""
+#: What the callback's every-step windows default to (:class:`~lightning_dynmo.callback.ProfilingConfig`):
+#: each layer's cost is a moving average, this weight on the history.
+EVERY_STEP_SMOOTHING = 0.8
+
+
+def dynmo_placements(
+    trace: CostTrace,
+    shape: Shape,
+    phases: bool,
+    every_step: bool = True,
+    config: BalanceConfig | None = None,
+) -> list[Placement]:
+    """DynMo's placement at every row of ``trace`` (every recorded step), from the uniform split: after
+    each row the library's own decision (:func:`~lightning_dynmo.balancing.policy.decide` with ``config``:
+    the search of :func:`best_placement`, applied only when predicted ``min_gain`` faster), in force from
+    the next row, on what the callback would have measured. With ``every_step`` (the recipe of MoE and
+    MoD) that is each layer's moving average of the rows so far
+    (:func:`~lightning_dynmo.balancing.policy.smooth_costs`, weight :data:`EVERY_STEP_SMOOTHING`);
+    otherwise the fresh measurement of the row just run. Row 0 runs at the placement decided from its
+    own costs (DynMo's first window runs in the warm-up before the first recorded step). With ``phases``
+    every row is a phase announced by an event, which opens a fresh window: it runs at the placement
+    decided from its own costs (``config``: ``BalanceConfig()``, the callback's defaults)."""
+    config = config or BalanceConfig()
+    workers = stage_workers(shape) if shape.stages > shape.ranks else None
     placement, out = uniform(trace.num_layers, shape.stages), []
-    for r in range(trace.num_rows):
-        seen = trace.mean_costs(range(r, r + 1) if phases or r == 0 else range(r - 1, r))
-        candidate = best_placement(seen, shape, budget)
-        if step_s(seen, candidate, shape) < step_s(seen, placement, shape):
-            placement = candidate
-        out.append(placement)
+    smoothed: list[LayerCost] | None = None
+
+    def decided(costs: StepCosts) -> Placement:
+        made = decide(costs.problem(), placement, config, shape.microbatches, shape.order, workers)
+        return made.proposed if made.apply else placement
+
+    for r, row in enumerate(trace.rows):
+        if phases or r == 0:
+            placement = decided(row)
+        out.append(placement)  # the row runs, then DynMo decides for the next one
+        if not phases:
+            weight = EVERY_STEP_SMOOTHING if every_step else 0.0
+            smoothed = smooth_costs(smoothed, row.layers, weight)
+            placement = decided(dataclasses.replace(row, layers=tuple(smoothed)))
     return out
+
+
+def rebalanced_by_parameters(stats: StatisticTrace, shape: Shape) -> list[Placement]:
+    """Pruning's reference (the paper's): every row split by the parameters its layers keep (the
+    non-zeros, known exactly at every step), i.e. parameter counts rebalanced as the model is pruned."""
+    return [
+        by_parameters([LayerCost(num_params=max(1, round(BLOCK_PARAMS * v))) for v in row], shape.stages)
+        for row in stats.values
+    ]
 
 
 def _rows(trace: CostTrace) -> list[independent_search.Row]:
@@ -304,8 +365,19 @@ def _rows(trace: CostTrace) -> list[independent_search.Row]:
     ]
 
 
-def run_case(trace: CostTrace, dense: CostTrace, shape: Shape, budget: int, phases: bool) -> Row:
-    """Every placement of ``trace`` on ``shape``, the dense model's gain and the independent check."""
+def run_case(
+    trace: CostTrace,
+    dense: CostTrace,
+    shape: Shape,
+    budget: int,
+    phases: bool,
+    stats: StatisticTrace | None = None,
+    every: tuple[CostTrace, Sequence[int]] | None = None,
+) -> Row:
+    """Every placement of ``trace`` on ``shape``, the dense model's gain and the independent check (with
+    ``stats`` of pruning: also the paper's reference, parameter counts rebalanced every row). ``every``:
+    the trace at every recorded step and which of its rows ``trace`` keeps; DynMo then runs through every
+    step (its moving average sees them all) and is judged on the kept rows like the rest."""
     rows, layers, stages = trace.num_rows, trace.num_layers, shape.stages
     mean = trace.mean_costs()
     fixed = {
@@ -315,7 +387,16 @@ def run_case(trace: CostTrace, dense: CostTrace, shape: Shape, budget: int, phas
         "best fixed, policy's search": best_placement(mean, shape, budget, over=trace.rows),
     }
     runs = {name: simulate(trace, [p] * rows, shape) for name, p in fixed.items()}
-    runs["DynMo"] = simulate(trace, dynmo_placements(trace, shape, budget, phases), shape)
+    every_step = CASES[trace.case].every_step if trace.case in CASES else True
+    if every is None:
+        dynmo = dynmo_placements(trace, shape, phases, every_step)
+    else:
+        full, kept = every
+        at_every_step = dynmo_placements(full, shape, phases, every_step)
+        dynmo = [at_every_step[i] for i in kept]
+    runs["DynMo"] = simulate(trace, dynmo, shape)
+    if stats is not None and stats.case == "pruning":
+        runs[PARAMS_REBALANCED] = simulate(trace, rebalanced_by_parameters(stats, shape), shape)
     d_uniform = simulate(dense, [uniform(layers, stages)] * dense.num_rows, shape).total_s
     d_best = simulate(dense, [best_placement(dense.rows[0], shape, budget)] * dense.num_rows, shape).total_s
     actions = schedule_actions(shape.schedule, stages, shape.microbatches)
@@ -327,11 +408,20 @@ def run_case(trace: CostTrace, dense: CostTrace, shape: Shape, budget: int, phas
         independent_search.total(plain, sizes, actions, shape.microbatches),
     )
     runs["independent search"] = simulate(trace, [Placement.from_sizes(sizes)] * rows, shape)
+    reference = None
+    if trace.case in REFERENCES:
+        total = {
+            "sparse_attention": d_best,
+            "early_exit": d_best,
+            "pruning": runs[PARAMS_REBALANCED].total_s if PARAMS_REBALANCED in runs else None,
+            "freezing": runs["head-aware static"].total_s,
+        }[trace.case]
+        reference = None if total is None else (REFERENCES[trace.case], total)
     # The best fixed placement in hindsight: the better of the two searches (by the step model's sum).
     runs["best fixed"] = min(
         runs["best fixed, policy's search"], runs["independent search"], key=lambda run: run.total_s
     )
-    return Row(trace.case, layers, shape, runs, fixed, d_uniform / d_best, check)
+    return Row(trace.case, layers, shape, runs, fixed, d_uniform / d_best, check, reference)
 
 
 #: Where the decision is timed: the most stages at the most layers, under each schedule.
@@ -380,8 +470,9 @@ def tables(results: Sequence[Row]) -> list[str]:
         "**(a) Mean step (s) per placement and the ratios** (steps summed over the trace's rows):",
         "",
         "| case | layers | shape | uniform | params | head-aware static | best fixed | DynMo | better static "
-        "/ DynMo | head-aware / DynMo | DynMo of best fixed | dense model: static / balanced |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "/ DynMo | head-aware / DynMo | head-aware / DynMo per row (min-max) | DynMo of best fixed | dense "
+        "model: static / balanced |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     b = [
         "**(b) Bubble (idle share per step), better static -> DynMo**, beside the paper's Figure 1:",
@@ -398,17 +489,35 @@ def tables(results: Sequence[Row]) -> list[str]:
         "(s) | independent search (s) | agreement |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
+    e = [
+        "**(e) The paper's per-case references** (where the project has one; MoE and MoD are compared with "
+        "static splits in the paper): the reference's mean step, DynMo's, and reference / DynMo (above 1: "
+        "DynMo faster):",
+        "",
+        "| case | layers | shape | reference | reference (s) | DynMo (s) | reference / DynMo |",
+        "|---|---:|---|---|---:|---:|---:|",
+    ]
     for r in results:
         n, runs = r.runs["DynMo"].steps_s.__len__(), r.runs
+        if r.reference is not None:
+            what, total = r.reference
+            e.append(
+                f"| {r.case} | {r.layers} | {r.shape} | {what} | {total / n:.3f} | "
+                f"{runs['DynMo'].total_s / n:.3f} | {total / runs['DynMo'].total_s:.3f}x |"
+            )
         mean = {
             k: runs[k].total_s / n for k in ("uniform", "params", "head-aware static", "best fixed", "DynMo")
         }
         ha = r.ratio("head-aware static")
         flag = " (under 2%)" if ha < 1.02 else ""
+        per_row = r.per_row("head-aware static")
+        spread = f"{min(per_row):.3f}-{max(per_row):.3f}"
+        if len(per_row) >= paired.MIN_SIGN_ROUNDS and all(x < 1.0 for x in per_row):
+            spread += ", SLOWER in every row"
         a.append(
             f"| {r.case} | {r.layers} | {r.shape} | {mean['uniform']:.3f} | {mean['params']:.3f} | "
             f"{mean['head-aware static']:.3f} | {mean['best fixed']:.3f} | {mean['DynMo']:.3f} | "
-            f"{r.ratio(r.static):.2f}x | {ha:.3f}x{flag} | {r.ratio('best fixed'):.1%} | "
+            f"{r.ratio(r.static):.2f}x | {ha:.3f}x{flag} | {spread} | {r.ratio('best fixed'):.1%} | "
             f"{r.dense_gain:.2f}x |"
         )
         b.append(
@@ -422,7 +531,7 @@ def tables(results: Sequence[Row]) -> list[str]:
             f"| {r.case} | {r.layers} | {r.shape} | {model:.4f} | {ours / n:.4f} | {indep / n:.4f} | "
             f"{ours / indep:.4f} |"
         )
-    return [*a, "", *b, "", *c, ""]
+    return [*a, "", *b, "", *c, "", *(e if len(e) > 4 else []), ""]
 
 
 def measure_head(rounds: int, quick: bool, out: Path | None, force: bool, command: str) -> str:
@@ -515,15 +624,18 @@ def main(argv: list[str] | None = None) -> str:
     curves: dict[str, str] = {}  # per case, where its block costs come from (with --kernels)
     for s in stats:
         for layers in depths:
-            st = mapped(s, layers, args.rows)
+            st, st_every = mapped(s, layers, args.rows), mapped(s, layers, s.num_rows)
+            kept = kept_rows(s.num_rows, args.rows)
             if kernels is not None:
                 trace = gpu_trace(st, kernels, clamp=args.clamp_curves, microbatches=m)
+                full = gpu_trace(st_every, kernels, clamp=args.clamp_curves, microbatches=m)
                 dense = gpu_trace(st, kernels, dense=True, clamp=args.clamp_curves, microbatches=m)
                 clamped = "clamped" in trace.curve_label  # the count differs per depth
                 curves.setdefault(f"{s.case}, {layers} layers" if clamped else s.case, trace.curve_label)
             else:
                 assert costs is not None
                 trace, dense = cost_trace(st, costs), cost_trace(st, costs, dense=True)
+                full = cost_trace(st_every, costs)
             if layers == max(depths):
                 timed.append(trace)
             for ranks, schedule in shapes:
@@ -531,7 +643,9 @@ def main(argv: list[str] | None = None) -> str:
                 if shape.stages > layers or args.decisions_only:
                     continue
                 print(f"[{s.case}] {layers} layers, {shape} ...", file=sys.stderr, flush=True)
-                results.append(run_case(trace, dense, shape, args.budget, CASES[s.case].phases))
+                results.append(
+                    run_case(trace, dense, shape, args.budget, CASES[s.case].phases, st, every=(full, kept))
+                )
     worst = max((r.check[0] / r.check[1] for r in results), default=1.0)
     if kernels is not None:
         kind, bold, source = "projected from GPU cost curves", "Projected from GPU cost curves", kernels.label
@@ -551,7 +665,10 @@ def main(argv: list[str] | None = None) -> str:
         f"Command: `{command}`  ",
         "Device: none ran the model; the step model simulated on a shared 2-core x86_64 CPU VM (torch "
         f"2.13.0+cpu). **{bold}**: simulated steps, migrations not counted; a "
-        "projection is deterministic, so it has no rounds and no spread.",
+        "projection is deterministic, so it has no rounds: the spread quoted beside head-aware / DynMo is "
+        "over the trace's rows (recorded steps of one run, not independent repetitions), and DynMo counts "
+        "as slower than the head-aware split beyond it only when slower in every row (of at least "
+        f"{paired.MIN_SIGN_ROUNDS}), the rule the measured tables apply to rounds.",
         "",
         f"Costs: {source}. Micro-batches: {m} per step ({per_mb}). Rows: at most "
         f"{args.rows} per trace, evenly spaced. Depth mapping: by depth fraction (see the script).",

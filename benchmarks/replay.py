@@ -94,10 +94,18 @@ SEQ, VOCAB = 8, 32  # the replayed GPT's shape: tiny, its layers' cost is the sl
 JOB_TIMEOUT_FACTOR, MIN_JOB_TIMEOUT_S = 3.0, 240.0
 
 
-def replay_model(num_layers: int, compute: str = "dense") -> DemoGPT:
+def replay_model(num_layers: int, compute: str = "dense", split_backward: bool = False) -> DemoGPT:
     """The GPT every replay runs (one sample per micro-batch); ``compute``: what a block computes
-    before its sleep (``"linear"``: little, for more ranks than cores)."""
-    return DemoGPT(num_layers=num_layers, d_model=16, vocab_size=VOCAB, seq_len=SEQ, block_compute=compute)
+    before its sleep (``"linear"``: little, for more ranks than cores); ``split_backward``: blocks sleep
+    their records' weight-gradient part in the weight pass (:class:`~lightning_dynmo.demos.DemoConfig`)."""
+    return DemoGPT(
+        num_layers=num_layers,
+        d_model=16,
+        vocab_size=VOCAB,
+        seq_len=SEQ,
+        block_compute=compute,
+        split_backward=split_backward,
+    )
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ class ReplayJob:
         placement: The fixed placement, or where DynMo starts.
         dynmo: ``DynMoCallback`` keywords; ``None``: a fixed placement.
         overhead: What a call costs beyond its sleep, subtracted from every sleep (``None``: nothing).
+        compute: What a block computes before its sleep (:func:`replay_model`).
+        schedule: The pipeline schedule (torch's; several stages per rank under ``ZBVZeroBubble``).
+        num_microbatches: Micro-batches per step; ``None``: two per rank.
+        split_backward: Blocks sleep their weight-gradient part in the weight pass (:func:`replay_model`).
     """
 
     trace: CostTrace
@@ -122,10 +134,13 @@ class ReplayJob:
     dynmo: dict[str, Any] | None = None
     overhead: CallOverhead | None = None
     compute: str = "dense"
+    schedule: str = "1F1B"
+    num_microbatches: int | None = None
+    split_backward: bool = False
 
     @property
     def microbatches(self) -> int:
-        return 2 * self.ranks
+        return 2 * self.ranks if self.num_microbatches is None else self.num_microbatches
 
     def trace_replay(self) -> TraceReplay:
         """The callback replaying this job's trace, spread evenly over its steps."""
@@ -147,9 +162,9 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
     callbacks = [timer, job.trace_replay(), *([dynmo] if dynmo else [])]
-    strategy = DynMoStrategy(num_microbatches=m, schedule="1F1B", placement=job.placement)
+    strategy = DynMoStrategy(num_microbatches=m, schedule=job.schedule, placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
-    model = replay_model(job.trace.num_layers, job.compute)
+    model = replay_model(job.trace.num_layers, job.compute, job.split_backward)
     trainer.fit(
         model, RandomTokenDataModule(batch_size=m, num_samples=m * job.steps, seq_len=SEQ, vocab_size=VOCAB)
     )
@@ -183,7 +198,7 @@ def fixed_placements(trace: CostTrace, ranks: int) -> dict[str, str]:
 
 def idle_shares(job: ReplayJob, placement: str, step_s: float) -> tuple[float, float]:
     """Simulated (step model, true costs, per replayed step, mean) and measured idle share of a job."""
-    order, p, true = schedule_order("1F1B"), Placement.from_string(placement), job.true_trace()
+    order, p, true = schedule_order(job.schedule), Placement.from_string(placement), job.true_trace()
     rows = job.replayed_rows()
     simulated = statistics.fmean(
         predict_step(true.rows[r].problem(), p, order, job.microbatches).bubble_ratio for r in rows

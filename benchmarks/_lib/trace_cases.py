@@ -94,6 +94,8 @@ class TraceCase:
             steps and DynMo decides from the rows before.
         odd_layers_only: The trace holds layers 1, 3, 5, ... only (MoD's routed blocks); the layers
             between are dense blocks (statistic 1.0), put back by :func:`load_traces`.
+        every_step: DynMo runs this case with ``every_step=True`` (its recipe: MoE, MoD), deciding after
+            every step on each layer's moving average; otherwise on a window's fresh measurement.
     """
 
     name: str
@@ -103,15 +105,22 @@ class TraceCase:
     paper_bubble: str = "-"
     phases: bool = False
     odd_layers_only: bool = False
+    every_step: bool = False
 
 
 CASES: dict[str, TraceCase] = {
     c.name: c
     for c in (
         # An expert-parallel MoE layer waits for its busiest expert: cost ~ busiest / mean load.
-        TraceCase("moe", _proportional(1.0), None, "1.23x over static splits", "~25% -> 8%"),
+        TraceCase("moe", _proportional(1.0), None, "1.23x over static splits", "~25% -> 8%", every_step=True),
         TraceCase(
-            "mod", _proportional(1.0), None, "1.17x over static splits", "~18% -> 4%", odd_layers_only=True
+            "mod",
+            _proportional(1.0),
+            None,
+            "1.17x over static splits",
+            "~18% -> 4%",
+            odd_layers_only=True,
+            every_step=True,
         ),
         # Stand-in: time proportional to the linear weights' non-zeros (the measured curve replaces it).
         TraceCase(

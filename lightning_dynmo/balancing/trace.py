@@ -281,7 +281,13 @@ class CostTrace:
         _check_number(factor, "factor")
 
         def scale(c: LayerCost) -> LayerCost:
-            return dataclasses.replace(c, fwd_time_s=c.fwd_time_s * factor, bwd_time_s=c.bwd_time_s * factor)
+            return dataclasses.replace(
+                c,
+                fwd_time_s=c.fwd_time_s * factor,
+                bwd_time_s=c.bwd_time_s * factor,
+                bwd_weight_time_s=c.bwd_weight_time_s * factor,
+                update_time_s=c.update_time_s * factor,
+            )
 
         rows = tuple(
             StepCosts(tuple(scale(c) for c in r.layers), scale(r.first), scale(r.last)) for r in self.rows
@@ -294,6 +300,8 @@ def _mean(costs: Sequence[LayerCost]) -> LayerCost:
     return LayerCost(
         fwd_time_s=statistics.fmean(c.fwd_time_s for c in costs),
         bwd_time_s=statistics.fmean(c.bwd_time_s for c in costs),
+        bwd_weight_time_s=statistics.fmean(c.bwd_weight_time_s for c in costs),
+        update_time_s=statistics.fmean(c.update_time_s for c in costs),
         num_params=round(statistics.fmean(c.num_params for c in costs)),
         memory_bytes=round(statistics.fmean(c.memory_bytes for c in costs)),
         activation_bytes=round(statistics.fmean(c.activation_bytes for c in costs)),

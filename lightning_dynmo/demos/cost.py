@@ -57,6 +57,21 @@ class _Sleep(torch.autograd.Function):
         return grad, None, None
 
 
+class _WeightSleep(torch.autograd.Function):
+    """Identity on a parameter whose backward sleeps: it runs where the parameter's gradient is computed
+    (the weight pass of a split-backward schedule, or the whole backward of any other)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, wgrad_s: float) -> Tensor:
+        ctx.wgrad_s = wgrad_s
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        SLEEPS.sleep(ctx.wgrad_s)
+        return grad, None
+
+
 def check_emulated_ms(fwd_ms: float, bwd_ms: float | None) -> None:
     """Raise ``ValueError`` unless both emulated costs (``bwd_ms=None``: twice ``fwd_ms``) are >= 0 ms."""
     bwd = 2.0 * fwd_ms if bwd_ms is None else bwd_ms
@@ -71,20 +86,36 @@ class EmulatedCost(torch.nn.Module):
     travel with the layer when it migrates. On an emulated slow worker
     (:func:`~lightning_dynmo.demos.hardware.set_emulated_slowdown`) both sleeps stretch by its factor.
 
+    With ``split_backward=True`` the cost owns one zero parameter (``anchor``, whose gradient is always 0,
+    so training is unchanged) and ``wgrad_ms`` more milliseconds are slept on the path to it: in the
+    weight-gradient pass of a schedule that splits the backward (zero-bubble, DualPipeV), in the one
+    backward of any other. ``bwd_ms`` then sleeps in the input-gradient pass.
+
     Args:
         fwd_ms: Forward sleep per call, milliseconds (>= 0).
         bwd_ms: Backward sleep per call, milliseconds; ``None`` means ``2 * fwd_ms``.
+        split_backward: Own the ``anchor`` parameter that ``wgrad_ms`` sleeps on.
     """
 
-    def __init__(self, fwd_ms: float = 0.0, bwd_ms: float | None = None):
+    def __init__(self, fwd_ms: float = 0.0, bwd_ms: float | None = None, split_backward: bool = False):
         super().__init__()
         check_emulated_ms(fwd_ms, bwd_ms)
         self.fwd_ms = float(fwd_ms)
         self.bwd_ms = float(2.0 * fwd_ms if bwd_ms is None else bwd_ms)
+        self.wgrad_ms = 0.0
+        self.anchor = torch.nn.Parameter(torch.zeros(())) if split_backward else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fwd_ms == 0.0 and self.bwd_ms == 0.0:
+        if self.wgrad_ms > 0.0 and self.anchor is None:
+            raise ValueError(
+                f"wgrad_ms={self.wgrad_ms} needs a weight to sleep on; build "
+                "EmulatedCost(split_backward=True)."
+            )
+        if self.fwd_ms == 0.0 and self.bwd_ms == 0.0 and self.wgrad_ms == 0.0:
             return x
         factor = hardware.emulated_slowdown()
         slept: Tensor = _Sleep.apply(x, factor * self.fwd_ms / 1e3, factor * self.bwd_ms / 1e3)  # type: ignore[no-untyped-call]
+        if self.anchor is not None and self.wgrad_ms > 0.0:
+            weight: Tensor = _WeightSleep.apply(self.anchor, factor * self.wgrad_ms / 1e3)  # type: ignore[no-untyped-call]
+            slept = slept + 0.0 * weight  # the anchor's gradient is 0: the sleep is all it adds
         return slept

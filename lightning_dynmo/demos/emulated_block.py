@@ -34,11 +34,15 @@ class EmulatedBlockOptions:
             (:class:`EmulatedBlock`); ``"linear"``, one ``d_model x d_model`` linear with a residual
             (:class:`LinearEmulatedBlock`, about a seventh of a tiny dense block's CPU time a call), for
             many ranks sharing few cores, where the blocks' own compute would otherwise set the step.
+        split_backward: Give the block's :class:`~lightning_dynmo.demos.EmulatedCost` its zero ``anchor``
+            parameter, so part of its backward (``cost.wgrad_ms``) sleeps in the weight-gradient pass of a
+            split-backward schedule.
     """
 
     fwd_ms: float = 0.0
     bwd_ms: float | None = None
     compute: str = "dense"
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         check_emulated_ms(self.fwd_ms, self.bwd_ms)
@@ -55,7 +59,7 @@ class EmulatedBlock(DenseBlock):
 
     def __init__(self, config: GPTConfig, options: EmulatedBlockOptions):
         super().__init__(config)
-        self.cost = EmulatedCost(options.fwd_ms, options.bwd_ms)
+        self.cost = EmulatedCost(options.fwd_ms, options.bwd_ms, options.split_backward)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """``[batch, seq, d_model] -> [batch, seq, d_model]``; sleeps as ``cost`` says."""
@@ -73,7 +77,7 @@ class LinearEmulatedBlock(nn.Module):
     def __init__(self, config: GPTConfig, options: EmulatedBlockOptions):
         super().__init__()
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
-        self.cost = EmulatedCost(options.fwd_ms, options.bwd_ms)
+        self.cost = EmulatedCost(options.fwd_ms, options.bwd_ms, options.split_backward)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """``[batch, seq, d_model] -> [batch, seq, d_model]``; sleeps as ``cost`` says."""

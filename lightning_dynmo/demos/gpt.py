@@ -49,6 +49,9 @@ class DemoConfig:
         block_compute: What each block computes before its sleep: ``"dense"`` (a transformer block, the
             default) or ``"linear"`` (one linear: for many ranks on few cores,
             :class:`~lightning_dynmo.demos.emulated_block.EmulatedBlockOptions`).
+        split_backward: Each block's cost can sleep part of its backward in the weight-gradient pass of a
+            split-backward schedule (``cost.wgrad_ms``; each block gains a zero ``cost.anchor``
+            parameter). The parts sleep their whole backward in the input-gradient pass.
     """
 
     vocab_size: int = 64
@@ -66,6 +69,7 @@ class DemoConfig:
     first_sleep_ms: float = 0.0
     last_sleep_ms: float = 0.0
     block_compute: str = "dense"
+    split_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -92,7 +96,12 @@ class DemoConfig:
             num_heads=self.num_heads,
             d_ff=self.mlp_ratio * self.d_model,
             tie_embeddings=self.tie_embeddings,
-            blocks=tuple(EmulatedBlockOptions(fwd_ms=ms, compute=self.block_compute) for ms in sleeps),
+            blocks=tuple(
+                EmulatedBlockOptions(
+                    fwd_ms=ms, compute=self.block_compute, split_backward=self.split_backward
+                )
+                for ms in sleeps
+            ),
             seed=self.seed,
         )
 

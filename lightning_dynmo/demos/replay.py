@@ -118,6 +118,10 @@ def measure_call_overhead(
 class TraceReplay(Callback):
     """Set every local block's and part's emulated cost from ``trace`` at each step.
 
+    A block built with ``split_backward`` (:class:`~lightning_dynmo.demos.DemoConfig`) sleeps each
+    record's ``bwd_weight_time_s`` in its weight-gradient pass and the rest of ``bwd_time_s`` in its
+    input-gradient pass; other costs sleep the whole backward at once.
+
     Step ``s`` replays row ``min(s // steps_per_row, last row)``: a trace shorter than the run holds
     its last row. With ``spread_over=n`` the trace is spread evenly over ``n`` steps instead (row
     ``s * rows // n``): a run shorter than the trace skips rows evenly rather than stopping early.
@@ -160,10 +164,16 @@ class TraceReplay(Callback):
         return min(step // self.steps_per_row, self.trace.num_rows - 1)
 
     def _set(self, cost: Any, record: LayerCost, overhead: LayerCost | None) -> None:
-        fwd_s, bwd_s = record.fwd_time_s / self.num_microbatches, record.bwd_time_s / self.num_microbatches
+        m = self.num_microbatches
+        fwd_s, bwd_s, wgrad_s = record.fwd_time_s / m, record.bwd_time_s / m, 0.0
+        if getattr(cost, "anchor", None) is not None:  # a split backward: its weight part sleeps apart
+            wgrad_s = record.bwd_weight_time_s / m
+            bwd_s -= wgrad_s
         if overhead is not None:
             fwd_s, bwd_s = max(0.0, fwd_s - overhead.fwd_time_s), max(0.0, bwd_s - overhead.bwd_time_s)
         cost.fwd_ms, cost.bwd_ms = 1e3 * fwd_s, 1e3 * bwd_s
+        if wgrad_s > 0.0:
+            cost.wgrad_ms = 1e3 * wgrad_s
 
     @override
     def on_train_batch_start(

@@ -10,13 +10,21 @@ import random
 import pytest
 
 from benchmarks._lib import independent_search as ind
-from benchmarks.paper_setup import best_placement, main, map_depth, mapped, newest_head, seq_scale
-from benchmarks.projection import Shape
-from lightning_dynmo.balancing import LayerCost, Placement, partition
+from benchmarks.paper_setup import (
+    best_placement,
+    dynmo_placements,
+    main,
+    map_depth,
+    mapped,
+    newest_head,
+    seq_scale,
+)
+from benchmarks.projection import Shape, step_s
+from lightning_dynmo.balancing import LayerCost, Placement, partition, uniform
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.problem import BalanceProblem
 from lightning_dynmo.balancing.step_prediction import predict_step
-from lightning_dynmo.balancing.trace import StatisticTrace, StepCosts
+from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.pipeline.step.actions import schedule_actions
@@ -156,3 +164,39 @@ def test_decisions_only_writes_table_d_alone(tmp_path):
     assert "**(d) The policy's decision time**" in report and "no projection ran" in report
     assert "**(a) Mean step" not in report and "Independent check" not in report
     assert report.count("| synthetic | 8 | 2 x ") == 2  # one line per timed shape
+
+
+def _noisy_trace(rows: int, persistent_from: int | None = None) -> CostTrace:
+    draw = random.Random(3)
+    head = LayerCost(fwd_time_s=3.0, bwd_time_s=6.0)
+    steps = []
+    for r in range(rows):
+        heavy = persistent_from is not None and r >= persistent_from
+        loads = [(3.0 if heavy and i < 4 else 1.0) * draw.uniform(0.85, 1.15) for i in range(16)]
+        steps.append(
+            StepCosts(tuple(LayerCost(fwd_time_s=x, bwd_time_s=2 * x) for x in loads), LayerCost(), head)
+        )
+    return CostTrace("moe", "synthetic", tuple(range(rows)), tuple(steps))
+
+
+def test_dynmo_is_the_librarys_policy_it_keeps_its_split_under_noise_and_follows_a_lasting_change():
+    shape = Shape(4, "1F1B", 8)
+    noisy = _noisy_trace(12)
+    placements = dynmo_placements(noisy, shape, phases=False)
+    assert len(set(map(str, placements))) == 1  # noise of +-15% per step: no move after the first
+    # Negative control: the old rule (the previous row's best, applied when predicted faster at all)
+    # chases the same noise.
+    chased, current = [], uniform(16, 4)
+    for r in range(noisy.num_rows):
+        seen = noisy.rows[max(0, r - 1)]
+        candidate = best_placement(seen, shape, budget=64)
+        if step_s(seen, candidate, shape) < step_s(seen, current, shape):
+            current = candidate
+        chased.append(str(current))
+    assert len(set(chased)) > 1
+    # A lasting change (the first four layers three times as costly from row 4) is followed.
+    shifted = dynmo_placements(_noisy_trace(12, persistent_from=4), shape, phases=False)
+    assert shifted[3] == placements[3] and shifted[-1] != shifted[3]
+    assert step_s(_noisy_trace(12, 4).rows[-1], shifted[-1], shape) < step_s(
+        _noisy_trace(12, 4).rows[-1], shifted[3], shape
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -86,3 +87,46 @@ def test_demo_parts_sleep_only_when_asked():
     torch.testing.assert_close(logits, plain(idx))  # and computed the same
     with pytest.raises(ValueError, match="emulated costs must be >= 0 milliseconds"):
         DemoConfig(last_sleep_ms=-1.0)
+
+
+def test_a_split_cost_sleeps_its_weight_part_only_where_the_weight_gradient_is_computed():
+    from lightning_dynmo.demos import EmulatedCost
+
+    cost = EmulatedCost(0.0, 0.0, split_backward=True)
+    cost.wgrad_ms = 40.0
+    x = torch.randn(3, requires_grad=True)
+    y = cost(x)
+    assert torch.equal(y, x)
+    start = time.perf_counter()
+    (gx,) = torch.autograd.grad(y.sum(), x, retain_graph=True)  # an input-gradient pass: no sleep
+    input_pass = time.perf_counter() - start
+    start = time.perf_counter()
+    (ga,) = torch.autograd.grad(y.sum(), cost.anchor)  # the weight pass: the sleep
+    weight_pass = time.perf_counter() - start
+    assert torch.equal(gx, torch.ones(3)) and float(ga) == 0.0  # training unchanged
+    assert weight_pass >= 0.04 and input_pass < 0.04
+    # Negative control: without an anchor the weight part has nowhere to sleep and is refused.
+    plain = EmulatedCost(0.0, 0.0)
+    plain.wgrad_ms = 1.0
+    with pytest.raises(ValueError, match="split_backward=True"):
+        plain(x)
+
+
+def test_replay_splits_a_records_backward_between_the_passes_of_a_split_block():
+    model = DemoGPT(num_layers=3, split_backward=True)
+    stats = StatisticTrace("moe", "load", "ratio", (0,), ((1.0, 1.0, 1.0),))
+    trace = CostTrace.build(stats, CostCurve.proportional(0.008, 0.016))
+    row = trace.rows[0]
+    layers = tuple(dataclasses.replace(c, bwd_weight_time_s=0.004) for c in row.layers)
+    split = dataclasses.replace(trace, rows=(dataclasses.replace(row, layers=layers),))
+    TraceReplay(split, num_microbatches=4).on_train_batch_start(
+        SimpleNamespace(global_step=0), model, None, 0
+    )
+    cost = model.layers["1"].cost
+    assert (cost.fwd_ms, cost.bwd_ms, cost.wgrad_ms) == pytest.approx((2.0, 3.0, 1.0))
+    assert model.last_cost.anchor is None  # the parts sleep their whole backward in the input pass
+    plain = DemoGPT(num_layers=3)  # a block without an anchor sleeps the whole backward
+    TraceReplay(split, num_microbatches=4).on_train_batch_start(
+        SimpleNamespace(global_step=0), plain, None, 0
+    )
+    assert (plain.layers["1"].cost.bwd_ms, plain.layers["1"].cost.wgrad_ms) == pytest.approx((4.0, 0.0))

@@ -82,3 +82,23 @@ def test_cost_trace_costs_layers_and_parts_and_averages_over_steps():
 def test_no_dynamism_keeps_the_shape():
     dense = _trace().uniform(1.0)
     assert dense.num_rows == 2 and set(dense.values[0]) == {1.0} and dense.case == "mod (no dynamism)"
+
+
+def test_scaling_and_averaging_keep_the_weight_pass_and_the_update():
+    import dataclasses
+
+    base = CostTrace.build(_trace(), CostCurve.proportional(1.0, 2.0))
+
+    def timed(c: LayerCost) -> LayerCost:
+        return dataclasses.replace(c, bwd_weight_time_s=0.5 * c.bwd_time_s, update_time_s=0.25)
+
+    trace = dataclasses.replace(
+        base,
+        rows=tuple(dataclasses.replace(r, layers=tuple(timed(c) for c in r.layers)) for r in base.rows),
+    )
+    layer = trace.scaled(3.0).rows[0].layers[1]
+    assert (layer.bwd_weight_time_s, layer.update_time_s) == pytest.approx((0.6, 0.75))  # 0.5 x 0.4 x 3
+    mean = trace.mean_costs().layers[2]
+    assert mean.bwd_weight_time_s == pytest.approx(0.5 * mean.bwd_time_s) and mean.update_time_s == 0.25
+    # Control: the trace built without them has none to keep.
+    assert base.scaled(3.0).mean_costs().layers[1].bwd_weight_time_s == 0.0

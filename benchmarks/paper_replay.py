@@ -1,0 +1,304 @@
+"""The traces replayed at the paper's setup: 32 micro-batches, torch's ZBV schedule, the paper's costs.
+
+The replay (:mod:`benchmarks.replay`: each block of a :class:`~lightning_dynmo.demos.DemoGPT` sleeps
+what its trace costs at every step, in real gloo pipelines) with the projection's costs
+(:mod:`benchmarks.paper_setup`): each case's trace mapped by depth fraction onto ``--layers`` layers
+(every recorded step), costed at the paper's shape (a GPU dense block scaled to seq 2048, the GPT-2
+head + loss measured with its loss, the embedding a lookup), then scaled so a dense block sleeps
+``--block-ms`` per micro-batch forward. Under a split-backward schedule the blocks sleep half their
+backward in the weight pass (``split_backward``, the step model's own share); the embedding and the head
++ loss sleep their whole backward in the input pass, and their true costs say so. **Emulated cost.**
+
+Per case (and the dense model) and pipeline size (``--ranks``), the jobs, each ``--steps`` steps (the
+first ``--warmup`` untimed; the trace spread over the run):
+
+- **uniform** (Megatron) and **params** (DeepSpeed: exact min-max of parameters, pruning's non-zeros);
+- **head-aware static**: partitioned once from the true costs of the first replayed step and refined by
+  the step model (:func:`benchmarks.paper_setup.best_placement`, per worker under ZBV), then fixed;
+- **search's best fixed**: the same search minimising the step summed over every timed step's true
+  costs (a candidate, computed);
+- **DynMo**: ``DynMoCallback`` live, every-step windows, from uniform.
+
+The **best fixed placement in hindsight is measured**: per round, the fixed job with the lowest median
+step over the *other* rounds (:func:`benchmarks._lib.paired.held_out_best`). ``--rounds`` interleaved
+rounds (the job order reversed every other round); every ratio is taken within a round, each round's
+printed. DynMo is *slower than a split beyond the spread of its rounds* when it is slower in every round
+(at least four). Idle per step: *simulated* (the step model on the true costs of each timed step, the
+placement the job ended at) and *measured*, ``(ranks x step - work) / (ranks x step)``.
+
+    python -m benchmarks.paper_replay                 # 6 cases + dense, 8 and 16 ranks, ZBV, 5 rounds: hours
+    python -m benchmarks.paper_replay --quick         # synthetic trace, 2 ranks, 1 round: not figures
+
+The report goes to ``benchmarks/results/paper_replay-<date>.md``; an existing file is kept unless
+``--force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from benchmarks._lib import paired
+from benchmarks._lib.common import launch, results_path, write_report
+from benchmarks._lib.trace_cases import CASES, synthetic_trace, trace_parser
+from benchmarks.paper_setup import Costs, best_placement, cost_trace, mapped, paper_costs
+from benchmarks.projection import Shape
+from benchmarks.replay import (
+    DYNMO,
+    JOB_TIMEOUT_FACTOR,
+    MIN_JOB_TIMEOUT_S,
+    SEQ,
+    ReplayJob,
+    idle_shares,
+    replay_model,
+    run_replay,
+    select_traces,
+)
+from lightning_dynmo.balancing import by_parameters, uniform
+from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
+from lightning_dynmo.demos import measure_call_overhead
+from lightning_dynmo.pipeline.step.actions import schedule_actions
+
+#: The split of a block's backward into its weight pass (the step model's default share).
+WEIGHT_SHARE = 0.5
+#: A part's weight pass, as a share of its backward: the emulated parts sleep it all in the input pass.
+PART_WEIGHT_SHARE = 1e-9
+FIXED = ("uniform", "params", "head-aware static", "search's best fixed")
+
+
+def split_backward(trace: CostTrace) -> CostTrace:
+    """``trace`` with every record's weight-gradient part stated: :data:`WEIGHT_SHARE` of a block's
+    backward, (almost) none of a part's, as the emulated pipeline sleeps them."""
+
+    def split(c: Any, share: float) -> Any:
+        return dataclasses.replace(c, bwd_weight_time_s=share * c.bwd_time_s)
+
+    rows = tuple(
+        StepCosts(
+            tuple(split(c, WEIGHT_SHARE) for c in r.layers),
+            split(r.first, PART_WEIGHT_SHARE),
+            split(r.last, PART_WEIGHT_SHARE),
+        )
+        for r in trace.rows
+    )
+    return dataclasses.replace(trace, rows=rows)
+
+
+def paper_trace(stats: StatisticTrace, layers: int, costs: Costs, block_ms: float, split: bool) -> CostTrace:
+    """``stats`` on ``layers`` layers at every recorded step, at the paper's costs, scaled so a dense
+    block sleeps ``block_ms`` per micro-batch forward (``split``: weight parts stated)."""
+    trace = cost_trace(mapped(stats, layers, stats.num_rows), costs).scaled(block_ms / 1e3 / costs.block[0])
+    return split_backward(trace) if split else trace
+
+
+def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str]:
+    """The fixed placements of one case on one pipeline (on the costs the pipeline really runs)."""
+    true, rows = job.true_trace(), job.replayed_rows()
+    layers, stages = true.num_layers, shape.stages
+    timed = [true.rows[r] for r in rows]
+    mean = dataclasses.replace(true, rows=tuple(timed)).mean_costs()
+    return {
+        "uniform": str(uniform(layers, stages)),
+        "params": str(by_parameters(list(mean.layers), stages)),
+        "head-aware static": str(best_placement(timed[0], shape, budget)),
+        "search's best fixed": str(best_placement(mean, shape, budget, over=timed)),
+    }
+
+
+def replay_case(base: ReplayJob, shape: Shape, rounds: int, budget: int) -> dict[str, Any]:
+    """Every fixed placement and DynMo, ``rounds`` interleaved rounds."""
+    fixed = fixed_placements(base, shape, budget)
+    jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
+    jobs["DynMo"] = replace(base, placement=fixed["uniform"], dynmo=DYNMO)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    slowest_s = 0.0
+    for r in range(rounds):
+        for name in list(jobs) if r % 2 == 0 else list(jobs)[::-1]:
+            print(
+                f"  [{base.trace.case}] {shape}, round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True
+            )
+            started = time.perf_counter()
+            runs[name].append(
+                launch(
+                    run_replay,
+                    jobs[name],
+                    nproc=shape.ranks,
+                    start_method="forkserver",
+                    timeout_s=max(MIN_JOB_TIMEOUT_S, JOB_TIMEOUT_FACTOR * slowest_s),
+                )
+            )
+            slowest_s = max(slowest_s, time.perf_counter() - started)
+    per_round = {name: [statistics.median(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
+    per_round["DynMo"] = [statistics.median(run["step_s"]) for run in runs["DynMo"]]
+    dynmo = {"DynMo": per_round["DynMo"]}
+    candidates = {name: per_round[name] for name in FIXED}
+    versus_static = paired.compare(
+        {k: per_round[k] for k in ("uniform", "params")}, dynmo, candidates, gap=0.05
+    )
+    versus_head = paired.compare(
+        {"head-aware static": per_round["head-aware static"]}, dynmo, candidates, 0.05
+    )
+    rows = {}
+    for name in (*FIXED, "DynMo"):
+        last = runs[fixed.get(name, name)][-1]
+        step = statistics.median(per_round[name])
+        rows[name] = {
+            "ms": 1e3 * step,
+            "placement": last["placement"],
+            "idle": idle_shares(base, last["placement"], step),
+            "rounds": per_round[name],
+        }
+    rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
+    return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape}
+
+
+def _ratios(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{x:.3f}" for x in values)
+
+
+def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
+    """One case on one pipeline: the runs, every round, the paired verdicts."""
+    rows, s, h = result["rows"], result["static"], result["head"]
+    lines = [
+        f"### {case}, {result['shape']} ({layers} layers)",
+        "",
+        "| run | step (ms, median) | every round (ms) | idle, simulated | idle, measured | placement "
+        "(last) |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    for name, row in rows.items():
+        sim, meas = row["idle"]
+        every = ", ".join(f"{1e3 * x:.1f}" for x in row["rounds"])
+        lines.append(
+            f"| {name} | {row['ms']:.1f} | {every} | {sim:.0%} | {meas:.0%} | `{row['placement']}` |"
+        )
+    head_gain = h.median_speedup()
+    lines += [
+        "",
+        f"Best fixed in hindsight (measured, held out per round): {', '.join(s.ideal)}. Better static "
+        f"({s.static}) / DynMo: **{s.median_speedup():.3f}x** (per round {_ratios(s.speedup['DynMo'])}); "
+        f"head-aware static / DynMo: **{head_gain:.3f}x** (per round {_ratios(h.speedup['DynMo'])})"
+        f"{' (gain under 2%)' if head_gain < 1.02 else ''}; DynMo of best fixed: "
+        f"**{s.median_of_ideal():.1%}** "
+        f"(per round {_ratios(s.of_ideal['DynMo'])}). DynMo slower than the head-aware split in every round: "
+        f"{'YES' if h.slower_beyond_noise() else 'no'}. DynMo's rebalances per round: "
+        f"{rows['DynMo']['rebalances']}.",
+        "",
+    ]
+    return lines
+
+
+def summary(done: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
+    """One row per case and pipeline: the medians of the paired ratios and the verdicts."""
+    lines = [
+        "### Summary",
+        "",
+        "| case | shape | better static / DynMo | head-aware static / DynMo (rounds: min-max) | DynMo of "
+        "best "
+        "fixed (measured) | idle measured: head-aware -> DynMo | >= 95% of best fixed | not slower than "
+        "head-aware beyond its rounds |",
+        "|---|---|---:|---|---:|---|---|---|",
+    ]
+    for case, _, result in done:
+        s, h, rows = result["static"], result["head"], result["rows"]
+        gains = h.speedup["DynMo"]
+        note = " (under 2%)" if h.median_speedup() < 1.02 else ""
+        lines.append(
+            f"| {case} | {result['shape']} | {s.median_speedup():.3f}x | {h.median_speedup():.3f}x{note} "
+            f"({min(gains):.3f}-{max(gains):.3f}) | {s.median_of_ideal():.1%} | "
+            f"{rows['head-aware static']['idle'][1]:.0%} -> {rows['DynMo']['idle'][1]:.0%} | "
+            f"{'yes' if s.median_of_ideal() >= 0.95 else 'NO'} | "
+            f"{'NO' if h.slower_beyond_noise() else 'yes'} |"
+        )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Replay every trace at the paper's setup, print and write the report; return it."""
+    parser = trace_parser(
+        "python -m benchmarks.paper_replay", __doc__.split("\n")[0], "synthetic trace, 2 ranks, 1 round"
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--schedule", default="ZBVZeroBubble", help="torch's pipeline schedule")
+    parser.add_argument("--microbatches", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=48, help="the model's depth (traces mapped onto it)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--budget", type=int, default=512, help="step-model simulations per search")
+    parser.add_argument("--block-ms", type=float, default=1.0, help="a dense block's forward per micro-batch")
+    parser.add_argument("--case", nargs="+", default=None, help="only these cases (default: all + dense)")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.paper_replay" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+    )
+    out = results_path("paper_replay", args.out, args.force)
+    if args.quick:
+        stats = [synthetic_trace(4, 3)]
+        args.ranks, args.steps, args.warmup, args.rounds, args.layers = [2], 6, 2, 1, 8
+        args.microbatches, args.budget = 4, 16
+    else:
+        stats = select_traces(args.traces, args.case)
+        if not stats:
+            raise SystemExit(f"no trace of the cases {args.case} in {args.traces}")
+    costs = paper_costs(args.quick)
+    probe = Shape(2, args.schedule, args.microbatches)  # does the schedule run weight passes?
+    split = any(k == "W" for acts in schedule_actions(args.schedule, probe.stages, 4) for _, k, _ in acts)
+    torch.set_num_threads(1)  # before forking the ranks
+    overhead = measure_call_overhead(replay_model(2, "linear", split), microbatch_size=1, seq_len=SEQ)
+    lines = [
+        "# The traces replayed at the paper's setup (emulated cost)",
+        "",
+        f"Command: `{command}`  ",
+        f"Device: a shared 2-core x86_64 CPU VM (torch {torch.__version__}), gloo, one thread per rank; "
+        "**emulated cost**: every block and part sleeps its recorded cost (sleeping uses no CPU, so more "
+        "ranks than cores run).",
+        f"Setup: {args.schedule}, {args.microbatches} micro-batches per step, {args.layers} layers, "
+        f"{args.steps} steps ({args.warmup} untimed), {args.rounds} round(s); a dense block sleeps "
+        f"{args.block_ms} ms forward per micro-batch; blocks compute `linear` before their sleep"
+        f"{'; half of a block backward sleeps in its weight pass' if split else ''}.",
+        f"Costs (scaled to those sleeps): {costs.label}.",
+        f"Sleeps compensated: measured before the ranks start, {overhead.describe()}.",
+        "",
+    ]
+    done: list[tuple[str, int, dict[str, Any]]] = []
+    todo = len(stats) * len(args.ranks)
+    for s in stats:
+        trace = paper_trace(s, args.layers, costs, args.block_ms, split)
+        for ranks in args.ranks:
+            shape = Shape(ranks, args.schedule, args.microbatches)
+            if shape.stages > args.layers:
+                continue
+            base = ReplayJob(
+                trace,
+                ranks,
+                args.steps,
+                args.warmup,
+                "uniform",
+                overhead=overhead,
+                compute="linear",
+                schedule=args.schedule,
+                num_microbatches=args.microbatches,
+                split_backward=split,
+            )
+            result = replay_case(base, shape, args.rounds, args.budget)
+            part = section(CASES[s.case].name if s.case in CASES else s.case, args.layers, result)
+            print("\n".join(part), flush=True)
+            lines += part
+            done.append((s.case, ranks, result))
+            if len(done) < todo:  # what is measured so far survives a run stopped before its end
+                note = f"**Partial: {len(done)} of {todo} case x pipeline runs so far.**"
+                out.write_text("\n".join([*lines, note, "", *summary(done)]) + "\n")
+    report = "\n".join([*lines, *summary(done)])
+    write_report(report, "paper_replay", out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The paper-setup replay's quick mode runs real ZBV pipelines whose blocks sleep part of their backward in
+the weight pass, and reports every run, every round and both verdicts (no timing asserted)."""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks._lib.trace_cases import synthetic_trace
+from benchmarks.paper_replay import main, split_backward
+from benchmarks.paper_setup import cost_trace, mapped, paper_costs
+
+
+def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_path):
+    out = tmp_path / "paper_replay.md"
+    report = main(["--quick", "--out", str(out)])
+    assert out.read_text() == report + "\n"
+    assert "half of a block backward sleeps in its weight pass" in report
+    assert "### synthetic, 2 x ZBVZeroBubble (4 stages, 4 mb) (8 layers)" in report
+    for run in ("uniform", "params", "head-aware static", "search's best fixed", "DynMo"):
+        assert re.search(rf"\| {run} \| [\d.]+ \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
+    assert re.search(r"head-aware static / DynMo: \*\*[\d.]+x\*\* \(per round [\d.]+\)", report)
+    assert re.search(r"Best fixed in hindsight \(measured, held out per round\): [a-z' -]+\.", report)
+    assert re.search(r"\| synthetic \| 2 x ZBVZeroBubble .* \| (yes|NO) \| (yes|NO) \|", report)  # summary
+
+
+def test_the_weight_pass_is_half_a_blocks_backward_and_none_of_a_parts():
+    trace = split_backward(cost_trace(mapped(synthetic_trace(4, 3), 8, 3), paper_costs(quick=True)))
+    row = trace.rows[0]
+    assert all(c.bwd_weight_time_s == 0.5 * c.bwd_time_s > 0 for c in row.layers)
+    assert 0 < row.last.bwd_weight_time_s < 1e-6 * row.last.bwd_time_s
