@@ -13,7 +13,7 @@ Per case (and the dense model) and pipeline size (``--ranks``), the jobs, each `
 first ``--warmup`` untimed; the trace spread over the run):
 
 - **uniform** (Megatron) and **params** (DeepSpeed: exact min-max of parameters, pruning's non-zeros);
-- **head-aware static**: partitioned once from the true costs of the first replayed step and refined by
+- **head-aware static**: partitioned once from the true costs of the run's first step (step 0), refined by
   the step model (:func:`benchmarks.paper_setup.best_placement`, per worker under ZBV), then fixed;
 - **search's best fixed**: the same search minimising the step summed over every timed step's true
   costs (a candidate, computed);
@@ -106,7 +106,8 @@ def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str
     return {
         "uniform": str(uniform(layers, stages)),
         "params": str(by_parameters(list(mean.layers), stages)),
-        "head-aware static": str(best_placement(timed[0], shape, budget)),
+        # Partitioned once from the costs of the run's first step (step 0), as a careful user would.
+        "head-aware static": str(best_placement(true.rows[job.trace_replay().row(0)], shape, budget)),
         "search's best fixed": str(best_placement(mean, shape, budget, over=timed)),
     }
 
