@@ -156,6 +156,8 @@ def replay_case(base: ReplayJob, shape: Shape, rounds: int, budget: int) -> dict
             "rounds": per_round[name],
         }
     rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
+    rows["DynMo"]["windows"] = [run["windows"] for run in runs["DynMo"]]
+    rows["DynMo"]["steps"] = base.steps
     return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape}
 
 
@@ -189,7 +191,9 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
         f"**{s.median_of_ideal():.1%}** "
         f"(per round {_ratios(s.of_ideal['DynMo'])}). DynMo slower than the head-aware split in every round: "
         f"{'YES' if h.slower_beyond_noise() else 'no'}. DynMo's rebalances per round: "
-        f"{rows['DynMo']['rebalances']}.",
+        f"{rows['DynMo']['rebalances']}; its windows per round (decided, skipped, seconds the callback "
+        f"reported over the job's {rows['DynMo']['steps']} steps): "
+        f"{', '.join(f'{d} / {k} / {t:.2f} s' for d, k, t in rows['DynMo']['windows'])}.",
         "",
     ]
     return lines

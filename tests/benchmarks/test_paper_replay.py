@@ -20,6 +20,11 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
         assert re.search(rf"\| {run} \| [\d.]+ \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
     assert re.search(r"head-aware static / DynMo: \*\*[\d.]+x\*\* \(per round [\d.]+\)", report)
     assert re.search(r"Best fixed in hindsight \(measured, held out per round\): [a-z' -]+\.", report)
+    assert re.search(
+        r"its windows per round \(decided, skipped, seconds the callback reported over the job's 6 "
+        r"steps\): \d+ / \d+ / [\d.]+ s\.",
+        report,
+    )
     assert re.search(r"\| synthetic \| 2 x ZBVZeroBubble .* \| (yes|NO) \| (yes|NO) \|", report)  # summary
 
 
