@@ -25,7 +25,7 @@ from lightning_dynmo.balancing.schedule_model import (
     StageTimes,
     check_action_lists,
     check_links,
-    deadlock_message,
+    in_run_order,
     needs,
 )
 
@@ -67,24 +67,15 @@ class CompiledSchedule:
         owner = {stage: rank for rank, acts in enumerate(lists) for stage, _, _ in acts}
         index: dict[Action, int] = {}
         steps: list[_Step] = []
-        cursor = [0] * len(lists)
-        progress = True
-        while progress:
-            progress = False
-            for rank, acts in enumerate(lists):
-                while cursor[rank] < len(acts):
-                    action = acts[cursor[rank]]
-                    deps = _resolved(action, rank, num_stages, owner, index)
-                    if deps is None:
-                        break
-                    previous = index[acts[cursor[rank] - 1]] if cursor[rank] else -1
-                    index[action] = len(steps)
-                    (dep1, link1), (dep2, link2) = (*deps, (-1, -1), (-1, -1))[:2]
-                    steps.append((4 * action[0] + _SLOT[action[1]], previous, dep1, link1, dep2, link2))
-                    cursor[rank] += 1
-                    progress = True
-        if len(steps) < sum(len(acts) for acts in lists):
-            raise ValueError(deadlock_message(lists, cursor, set(index), num_stages))
+
+        def resolve(action: Action, rank: int) -> tuple[tuple[int, int], ...] | None:
+            return _resolved(action, rank, num_stages, owner, index)
+
+        for _, action, before, deps in in_run_order(lists, resolve, num_stages, index):
+            previous = index[before] if before is not None else -1
+            index[action] = len(steps)
+            (dep1, link1), (dep2, link2) = (*deps, (-1, -1), (-1, -1))[:2]
+            steps.append((4 * action[0] + _SLOT[action[1]], previous, dep1, link1, dep2, link2))
         kinds = tuple(tuple(sorted({k for s, k, _ in index if s == stage})) for stage in range(num_stages))
         rank_of = tuple(owner.get(s, -1) for s in range(num_stages))
         slots = tuple(tuple(4 * s + _SLOT[k] for s, k, _ in acts) for acts in lists)

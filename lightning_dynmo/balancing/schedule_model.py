@@ -24,8 +24,9 @@ go on, names the actions that wait and what they wait for.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 #: One action of a rank: ``(stage, kind, micro_batch)``, kind ``"F"``, ``"B"`` (full backward),
 #: ``"I"`` (input gradient) or ``"W"`` (weight gradient).
@@ -268,6 +269,7 @@ def _check_time(value: object, name: str, optional: bool) -> None:
 
 
 _Cause = tuple[int, str, int] | None  # the action whose end (plus a link) set an action's start
+_Found = TypeVar("_Found")  # what a sweep's resolver found an action needs
 
 
 def _run(
@@ -280,6 +282,33 @@ def _run(
     """Each action's start and end, and what set its start; raise on a deadlock."""
     done: dict[Action, TimedAction] = {}
     cause: dict[Action, _Cause] = {}
+
+    def resolve(action: Action, rank: int) -> list[tuple[float, _Cause]] | None:
+        return _dependencies(action, rank, fwd_link, bwd_link, rank_of, done)
+
+    for rank, action, previous, deps in in_run_order(lists, resolve, len(fwd_link) + 1, done):
+        ready = [(done[previous].end_s, previous)] if previous is not None else [(0.0, None)]
+        start, cause[action] = max(ready + deps, key=lambda r: r[0])
+        stage, kind, mb = action
+        done[action] = TimedAction(rank, stage, kind, mb, start, start + durations[(stage, kind)])
+    return done, cause
+
+
+def in_run_order(
+    lists: list[list[Action]],
+    resolve: Callable[[Action, int], _Found | None],
+    num_stages: int,
+    ran: Collection[Action],
+) -> Iterator[tuple[int, Action, Action | None, _Found]]:
+    """Every action of ``lists`` in an order the ranks can run them: round after round over the ranks, a
+    rank's next action as soon as ``resolve(action, rank)`` finds what it needs (``None``: not yet).
+
+    Yields ``(rank, action, the rank's previous action or None, what resolve found)``; the caller records
+    the action (in ``ran``, which ``resolve`` reads) before the next one is resolved.
+
+    Raises:
+        ValueError: when actions are left that no rank can start (the lists deadlock).
+    """
     cursor = [0] * len(lists)
     progress = True
     while progress:
@@ -287,19 +316,14 @@ def _run(
         for rank, acts in enumerate(lists):
             while cursor[rank] < len(acts):
                 action = acts[cursor[rank]]
-                deps = _dependencies(action, rank, fwd_link, bwd_link, rank_of, done)
-                if deps is None:
+                found = resolve(action, rank)
+                if found is None:
                     break
-                previous = acts[cursor[rank] - 1] if cursor[rank] > 0 else None
-                ready = [(done[previous].end_s, previous)] if previous is not None else [(0.0, None)]
-                start, cause[action] = max(ready + deps, key=lambda r: r[0])
-                stage, kind, mb = action
-                done[action] = TimedAction(rank, stage, kind, mb, start, start + durations[(stage, kind)])
+                yield rank, action, acts[cursor[rank] - 1] if cursor[rank] else None, found
                 cursor[rank] += 1
                 progress = True
     if any(c < len(acts) for c, acts in zip(cursor, lists, strict=True)):
-        raise ValueError(deadlock_message(lists, cursor, done, len(fwd_link) + 1))
-    return done, cause
+        raise ValueError(deadlock_message(lists, cursor, ran, num_stages))
 
 
 def needs(action: Action, num_stages: int) -> list[tuple[Action, ...]]:
