@@ -117,6 +117,10 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        # gloo's init returns on a rank once its own side of the mesh is up; a rank whose work fails at once
+        # would then tear the group down under a peer still connecting ("connectFullMesh ... closed by
+        # peer", seen under load). Meet once so every rank starts ``fn`` with the mesh complete.
+        dist.barrier()
         value = fn(rank, world_size, *args)
         payload = (rank, True, pickle.dumps(value))
     except BaseException:

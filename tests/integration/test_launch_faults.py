@@ -90,7 +90,13 @@ def _check(launcher: str, outcomes: dict[tuple[str, int], Outcome]) -> list[str]
             named = (
                 rf"rank {peer} \(stage {peer}\) failed in a schedule step while rank {culprit} .*in apply_pl"
             )
-        if not re.search(named, other):
+        # Under torchrun the agent ends the survivor (SIGTERM) as soon as it sees the killed rank, which can
+        # be before the survivor's own error is printed: then the agent's root cause is what names it.
+        agent = (
+            rf"Root Cause .*:\n\[{culprit}\]:\n(?: .*\n)*? +rank +: {culprit} .*\n +exitcode .*\(SIGKILL\)"
+        )
+        by_agent = launcher == "torchrun" and where == "sigkill" and re.search(agent, outcome.output)
+        if not re.search(named, other) and not by_agent:
             problems.append(f"{name}: rank {peer} does not name rank {culprit}:\n{other[-3000:]}")
         if where == "sigkill" and culprit > 0 and launcher == "lightning":
             line = rf"DynMo: rank {culprit} \(pid \d+\) was killed by SIGKILL \(out of memory\?\)\."
