@@ -9,18 +9,24 @@ head + loss measured with its loss, the embedding a lookup), then scaled so a de
 backward in the weight pass (``split_backward``, the step model's own share); the embedding and the head
 + loss sleep their whole backward in the input pass, and their true costs say so. **Emulated cost.**
 
-Per case (and the dense model) and pipeline size (``--ranks``), the jobs, each ``--steps`` steps (the
-first ``--warmup`` untimed; the trace spread over the run):
+Per case (and the dense model) and pipeline size (``--ranks``), the jobs. MoE and MoD, whose rows are
+steps of one run: ``--steps`` steps, the first ``--warmup`` untimed, the trace spread over them. The other
+cases, whose costs move in phases (a pruning stage, a freezing decision, a sparsity or exit level):
+``--phases`` rows of the trace, evenly spaced, each held ``--hold`` timed steps after ``--warmup``
+untimed steps on the first (:func:`recipe`):
 
 - **uniform** (Megatron) and **params** (DeepSpeed: exact min-max of parameters, pruning's non-zeros);
 - **head-aware static**: partitioned once from the true costs of the run's first step (step 0), refined by
   the step model (:func:`benchmarks.paper_setup.best_placement`, per worker under ZBV), then fixed;
 - **search's best fixed**: the same search minimising the step summed over every timed step's true
   costs (a candidate, computed);
-- **DynMo**: ``DynMoCallback`` live, every-step windows, from uniform.
+- **DynMo**: ``DynMoCallback`` live, from uniform, as each case's recipe runs it: every-step windows
+  for MoE and MoD; otherwise a rebalance at each dynamism event (the replay announces every new row, the
+  first included, as the case's callback would), profiling one step.
 
-The **best fixed placement in hindsight is measured**: per round, the fixed job with the lowest median
-step over the *other* rounds (:func:`benchmarks._lib.paired.held_out_best`). ``--rounds`` interleaved
+A job's step is the mean of its timed steps (its run time: DynMo's profiled and migrating steps
+count). The **best fixed placement in hindsight is measured**: per round, the fixed job with the lowest
+median step over the *other* rounds (:func:`benchmarks._lib.paired.held_out_best`). ``--rounds`` interleaved
 rounds (the job order reversed every other round); every ratio is taken within a round, each round's
 printed. DynMo is *slower than a split beyond the spread of its rounds* when it is slower in every round
 (at least four). Idle per step: *simulated* (the step model on the true costs of each timed step, the
@@ -62,6 +68,7 @@ from benchmarks.replay import (
 )
 from lightning_dynmo.balancing import by_parameters, uniform
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
+from lightning_dynmo.callback import ProfilingConfig
 from lightning_dynmo.demos import measure_call_overhead
 from lightning_dynmo.pipeline.step.actions import schedule_actions
 
@@ -90,11 +97,41 @@ def split_backward(trace: CostTrace) -> CostTrace:
     return dataclasses.replace(trace, rows=rows)
 
 
-def paper_trace(stats: StatisticTrace, layers: int, costs: Costs, block_ms: float, split: bool) -> CostTrace:
-    """``stats`` on ``layers`` layers at every recorded step, at the paper's costs, scaled so a dense
-    block sleeps ``block_ms`` per micro-batch forward (``split``: weight parts stated)."""
-    trace = cost_trace(mapped(stats, layers, stats.num_rows), costs).scaled(block_ms / 1e3 / costs.block[0])
+def paper_trace(
+    stats: StatisticTrace,
+    layers: int,
+    costs: Costs,
+    block_ms: float,
+    split: bool,
+    rows: int | None = None,
+) -> CostTrace:
+    """``stats`` on ``layers`` layers at every recorded step (or ``rows`` of them, evenly spaced), at the
+    paper's costs, scaled so a dense block sleeps ``block_ms`` per micro-batch forward (``split``: weight
+    parts stated)."""
+    kept = mapped(stats, layers, stats.num_rows if rows is None else rows)
+    trace = cost_trace(kept, costs).scaled(block_ms / 1e3 / costs.block[0])
     return split_backward(trace) if split else trace
+
+
+def recipe(case: str, phases: int, hold: int) -> dict[str, Any]:
+    """How DynMo runs ``case`` in the replay, and how its trace is replayed (:class:`ReplayJob` fields).
+
+    MoE and MoD (``TraceCase.every_step``): the rows are steps of one run, spread over the run, and DynMo
+    decides at every step (:data:`benchmarks.replay.DYNMO`). The other cases: ``phases`` rows, each held
+    ``hold`` steps, announced by a dynamism event as their callbacks announce a change (the first row
+    too: DynMo's first decision, from uniform); DynMo rebalances on events, profiling one step.
+    """
+    known = CASES.get(case)
+    if known is not None and known.every_step:
+        return {"dynmo": DYNMO}
+    kind = {"pruning": "pruned", "freezing": "frozen"}.get(case, "custom")
+    profile_once = ProfilingConfig(warmup_steps=0, steps=1)
+    return {
+        "dynmo": {"balancer": "partition", "cost": "time", "profiling": profile_once},
+        "announce": kind,
+        "hold": hold,
+        "phases": phases,
+    }
 
 
 def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str]:
@@ -112,11 +149,19 @@ def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str
     }
 
 
-def replay_case(base: ReplayJob, shape: Shape, rounds: int, budget: int) -> dict[str, Any]:
-    """Every fixed placement and DynMo, ``rounds`` interleaved rounds."""
+def replay_case(
+    base: ReplayJob,
+    shape: Shape,
+    rounds: int,
+    budget: int,
+    dynmo: dict[str, Any] = DYNMO,
+    announce: str | None = None,
+) -> dict[str, Any]:
+    """Every fixed placement and DynMo (``dynmo``: its keywords; ``announce``: the replay's events),
+    ``rounds`` interleaved rounds."""
     fixed = fixed_placements(base, shape, budget)
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
-    jobs["DynMo"] = replace(base, placement=fixed["uniform"], dynmo=DYNMO)
+    jobs["DynMo"] = replace(base, placement=fixed["uniform"], dynmo=dynmo, announce=announce)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     slowest_s = 0.0
     for r in range(rounds):
@@ -135,8 +180,9 @@ def replay_case(base: ReplayJob, shape: Shape, rounds: int, budget: int) -> dict
                 )
             )
             slowest_s = max(slowest_s, time.perf_counter() - started)
-    per_round = {name: [statistics.median(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
-    per_round["DynMo"] = [statistics.median(run["step_s"]) for run in runs["DynMo"]]
+    # The mean of the timed steps: a run's time, DynMo's profiled and migrating steps included.
+    per_round = {name: [statistics.fmean(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
+    per_round["DynMo"] = [statistics.fmean(run["step_s"]) for run in runs["DynMo"]]
     dynmo = {"DynMo": per_round["DynMo"]}
     candidates = {name: per_round[name] for name in FIXED}
     versus_static = paired.compare(
@@ -171,8 +217,8 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
     lines = [
         f"### {case}, {result['shape']} ({layers} layers)",
         "",
-        "| run | step (ms, median) | every round (ms) | idle, simulated | idle, measured | placement "
-        "(last) |",
+        "| run | step (ms: timed steps' mean, rounds' median) | every round (ms) | idle, simulated | "
+        "idle, measured | placement (last) |",
         "|---|---:|---|---:|---:|---|",
     ]
     for name, row in rows.items():
@@ -239,6 +285,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--budget", type=int, default=512, help="step-model simulations per search")
     parser.add_argument("--block-ms", type=float, default=1.0, help="a dense block's forward per micro-batch")
     parser.add_argument("--case", nargs="+", default=None, help="only these cases (default: all + dense)")
+    parser.add_argument(
+        "--phases", type=int, default=4, help="rows replayed of a phased case (not MoE, MoD), evenly spaced"
+    )
+    parser.add_argument("--hold", type=int, default=5, help="timed steps each phase lasts")
     args = parser.parse_args(argv)
     command = "python -m benchmarks.paper_replay" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
@@ -247,7 +297,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.quick:
         stats = [synthetic_trace(4, 3)]
         args.ranks, args.steps, args.warmup, args.rounds, args.layers = [2], 6, 2, 1, 8
-        args.microbatches, args.budget = 4, 16
+        args.microbatches, args.budget, args.phases, args.hold = 4, 16, 2, 2
     else:
         stats = select_traces(args.traces, args.case)
         if not stats:
@@ -265,7 +315,9 @@ def main(argv: list[str] | None = None) -> str:
         "**emulated cost**: every block and part sleeps its recorded cost (sleeping uses no CPU, so more "
         "ranks than cores run).",
         f"Setup: {args.schedule}, {args.microbatches} micro-batches per step, {args.layers} layers, "
-        f"{args.steps} steps ({args.warmup} untimed), {args.rounds} round(s); a dense block sleeps "
+        f"MoE and MoD {args.steps} steps ({args.warmup} untimed), the trace spread over them; the other "
+        f"cases {args.phases} phases of {args.hold} steps after {args.warmup} untimed on the first; "
+        f"{args.rounds} round(s); a dense block sleeps "
         f"{args.block_ms} ms forward per micro-batch; blocks compute `linear` before their sleep"
         f"{'; half of a block backward sleeps in its weight pass' if split else ''}.",
         f"Costs (scaled to those sleeps): {costs.label}.",
@@ -275,7 +327,10 @@ def main(argv: list[str] | None = None) -> str:
     done: list[tuple[str, int, dict[str, Any]]] = []
     todo = len(stats) * len(args.ranks)
     for s in stats:
-        trace = paper_trace(s, args.layers, costs, args.block_ms, split)
+        how = recipe(s.case, args.phases, args.hold)
+        trace = paper_trace(s, args.layers, costs, args.block_ms, split, how.get("phases"))
+        hold = how.get("hold")
+        steps = args.steps if hold is None else args.warmup + trace.num_rows * hold
         for ranks in args.ranks:
             shape = Shape(ranks, args.schedule, args.microbatches)
             if shape.stages > args.layers:
@@ -283,7 +338,7 @@ def main(argv: list[str] | None = None) -> str:
             base = ReplayJob(
                 trace,
                 ranks,
-                args.steps,
+                steps,
                 args.warmup,
                 "uniform",
                 overhead=overhead,
@@ -291,8 +346,9 @@ def main(argv: list[str] | None = None) -> str:
                 schedule=args.schedule,
                 num_microbatches=args.microbatches,
                 split_backward=split,
+                hold=hold,
             )
-            result = replay_case(base, shape, args.rounds, args.budget)
+            result = replay_case(base, shape, args.rounds, args.budget, how["dynmo"], how.get("announce"))
             part = section(CASES[s.case].name if s.case in CASES else s.case, args.layers, result)
             print("\n".join(part), flush=True)
             lines += part

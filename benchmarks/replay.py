@@ -124,6 +124,9 @@ class ReplayJob:
         schedule: The pipeline schedule (torch's; several stages per rank under ``ZBVZeroBubble``).
         num_microbatches: Micro-batches per step; ``None``: two per rank.
         split_backward: Blocks sleep their weight-gradient part in the weight pass (:func:`replay_model`).
+        hold: Steps each trace row lasts after the ``warmup`` steps, which replay the first row (the
+            trace's rows are phases); ``None``: the rows spread evenly over all ``steps``.
+        announce: Publish a dynamism event of this kind at every new row (``TraceReplay(announce=...)``).
     """
 
     trace: CostTrace
@@ -137,14 +140,19 @@ class ReplayJob:
     schedule: str = "1F1B"
     num_microbatches: int | None = None
     split_backward: bool = False
+    hold: int | None = None
+    announce: str | None = None
 
     @property
     def microbatches(self) -> int:
         return 2 * self.ranks if self.num_microbatches is None else self.num_microbatches
 
     def trace_replay(self) -> TraceReplay:
-        """The callback replaying this job's trace, spread evenly over its steps."""
-        return TraceReplay(self.trace, self.microbatches, overhead=self.overhead, spread_over=self.steps)
+        """The callback replaying this job's trace: spread evenly over its steps, or held (``hold``)."""
+        m, o, kind = self.microbatches, self.overhead, self.announce
+        if self.hold is None:
+            return TraceReplay(self.trace, m, overhead=o, spread_over=self.steps, announce=kind)
+        return TraceReplay(self.trace, m, self.hold, overhead=o, lead_steps=self.warmup, announce=kind)
 
     def true_trace(self) -> CostTrace:
         """The costs this job's pipeline really runs (the trace, each call at least its overhead)."""

@@ -32,6 +32,7 @@ from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.trace import CostTrace, StepCosts
 from lightning_dynmo.demos.emulated_block import EmulatedBlock
 from lightning_dynmo.demos.gpt import DemoGPT
+from lightning_dynmo.events import EVENT_KINDS, notify_dynamism
 
 __all__ = ["CallOverhead", "TraceReplay", "measure_call_overhead"]
 
@@ -122,9 +123,15 @@ class TraceReplay(Callback):
     record's ``bwd_weight_time_s`` in its weight-gradient pass and the rest of ``bwd_time_s`` in its
     input-gradient pass; other costs sleep the whole backward at once.
 
-    Step ``s`` replays row ``min(s // steps_per_row, last row)``: a trace shorter than the run holds
-    its last row. With ``spread_over=n`` the trace is spread evenly over ``n`` steps instead (row
-    ``s * rows // n``): a run shorter than the trace skips rows evenly rather than stopping early.
+    Step ``s`` replays row ``min(max(0, s - lead_steps) // steps_per_row, last row)``: a trace shorter
+    than the run holds its last row. With ``spread_over=n`` the trace is spread evenly over ``n`` steps
+    instead (row ``s * rows // n``): a run shorter than the trace skips rows evenly rather than stopping
+    early.
+
+    With ``announce``, the replay tells DynMo when the model changes, as the dynamism callbacks do (a
+    pruning stage, a freezing decision): at the start of every step that replays another row than the
+    step before with other costs (the first step included), each rank publishes a
+    :class:`~lightning_dynmo.events.DynamismEvent` of that kind on the default bus.
 
     Args:
         trace: The costs to replay, in the emulated pipeline's seconds (scale them first with
@@ -135,6 +142,9 @@ class TraceReplay(Callback):
             every sleep. ``None``: sleep the trace's costs as they are.
         spread_over: Spread the trace's rows evenly over this many steps (>= 1); ``None``: use
             ``steps_per_row``.
+        lead_steps: Steps the first row lasts beyond ``steps_per_row`` (>= 0; a run's untimed start).
+        announce: The event kind to publish at each new row (see :data:`~lightning_dynmo.events.EVENT_KINDS`);
+            ``None``: publish nothing.
     """
 
     def __init__(
@@ -144,6 +154,8 @@ class TraceReplay(Callback):
         steps_per_row: int = 1,
         overhead: CallOverhead | None = None,
         spread_over: int | None = None,
+        lead_steps: int = 0,
+        announce: str | None = None,
     ) -> None:
         checked = {"num_microbatches": num_microbatches, "steps_per_row": steps_per_row}
         if spread_over is not None:
@@ -151,17 +163,29 @@ class TraceReplay(Callback):
         for name, value in checked.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TraceReplay({name}={value!r}) must be an integer >= 1.")
+        if isinstance(lead_steps, bool) or not isinstance(lead_steps, int) or lead_steps < 0:
+            raise ValueError(f"TraceReplay(lead_steps={lead_steps!r}) must be an integer >= 0.")
+        if spread_over is not None and lead_steps:
+            raise ValueError(
+                f"TraceReplay(spread_over={spread_over}, lead_steps={lead_steps}): a lead goes with "
+                "steps_per_row (spread_over places the rows itself); pass one of them."
+            )
+        if announce is not None and announce not in EVENT_KINDS:
+            raise ValueError(f"TraceReplay(announce={announce!r}) must be None or one of {EVENT_KINDS}.")
         self.trace = trace
         self.num_microbatches = num_microbatches
         self.steps_per_row = steps_per_row
         self.overhead = overhead
         self.spread_over = spread_over
+        self.lead_steps = lead_steps
+        self.announce = announce
+        self._last_row: int | None = None
 
     def row(self, step: int) -> int:
         """The trace row replayed at global step ``step``."""
         if self.spread_over is not None:
             return min(step * self.trace.num_rows // self.spread_over, self.trace.num_rows - 1)
-        return min(step // self.steps_per_row, self.trace.num_rows - 1)
+        return min(max(0, step - self.lead_steps) // self.steps_per_row, self.trace.num_rows - 1)
 
     def _set(self, cost: Any, record: LayerCost, overhead: LayerCost | None) -> None:
         m = self.num_microbatches
@@ -179,7 +203,13 @@ class TraceReplay(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        costs = self.trace.rows[self.row(trainer.global_step)]
+        step = trainer.global_step
+        row = self.row(step)
+        last = self._last_row
+        if self.announce is not None and (last is None or self.trace.rows[row] != self.trace.rows[last]):
+            notify_dynamism(self.announce, step=step, detail=f"the replayed trace's row {row}")
+        self._last_row = row
+        costs = self.trace.rows[row]
         layers = getattr(pl_module, "layers", {})
         beyond = sorted(int(name) for name in layers if int(name) >= len(costs.layers))
         if beyond:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import re
 
 from benchmarks._lib.trace_cases import synthetic_trace
-from benchmarks.paper_replay import main, split_backward
+from benchmarks.paper_replay import main, recipe, split_backward
 from benchmarks.paper_setup import cost_trace, mapped, paper_costs
+from benchmarks.replay import DYNMO
 
 
 def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_path):
@@ -33,3 +34,14 @@ def test_the_weight_pass_is_half_a_blocks_backward_and_none_of_a_parts():
     row = trace.rows[0]
     assert all(c.bwd_weight_time_s == 0.5 * c.bwd_time_s > 0 for c in row.layers)
     assert 0 < row.last.bwd_weight_time_s < 1e-6 * row.last.bwd_time_s
+
+
+def test_each_case_is_replayed_as_its_recipe_runs_it():
+    # MoE and MoD: rows are steps, spread over the run, DynMo decides every step.
+    assert recipe("moe", 4, 5) == {"dynmo": DYNMO}
+    # Phased cases: held rows, announced by the event their callback publishes; DynMo acts on events.
+    pruning = recipe("pruning", 4, 5)
+    assert (pruning["announce"], pruning["hold"], pruning["phases"]) == ("pruned", 5, 4)
+    assert "every_step" not in pruning["dynmo"] and pruning["dynmo"]["profiling"].steps == 1
+    assert recipe("freezing", 3, 6)["announce"] == "frozen"
+    assert recipe("dense", 3, 6)["announce"] == "custom"

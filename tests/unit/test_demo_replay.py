@@ -12,6 +12,7 @@ import torch
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostCurve, CostTrace, StatisticTrace
 from lightning_dynmo.demos import CallOverhead, DemoConfig, DemoGPT, TraceReplay, measure_call_overhead
+from lightning_dynmo.events import DynamismEvent, default_bus
 
 
 def _trace() -> CostTrace:
@@ -64,6 +65,34 @@ def test_call_overhead_is_measured_beyond_the_sleep_and_leaves_the_model_as_it_w
     assert overhead.part.fwd_time_s < 0.05
     assert (model.layers["0"].cost.fwd_ms, model.last_cost.fwd_ms) == (0.0, 0.0)
     assert "a block call costs" in overhead.describe()
+
+
+def test_a_held_trace_leads_with_its_first_row_and_announces_each_new_cost_as_an_event():
+    # Rows 0 and 1 differ; a third row equal to row 1 changes nothing and is not announced.
+    trace = _trace()
+    trace = dataclasses.replace(trace, rows=(*trace.rows, trace.rows[1]))
+    seen: list[DynamismEvent] = []
+    unsubscribe = default_bus().subscribe(seen.append)  # where the dynamism callbacks publish
+    replay = TraceReplay(trace, num_microbatches=4, steps_per_row=2, lead_steps=3, announce="pruned")
+    assert [replay.row(s) for s in range(10)] == [0, 0, 0, 0, 0, 1, 1, 2, 2, 2]
+    model = DemoGPT(num_layers=3)
+    quiet = TraceReplay(trace, num_microbatches=4, steps_per_row=2, lead_steps=3)
+    try:
+        for step in range(10):
+            replay.on_train_batch_start(SimpleNamespace(global_step=step), model, None, 0)
+        assert [(e.kind, e.step) for e in seen] == [("pruned", 0), ("pruned", 5)]
+        # Negative control: without ``announce`` nothing is published.
+        for step in range(10):
+            quiet.on_train_batch_start(SimpleNamespace(global_step=step), model, None, 0)
+        assert len(seen) == 2
+    finally:
+        unsubscribe()
+    with pytest.raises(ValueError, match=r"lead_steps=-1\) must be an integer >= 0"):
+        TraceReplay(trace, 2, lead_steps=-1)
+    with pytest.raises(ValueError, match=r"a lead goes with steps_per_row"):
+        TraceReplay(trace, 2, spread_over=4, lead_steps=1)
+    with pytest.raises(ValueError, match=r"announce='pruning'\) must be None or one of"):
+        TraceReplay(trace, 2, announce="pruning")
 
 
 def test_replay_refuses_a_trace_of_another_model():
