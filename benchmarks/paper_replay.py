@@ -22,7 +22,9 @@ untimed steps on the first (:func:`recipe`):
   costs (a candidate, computed);
 - **DynMo**: ``DynMoCallback`` live, from uniform, as each case's recipe runs it: every-step windows
   for MoE and MoD; otherwise a rebalance at each dynamism event (the replay announces every new row, the
-  first included, as the case's callback would), profiling one step.
+  first included, as the case's callback would), profiling one step;
+- **DynMo, background search**: the same with ``background_decisions=True`` (the search runs in a helper
+  process on the deciding rank while every rank trains on).
 
 A job's step is the mean of its timed steps (its run time: DynMo's profiled and migrating steps
 count). The **best fixed placement in hindsight is measured**: per round, the fixed job with the lowest
@@ -77,6 +79,8 @@ WEIGHT_SHARE = 0.5
 #: A part's weight pass, as a share of its backward: the emulated parts sleep it all in the input pass.
 PART_WEIGHT_SHARE = 1e-9
 FIXED = ("uniform", "params", "head-aware static", "search's best fixed")
+BACKGROUND = "DynMo, background search"
+VARIANTS = ("DynMo", BACKGROUND)
 
 
 def split_backward(trace: CostTrace) -> CostTrace:
@@ -149,6 +153,12 @@ def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str
     }
 
 
+def dynmo_variants(dynmo: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The DynMo jobs of a case: the callback as the recipe runs it, and the same with its decision's
+    search in a helper process while the ranks train (``background_decisions=True``)."""
+    return {"DynMo": dynmo, BACKGROUND: {**dynmo, "background_decisions": True}}
+
+
 def replay_case(
     base: ReplayJob,
     shape: Shape,
@@ -157,11 +167,12 @@ def replay_case(
     dynmo: dict[str, Any] = DYNMO,
     announce: str | None = None,
 ) -> dict[str, Any]:
-    """Every fixed placement and DynMo (``dynmo``: its keywords; ``announce``: the replay's events),
-    ``rounds`` interleaved rounds."""
+    """Every fixed placement and both DynMo variants (``dynmo``: the recipe's keywords; ``announce``: the
+    replay's events), ``rounds`` interleaved rounds."""
     fixed = fixed_placements(base, shape, budget)
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
-    jobs["DynMo"] = replace(base, placement=fixed["uniform"], dynmo=dynmo, announce=announce)
+    for name, keywords in dynmo_variants(dynmo).items():
+        jobs[name] = replace(base, placement=fixed["uniform"], dynmo=keywords, announce=announce)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     slowest_s = 0.0
     for r in range(rounds):
@@ -182,17 +193,16 @@ def replay_case(
             slowest_s = max(slowest_s, time.perf_counter() - started)
     # The mean of the timed steps: a run's time, DynMo's profiled and migrating steps included.
     per_round = {name: [statistics.fmean(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
-    per_round["DynMo"] = [statistics.fmean(run["step_s"]) for run in runs["DynMo"]]
-    dynmo = {"DynMo": per_round["DynMo"]}
+    for name in VARIANTS:
+        per_round[name] = [statistics.fmean(run["step_s"]) for run in runs[name]]
+    dynmo_rounds = {name: per_round[name] for name in VARIANTS}
     candidates = {name: per_round[name] for name in FIXED}
-    versus_static = paired.compare(
-        {k: per_round[k] for k in ("uniform", "params")}, dynmo, candidates, gap=0.05
-    )
-    versus_head = paired.compare(
-        {"head-aware static": per_round["head-aware static"]}, dynmo, candidates, 0.05
-    )
+    statics = {k: per_round[k] for k in ("uniform", "params")}
+    versus_static = paired.compare(statics, dynmo_rounds, candidates, gap=0.05)
+    head = {"head-aware static": per_round["head-aware static"]}
+    versus_head = paired.compare(head, dynmo_rounds, candidates, 0.05)
     rows = {}
-    for name in (*FIXED, "DynMo"):
+    for name in (*FIXED, *VARIANTS):
         last = runs[fixed.get(name, name)][-1]
         step = statistics.median(per_round[name])
         rows[name] = {
@@ -201,10 +211,10 @@ def replay_case(
             "idle": idle_shares(base, last["placement"], step),
             "rounds": per_round[name],
         }
-    rows["DynMo"]["rebalances"] = [run["rebalances"] for run in runs["DynMo"]]
-    rows["DynMo"]["windows"] = [run["windows"] for run in runs["DynMo"]]
-    rows["DynMo"]["steps"] = base.steps
-    return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape}
+    for name in VARIANTS:
+        rows[name]["rebalances"] = [run["rebalances"] for run in runs[name]]
+        rows[name]["windows"] = [run["windows"] for run in runs[name]]
+    return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape, "steps": base.steps}
 
 
 def _ratios(values: tuple[float, ...]) -> str:
@@ -212,7 +222,7 @@ def _ratios(values: tuple[float, ...]) -> str:
 
 
 def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
-    """One case on one pipeline: the runs, every round, the paired verdicts."""
+    """One case on one pipeline: the runs, every round, the paired verdicts of each DynMo variant."""
     rows, s, h = result["rows"], result["static"], result["head"]
     lines = [
         f"### {case}, {result['shape']} ({layers} layers)",
@@ -227,46 +237,45 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {row['ms']:.1f} | {every} | {sim:.0%} | {meas:.0%} | `{row['placement']}` |"
         )
-    head_gain = h.median_speedup()
-    lines += [
-        "",
-        f"Best fixed in hindsight (measured, held out per round): {', '.join(s.ideal)}. Better static "
-        f"({s.static}) / DynMo: **{s.median_speedup():.3f}x** (per round {_ratios(s.speedup['DynMo'])}); "
-        f"head-aware static / DynMo: **{head_gain:.3f}x** (per round {_ratios(h.speedup['DynMo'])})"
-        f"{' (gain under 2%)' if head_gain < 1.02 else ''}; DynMo of best fixed: "
-        f"**{s.median_of_ideal():.1%}** "
-        f"(per round {_ratios(s.of_ideal['DynMo'])}). DynMo slower than the head-aware split in every round: "
-        f"{'YES' if h.slower_beyond_noise() else 'no'}. DynMo's rebalances per round: "
-        f"{rows['DynMo']['rebalances']}; its windows per round (decided, skipped, seconds the callback "
-        f"reported over the job's {rows['DynMo']['steps']} steps): "
-        f"{', '.join(f'{d} / {k} / {t:.2f} s' for d, k, t in rows['DynMo']['windows'])}.",
-        "",
-    ]
-    return lines
+    lines += ["", f"Best fixed in hindsight (measured, held out per round): {', '.join(s.ideal)}.", ""]
+    for v in VARIANTS:
+        head_gain = h.median_speedup(v)
+        windows = ", ".join(f"{d} / {k} / {t:.2f} s" for d, k, t in rows[v]["windows"])
+        lines += [
+            f"- **{v}**: better static ({s.static}) / {v}: **{s.median_speedup(v):.3f}x** (per round "
+            f"{_ratios(s.speedup[v])}); head-aware static / {v}: **{head_gain:.3f}x** (per round "
+            f"{_ratios(h.speedup[v])}){' (gain under 2%)' if head_gain < 1.02 else ''}; of best fixed: "
+            f"**{s.median_of_ideal(v):.1%}** (per round {_ratios(s.of_ideal[v])}). Slower than the "
+            f"head-aware split in every round: {'YES' if h.slower_beyond_noise(v) else 'no'}. Rebalances "
+            f"per round: {rows[v]['rebalances']}; windows per round (decided, skipped, seconds the callback "
+            f"reported over the job's {result['steps']} steps): {windows}.",
+        ]
+    return [*lines, ""]
 
 
 def summary(done: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
-    """One row per case and pipeline: the medians of the paired ratios and the verdicts."""
+    """One row per case, pipeline and DynMo variant: the medians of the paired ratios and the verdicts."""
     lines = [
         "### Summary",
         "",
-        "| case | shape | better static / DynMo | head-aware static / DynMo (rounds: min-max) | DynMo of "
-        "best "
-        "fixed (measured) | idle measured: head-aware -> DynMo | >= 95% of best fixed | not slower than "
-        "head-aware beyond its rounds |",
-        "|---|---|---:|---|---:|---|---|---|",
+        "| case | shape | DynMo | better static / DynMo | head-aware static / DynMo (rounds: min-max) | "
+        "DynMo of best fixed (measured) | idle measured: head-aware -> DynMo | >= 95% of best fixed | "
+        "not slower than head-aware beyond its rounds |",
+        "|---|---|---|---:|---|---:|---|---|---|",
     ]
     for case, _, result in done:
         s, h, rows = result["static"], result["head"], result["rows"]
-        gains = h.speedup["DynMo"]
-        note = " (under 2%)" if h.median_speedup() < 1.02 else ""
-        lines.append(
-            f"| {case} | {result['shape']} | {s.median_speedup():.3f}x | {h.median_speedup():.3f}x{note} "
-            f"({min(gains):.3f}-{max(gains):.3f}) | {s.median_of_ideal():.1%} | "
-            f"{rows['head-aware static']['idle'][1]:.0%} -> {rows['DynMo']['idle'][1]:.0%} | "
-            f"{'yes' if s.median_of_ideal() >= 0.95 else 'NO'} | "
-            f"{'NO' if h.slower_beyond_noise() else 'yes'} |"
-        )
+        for v in VARIANTS:
+            gains = h.speedup[v]
+            note = " (under 2%)" if h.median_speedup(v) < 1.02 else ""
+            lines.append(
+                f"| {case} | {result['shape']} | {v} | {s.median_speedup(v):.3f}x | "
+                f"{h.median_speedup(v):.3f}x{note} ({min(gains):.3f}-{max(gains):.3f}) | "
+                f"{s.median_of_ideal(v):.1%} | "
+                f"{rows['head-aware static']['idle'][1]:.0%} -> {rows[v]['idle'][1]:.0%} | "
+                f"{'yes' if s.median_of_ideal(v) >= 0.95 else 'NO'} | "
+                f"{'NO' if h.slower_beyond_noise(v) else 'yes'} |"
+            )
     return [*lines, ""]
 
 

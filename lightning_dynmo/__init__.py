@@ -29,6 +29,7 @@ Modules at the top: :mod:`.events` (the public "the model changed" API), :mod:`.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -45,6 +46,8 @@ __all__ = ["__version__", *_LAZY]
 
 
 def _register_strategy() -> None:
+    if os.environ.get("_LIGHTNING_DYNMO_HELPER"):
+        return  # DynMo's helper process (lightning_dynmo.balancing.background): pure Python, no torch
     try:
         importlib.import_module("lightning_dynmo.strategy")
     except ModuleNotFoundError as err:

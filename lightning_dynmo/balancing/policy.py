@@ -293,6 +293,26 @@ def _predict(
     return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
 
 
+def decision_shapes(
+    num_stages: int,
+    num_microbatches: int,
+    config: BalanceConfig,
+    repack_layouts: Mapping[int, Sequence[int]] | None = None,
+    retune: RetuneOptions | None = None,
+) -> list[tuple[int, int]]:
+    """Every ``(stages, micro-batches)`` shape :func:`decide` may simulate with these arguments: the
+    current one, every stage count a re-pack may reach (every smaller count without ``repack_layouts``),
+    and the micro-batch counts a re-tune may pick (:meth:`ScheduleOrder.tabled
+    <lightning_dynmo.balancing.step_prediction.ScheduleOrder.tabled>` computes their action lists ahead)."""
+    stages = {num_stages}
+    if config.repack:
+        stages |= set(repack_layouts) if repack_layouts is not None else set(range(1, num_stages))
+    shapes = {(k, num_microbatches) for k in stages}
+    if retune is not None:
+        shapes |= {(k, c) for k, counts in retune.counts.items() for c in counts}
+    return sorted(shapes)
+
+
 @takes_problem
 def decide(
     problem: BalanceProblem,

@@ -19,8 +19,9 @@ Nothing here imports torch: the action lists come from the caller
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
@@ -33,6 +34,7 @@ from lightning_dynmo.balancing.schedule_model import Action, StageTimes, simulat
 __all__ = [
     "SEARCH_BUDGET",
     "ActionLists",
+    "ActionTable",
     "Refinement",
     "ScheduleOrder",
     "StepPrediction",
@@ -44,6 +46,26 @@ __all__ = [
 
 #: ``(num_stages, num_microbatches)`` -> per pipeline rank, the actions it runs in one step.
 ActionLists = Callable[[int, int], Sequence[Sequence[Action]]]
+
+
+@dataclass(frozen=True)
+class ActionTable:
+    """Action lists computed ahead for some ``(num_stages, num_microbatches)`` shapes: an
+    :data:`ActionLists` that pickles and needs no torch (a decision taken in a helper process,
+    :mod:`~lightning_dynmo.balancing.background`). Built by :meth:`ScheduleOrder.tabled`."""
+
+    name: str
+    lists: Mapping[tuple[int, int], tuple[tuple[Action, ...], ...]]
+
+    def __call__(self, num_stages: int, num_microbatches: int) -> Sequence[Sequence[Action]]:
+        try:
+            return self.lists[(num_stages, num_microbatches)]
+        except KeyError:
+            raise ValueError(
+                f"the {self.name} action lists of {num_stages} stages and {num_microbatches} micro-batches "
+                f"were not computed ahead (computed: {sorted(self.lists)}); pass that shape to "
+                "ScheduleOrder.tabled()."
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,19 @@ class ScheduleOrder:
                 f"actions={self.actions!r} must be a callable (num_stages, num_microbatches) -> per-rank "
                 "action lists, e.g. lightning_dynmo.pipeline.step.actions.schedule_actions bound to a name."
             )
+
+    def tabled(self, shapes: Iterable[tuple[int, int]]) -> ScheduleOrder:
+        """The same schedule with its action lists computed now for ``shapes`` (an :class:`ActionTable`).
+
+        A shape the schedule refuses is left out; asking the table for it later raises ``ValueError``.
+        """
+        lists = {}
+        for stages, microbatches in shapes:
+            try:
+                lists[(stages, microbatches)] = tuple(tuple(a) for a in self.actions(stages, microbatches))
+            except ValueError:
+                continue
+        return dataclasses.replace(self, actions=ActionTable(self.name, lists))
 
 
 @dataclass(frozen=True)

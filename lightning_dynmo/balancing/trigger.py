@@ -91,6 +91,15 @@ class TriggerConfig:
         return self.auto or AutoConfig()
 
     @property
+    def placement_lifetime(self) -> int | None:
+        """How many steps a new placement is expected to last: ``every_n_steps``, or ``horizon_steps``
+        (:class:`AutoConfig`) for events and ``auto``; ``None`` with ``every_step`` (as long as the current
+        one has lasted so far)."""
+        if self.every_step:
+            return None
+        return self.every_n_steps if self.every_n_steps is not None else self.auto_settings.horizon_steps
+
+    @property
     def any_trigger(self) -> bool:
         """Whether any trigger is enabled."""
         return self.on_events or self.every_step or self.auto is not None or self.every_n_steps is not None

@@ -20,6 +20,7 @@ is in :mod:`lightning_dynmo.profiling` (torch only). This module wires them to L
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from lightning_dynmo.balancing.policy import (
     BalanceConfig,
     RebalanceDecision,
     decide,
+    decision_shapes,
     resume_plan,
     validate_policy,
 )
@@ -55,16 +57,16 @@ from lightning_dynmo.callback.config import (
 )
 from lightning_dynmo.callback.control_plane import (
     PositionIndex,
-    broadcast_object,
     exchange_events,
     exchange_rows,
     pack_events,
 )
+from lightning_dynmo.callback.decision import DecisionRunner
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
 from lightning_dynmo.callback.measure import CostMeter
 from lightning_dynmo.callback.window import ProfilingWindow
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
-from lightning_dynmo.pipeline import RemoteFailure, schedule_order
+from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.profiling import ProfileResult, StageBusyTimer
 from lightning_dynmo.profiling.clock import StepClock
 from lightning_dynmo.strategy.dynmo_strategy import DynMoStrategy
@@ -73,7 +75,8 @@ from lightning_dynmo.strategy.view import PipelineView
 log = logging.getLogger(__name__)
 
 # Columns of the per-step rows (control_plane.exchange_rows); _EVENTS: the byte length of the new events.
-_EVENTS, _BUSY, _STEP, _COST, _SIGTERM = range(5)
+# _READY: the deciding rank has a background decision's outcome to broadcast.
+_EVENTS, _BUSY, _STEP, _COST, _SIGTERM, _READY = range(6)
 
 
 class DynMoCallback(Callback):
@@ -117,6 +120,10 @@ class DynMoCallback(Callback):
             more once moves have missed their predictions (see ``trust`` below).
         profiling: How windows measure (:class:`~lightning_dynmo.callback.config.ProfilingConfig`:
             warm-up and measured steps, cost smoothing, link and worker-speed measurement).
+        background_decisions: Search for the placement in a helper process on the deciding rank while
+            every rank trains on (:mod:`~lightning_dynmo.callback.decision`); the decision is then applied
+            at the first step boundary after it is ready, one or more steps after its window, instead of
+            every rank waiting for the search at the window's end.
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -165,6 +172,7 @@ class DynMoCallback(Callback):
         memory_capacity_bytes: float | Sequence[float] | None = None,
         min_gain: float = 0.02,
         profiling: ProfilingConfig = ProfilingConfig(),  # noqa: B008  # frozen: safe to share
+        background_decisions: bool = False,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -192,6 +200,9 @@ class DynMoCallback(Callback):
         self.trust = PredictionTrust()
         self.profiling = profiling.resolved(every_step)
         self.retune_microbatches = repack_config is not None and repack_config.retune_microbatches
+        if not isinstance(background_decisions, bool):
+            raise ValueError(f"background_decisions={background_decisions!r} must be True or False.")
+        self._decisions = DecisionRunner(background_decisions)
         assert self.profiling.warmup_steps is not None and self.profiling.steps is not None
         assert self.profiling.cost_smoothing is not None
         self._bus = event_bus or default_bus()
@@ -292,6 +303,8 @@ class DynMoCallback(Callback):
         layouts = view.repack_layouts()
         self.balance.check_pipeline(view.num_stages, None if layouts is None else list(layouts))
         self._busy = StageBusyTimer(StepClock(view.root_device))
+        if view.global_rank == view.active_ranks[0]:
+            self._decisions.warm()  # the deciding rank's helper process, if any, starts while training does
         saved = self._restored_placement
         plan = resume_plan(saved, self._restored_layout, view.layout, self.balance.balancer)
         if plan == "restore" and saved is not None and saved != str(view.placement):
@@ -326,7 +339,7 @@ class DynMoCallback(Callback):
         assert self._busy is not None
         self._busy.watch(view.pipeline_stages)  # before a window wraps the same stages (LIFO)
         step = trainer.global_step
-        if not self._window.is_open and step != self._last_checked_step:
+        if not self._window.is_open and not self._decisions.in_flight and step != self._last_checked_step:
             self._last_checked_step = step
             reason = "resume" if self._resume_window else self._trigger.check(step)
             self._resume_window = False
@@ -368,6 +381,7 @@ class DynMoCallback(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._window.stop()
+        self._decisions.close()
         if self._busy is not None:
             self._busy.unwatch()
         if self._unsubscribe is not None:
@@ -407,13 +421,20 @@ class DynMoCallback(Callback):
         start = self._clock()
         costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
-        self._pending, self._pending_per_op_s = self._decide_once(trainer, view, costs, hardware, retune)
+        # Rank 0 of the active ranks decides (self._decisions: at once, or in its helper process).
+        source, step = view.active_ranks[0], trainer.global_step
+        prepare = None
+        if view.global_rank == source:
+            prepare = functools.partial(self._decision_call, view, costs, hardware, step, retune)
+        self._decisions.start(prepare, source, f"the rebalance decision at step {step}")
         self._pending_overhead = WindowOverhead(
             profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),
             decision_s=self._clock() - start,
         )
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
         self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
+        if not self._decisions.background:
+            self._finish_decision(trainer, view)
 
     @property
     def _retunes(self) -> bool:
@@ -427,53 +448,20 @@ class DynMoCallback(Callback):
         batch_size = int(module.pipeline_batch(batch)[0].shape[0])
         return self._meter.retune_options(view, result, batch_size, self._window.busy_s)
 
-    def _decide_once(
-        self,
-        trainer: pl.Trainer,
-        view: PipelineView,
-        costs: list[LayerCost],
-        hardware: Hardware,
-        retune: RetuneOptions | None,
-    ) -> tuple[RebalanceDecision, float]:
-        # Rank 0 of the active ranks decides; everyone gets the same decision (or the same error), and
-        # the runtime's cost per action its predictions paid.
-        source, step = view.active_ranks[0], trainer.global_step
-        outcome: Any = None
-        failure: Exception | None = None
-        if view.global_rank == source:
-            try:
-                timed = self.balance.cost == "time"  # seconds per action add to seconds only
-                measured_s = self._history.quiet_step_s() if timed else None
-                per_op_s = self._meter.per_action_s(view, self.balance.problem(costs, hardware), measured_s)
-                hardware = dataclasses.replace(hardware, per_op_s=per_op_s)
-                outcome = (self._decide(view, costs, hardware, step, retune), per_op_s)
-            except ValueError as err:
-                outcome = f"{err}"
-            except Exception as err:  # a bug: the others must not wait in the broadcast for a decision
-                what = f"the rebalance decision at step {step}"
-                failure, outcome = err, RemoteFailure.of(err, source, what)
-                err.add_note(f"DynMo: raised on rank {source} during {what}; every rank stops with it.")
-        with _strategy(trainer).guard(f"the rebalance decision's broadcast at step {step}", control=True):
-            outcome = broadcast_object(outcome, source, view.active_ranks, view.control_group)
-        if failure is not None:
-            raise failure
-        if isinstance(outcome, RemoteFailure):
-            outcome.raise_here()
-        if isinstance(outcome, str):
-            raise ValueError(f"DynMo could not decide a placement: {outcome}")
-        decision, per_op_s = outcome
-        assert isinstance(decision, RebalanceDecision)
-        return decision, per_op_s
-
-    def _decide(
+    def _decision_call(
         self,
         view: PipelineView,
         costs: list[LayerCost],
         hardware: Hardware,
         step: int,
         retune: RetuneOptions | None,
-    ) -> RebalanceDecision:
-        """The one call of :func:`~lightning_dynmo.balancing.policy.decide` (on the deciding rank)."""
+    ) -> tuple[Callable[[], RebalanceDecision], float]:
+        """On the deciding rank: the one call of :func:`~lightning_dynmo.balancing.policy.decide` (pure,
+        picklable) and the runtime's cost per action its predictions include."""
+        timed = self.balance.cost == "time"  # seconds per action add to seconds only
+        measured_s = self._history.quiet_step_s() if timed else None
+        per_op_s = self._meter.per_action_s(view, self.balance.problem(costs, hardware), measured_s)
+        hardware = dataclasses.replace(hardware, per_op_s=per_op_s)
         # After a resume onto another pipeline: re-partition it, never release ranks at once.
         resumed: dict[str, Any] = (
             {"repack": False, "target_num_stages": None} if self._window.reason == "resume" else {}
@@ -484,33 +472,30 @@ class DynMoCallback(Callback):
             min_saving=self._min_saving(step),
             **resumed,
         )
-        return decide(
-            balance.problem(costs, hardware),
-            view.placement,
-            balance,
-            view.num_microbatches,
-            schedule_order(view.schedule_name),  # predict steps from the schedule's own action lists
-            stage_workers=view.stage_workers(view.placement),
-            repack_layouts=view.repack_layouts() if self.balance.repack else None,
-            retune=retune,
-        )
+        m, layouts = view.num_microbatches, view.repack_layouts() if self.balance.repack else None
+        order = schedule_order(view.schedule_name)  # predict steps from the schedule's own action lists
+        if self._decisions.background:  # the helper has no torch to build them: they travel computed
+            order = order.tabled(decision_shapes(view.num_stages, m, balance, layouts, retune))
+        problem, workers = balance.problem(costs, hardware), view.stage_workers(view.placement)
+        call = functools.partial(decide, problem, view.placement, balance, m, order, workers, layouts, retune)
+        return call, per_op_s
+
+    def _finish_decision(self, trainer: pl.Trainer, view: PipelineView) -> None:
+        """Every active rank: take the decision (one broadcast); it is applied at the next step's start."""
+        start, step = self._clock(), trainer.global_step
+        guard = _strategy(trainer).guard(f"the rebalance decision's broadcast at step {step}", control=True)
+        decision, per_op_s = self._decisions.finish(view.active_ranks, view.control_group, guard)
+        assert isinstance(decision, RebalanceDecision)
+        self._pending, self._pending_per_op_s = decision, per_op_s
+        spent = self._pending_overhead.decision_s + self._clock() - start
+        self._pending_overhead = dataclasses.replace(self._pending_overhead, decision_s=spent)
 
     def _min_saving(self, step: int) -> float:
-        """Predicted per-step saving a migration must bring: its expected cost over the steps it lasts.
-
-        The expected cost is the mean measured migration time (nothing before the first migration).
-        A placement is expected to last ``every_n_steps``, or ``horizon_steps`` (:class:`AutoConfig`) for
-        events and ``auto``; with ``every_step``, as long as the current one has lasted so far.
-        """
+        """Predicted per-step saving a migration must bring: the mean measured migration time (nothing
+        before the first) over the steps a placement lasts (``TriggerConfig.placement_lifetime``)."""
         if self.balance.cost != "time":
             return 0.0  # the params view has no seconds to compare with
-        if self.triggers.every_step:
-            lasts = None
-        elif self.triggers.every_n_steps is not None:
-            lasts = self.triggers.every_n_steps
-        else:
-            lasts = self.triggers.auto_settings.horizon_steps
-        return self._history.min_saving(step, lasts)
+        return self._history.min_saving(step, self.triggers.placement_lifetime)
 
     # -- applying a decision --------------------------------------------------------------------------
 
@@ -588,7 +573,7 @@ class DynMoCallback(Callback):
         # Alone, the row never leaves the host (on a GPU, no copy to the device and back, no synchronise).
         alone = len(view.active_ranks) == 1
         mine = torch.tensor(
-            [float(len(events)), busy, step_s, self._cost_to_share, sigterm],
+            [float(len(events)), busy, step_s, self._cost_to_share, sigterm, float(self._decisions.ready())],
             dtype=torch.float64,
             device=torch.device("cpu") if alone else view.root_device,
         )
@@ -598,6 +583,8 @@ class DynMoCallback(Callback):
         lows, tops = (column.tolist() for column in torch.aminmax(rows, dim=0))  # one op for every column
         if view.sigterm is not None:
             view.sigterm.settle(tops[_SIGTERM] > 0)
+        if tops[_READY] > 0:
+            self._finish_decision(trainer, view)  # a background decision: applied at the next step's start
         event = tops[_EVENTS] > 0
         if event:
             self._exchange_events(trainer, view, events, rows[:, _EVENTS])
@@ -611,7 +598,8 @@ class DynMoCallback(Callback):
             self._positions = self._positions or PositionIndex(view.pipeline_rank_of)
             stage_busy = self._positions.means(rows[:, _BUSY], view.active_ranks, view.pipeline_size)
             self._window.observe_loads(stage_busy, event)
-            if self.triggers.auto is not None and not self._window.is_open and self._pending is None:
+            quiet = not self._window.is_open and self._pending is None and not self._decisions.in_flight
+            if self.triggers.auto is not None and quiet:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance
             self._log_step(trainer, view, stage_busy, step_max)
 
