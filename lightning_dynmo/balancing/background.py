@@ -1,8 +1,8 @@
 """Run one pure call at a time in a helper process, so the caller goes on while it runs.
 
 The rebalance decision (:func:`~lightning_dynmo.balancing.policy.decide`) simulates hundreds of steps of
-the schedule: a third of a second for 48 layers on 16 stages, seconds for larger pipelines. Taken on the
-deciding rank while the others wait in its broadcast, every rank idles for it.
+the schedule, longer the larger the pipeline. Taken on the deciding rank while the others wait in its
+broadcast, every rank idles for it.
 ``DynMoCallback(background_decisions=True)`` hands it to a :class:`BackgroundCall` instead: the ranks
 train on while a helper process searches, and apply the decision at a step boundary once it is ready.
 

@@ -380,6 +380,7 @@ def decide(
             f"stage_workers has {len(stage_workers)} entries but current={current} has "
             f"{current.num_stages} stages; give the worker of every stage."
         )
+    check_int(num_microbatches, "num_microbatches", 1, "the pipeline's micro-batches per step")
     hw = problem.hardware
     caps = hw.memory_capacity_bytes if config.memory_capacity_bytes is None else config.memory_capacity_bytes
     config = dataclasses.replace(config, memory_capacity_bytes=caps)

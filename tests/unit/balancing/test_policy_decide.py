@@ -318,3 +318,8 @@ def test_a_repack_under_a_v_schedule_proposes_only_what_it_can_run():
         ValueError, match=r"target_num_stages=3 is a pipeline the schedule cannot run: .* \[2, 4\]"
     ):
         BalanceConfig(repack=True, target_num_stages=3, memory_capacity_bytes=1e9).check_pipeline(4, [2, 4])
+
+
+def test_a_micro_batch_count_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"num_microbatches=0 .*micro-batches per step"):
+        decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 0, "1F1B")
