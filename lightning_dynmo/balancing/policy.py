@@ -302,8 +302,8 @@ def decision_shapes(
 ) -> list[tuple[int, int]]:
     """Every ``(stages, micro-batches)`` shape :func:`decide` may simulate with these arguments: the
     current one, every stage count a re-pack may reach (every smaller count without ``repack_layouts``),
-    and the micro-batch counts a re-tune may pick (:meth:`ScheduleOrder.tabled
-    <lightning_dynmo.balancing.step_prediction.ScheduleOrder.tabled>` computes their action lists ahead)."""
+    and the micro-batch counts a re-tune may pick; ``ScheduleOrder.tabled`` computes their action lists
+    ahead (:class:`~lightning_dynmo.balancing.step_prediction.ScheduleOrder`)."""
     stages = {num_stages}
     if config.repack:
         stages |= set(repack_layouts) if repack_layouts is not None else set(range(1, num_stages))
