@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> str:
         how = recipe(s.case, args.phases, args.hold)
         trace = paper_trace(s, args.layers, costs, args.block_ms, split, how.get("phases"))
         hold = how.get("hold")
-        steps = args.steps if hold is None else args.warmup + trace.num_rows * hold
+        # Every phased case runs phases x hold timed steps (a trace of fewer rows holds its last one).
+        steps = args.steps if hold is None else args.warmup + args.phases * hold
         for ranks in args.ranks:
             shape = Shape(ranks, args.schedule, args.microbatches)
             if shape.stages > args.layers:
