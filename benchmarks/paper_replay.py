@@ -23,8 +23,8 @@ untimed steps on the first (:func:`recipe`):
 - **DynMo**: ``DynMoCallback`` live, from uniform, as each case's recipe runs it: every-step windows
   for MoE and MoD; otherwise a rebalance at each dynamism event (the replay announces every new row, the
   first included, as the case's callback would), profiling one step;
-- **DynMo, background search**: the same with ``background_decisions=True`` (the search runs in a helper
-  process on the deciding rank while every rank trains on).
+- **DynMo, background search**: the same with ``ProfilingConfig(background_decisions=True)`` (the
+  search runs in a helper process on the deciding rank while every rank trains on).
 
 A job's step is the mean of its timed steps (its run time: DynMo's profiled and migrating steps
 count). The **best fixed placement in hindsight is measured**: per round, the fixed job with the lowest
@@ -155,8 +155,10 @@ def fixed_placements(job: ReplayJob, shape: Shape, budget: int) -> dict[str, str
 
 def dynmo_variants(dynmo: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The DynMo jobs of a case: the callback as the recipe runs it, and the same with its decision's
-    search in a helper process while the ranks train (``background_decisions=True``)."""
-    return {"DynMo": dynmo, BACKGROUND: {**dynmo, "background_decisions": True}}
+    search in a helper process while the ranks train (``ProfilingConfig(background_decisions=True)``)."""
+    profiling = dynmo.get("profiling", ProfilingConfig())
+    background = dataclasses.replace(profiling, background_decisions=True)
+    return {"DynMo": dynmo, BACKGROUND: {**dynmo, "profiling": background}}
 
 
 def replay_case(

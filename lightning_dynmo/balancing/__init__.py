@@ -28,6 +28,7 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``policy``: *what* to rebalance to, and whether it is worth applying.
 - ``gain``: a rebalance's measured gain.
 - ``trust``: how far to trust the step model, from the gains moves delivered against their predictions.
+- ``background``: one pure call at a time in a helper process (the decision's search while training goes on).
 - ``headroom``: what any rebalance could still gain, bounded from measured stage loads.
 """
 

@@ -3,8 +3,9 @@
 The rebalance decision (:func:`~lightning_dynmo.balancing.policy.decide`) simulates hundreds of steps of
 the schedule, longer the larger the pipeline. Taken on the deciding rank while the others wait in its
 broadcast, every rank idles for it.
-``DynMoCallback(background_decisions=True)`` hands it to a :class:`BackgroundCall` instead: the ranks
-train on while a helper process searches, and apply the decision at a step boundary once it is ready.
+``DynMoCallback(profiling=ProfilingConfig(background_decisions=True))`` hands it to a
+:class:`BackgroundCall` instead: the ranks train on while a helper process searches, and apply the
+decision at a step boundary once it is ready.
 
 The helper is ``python -m lightning_dynmo.balancing.background``: it imports this package only (no torch,
 no Lightning: ``import lightning_dynmo`` skips registering the strategy there), runs each call it reads

@@ -4,6 +4,7 @@
 - :mod:`.config`: the grouped knobs (profiling, the ``auto`` trigger, the re-pack), frozen configs.
 - :mod:`.window`: the profiling window: open and close, reused activation sizes, nothing-to-gain skipping.
 - :mod:`.measure`: every cost the balancer reads, assembled in one place (blocks, parts, links, speeds).
+- :mod:`.decision`: the decision on the deciding rank, at once or searched in a helper process, to every rank.
 - :mod:`.history`: typed decision records, their checkpoint state, and the measured gain.
 - :mod:`.control_plane`: the callback's exchanges between ranks, one collective each.
 - :mod:`.averages`: the running means logged beside the per-step metrics, fed in batches.

@@ -30,7 +30,7 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class ProfilingConfig:
-    """How a profiling window measures.
+    """How a profiling window measures, and where its decision is searched.
 
     Attributes:
         warmup_steps: Steps profiled but not counted at the start of a window; ``None``: 1, or 0 with
@@ -53,10 +53,14 @@ class ProfilingConfig:
         speed_probe: The reference workload ``(device, dtype) -> seconds`` for ``measure_speed``; ``None``:
             :func:`~lightning_dynmo.profiling.speed.time_reference_workload` (an MLP forward and backward).
             Every rank must run the same work.
+        background_decisions: Search for the placement in a helper process on the deciding rank while
+            every rank trains on (:mod:`~lightning_dynmo.callback.decision`); the decision is then applied
+            at the first step boundary after it is ready, one or more steps after its window, instead of
+            every rank waiting for the search when the window closes.
 
     Raises:
         ValueError: ``warmup_steps`` is not an integer >= 0, ``steps`` not an integer >= 1, or
-            ``cost_smoothing`` outside ``[0, 1)``.
+            ``cost_smoothing`` outside ``[0, 1)``, or ``background_decisions`` not a bool.
     """
 
     warmup_steps: int | None = None
@@ -65,6 +69,7 @@ class ProfilingConfig:
     measure_comm: bool = True
     measure_speed: bool = False
     speed_probe: Callable[[torch.device, torch.dtype], float] | None = None
+    background_decisions: bool = False
 
     def __post_init__(self) -> None:
         warmup, steps, weight = self.warmup_steps, self.steps, self.cost_smoothing
@@ -72,6 +77,10 @@ class ProfilingConfig:
             raise ValueError(f"ProfilingConfig(warmup_steps={warmup!r}) must be an integer >= 0.")
         if steps is not None and (not isinstance(steps, int) or steps < 1):
             raise ValueError(f"ProfilingConfig(steps={steps!r}) must be an integer >= 1.")
+        if not isinstance(self.background_decisions, bool):
+            raise ValueError(
+                f"ProfilingConfig(background_decisions={self.background_decisions!r}) must be True or False."
+            )
         if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight < 1.0):
             raise ValueError(
                 f"ProfilingConfig(cost_smoothing={weight!r}): cost_smoothing={weight!r} must be in [0, 1), "
@@ -89,6 +98,7 @@ class ProfilingConfig:
             measure_comm=self.measure_comm,
             measure_speed=self.measure_speed,
             speed_probe=self.speed_probe,
+            background_decisions=self.background_decisions,
         )
 
 

@@ -2,7 +2,7 @@
 
 In the foreground (the default) the deciding rank runs the decision when the profiling window closes and
 every rank receives the outcome in one broadcast right away: every rank waits for the search. In the
-background (``DynMoCallback(background_decisions=True)``) the deciding rank hands the search to a helper
+background (``ProfilingConfig(background_decisions=True)``) the deciding rank hands the search to a helper
 process (:class:`~lightning_dynmo.balancing.background.BackgroundCall`) and every rank trains on; the
 callback's per-step exchange carries the deciding rank's "ready" flag, and the broadcast happens at the
 first step end where it is set, so every rank takes the outcome at the same step.

@@ -118,12 +118,9 @@ class DynMoCallback(Callback):
             ``None`` uses the device's total memory on GPU and no cap on CPU.
         min_gain: A new placement is applied only if predicted at least this much faster (fraction);
             more once moves have missed their predictions (see ``trust`` below).
-        profiling: How windows measure (:class:`~lightning_dynmo.callback.config.ProfilingConfig`:
-            warm-up and measured steps, cost smoothing, link and worker-speed measurement).
-        background_decisions: Search for the placement in a helper process on the deciding rank while
-            every rank trains on (:mod:`~lightning_dynmo.callback.decision`); the decision is then applied
-            at the first step boundary after it is ready, one or more steps after its window, instead of
-            every rank waiting for the search at the window's end.
+        profiling: How windows measure and decide (:class:`~lightning_dynmo.callback.config.ProfilingConfig`:
+            warm-up and measured steps, cost smoothing, link and worker-speed measurement, the search in
+            the background).
         event_bus: The bus to listen on (default: the process-wide bus).
         clock: Seconds from an arbitrary origin; tests inject a fake one.
 
@@ -172,7 +169,6 @@ class DynMoCallback(Callback):
         memory_capacity_bytes: float | Sequence[float] | None = None,
         min_gain: float = 0.02,
         profiling: ProfilingConfig = ProfilingConfig(),  # noqa: B008  # frozen: safe to share
-        background_decisions: bool = False,
         event_bus: EventBus | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -200,9 +196,7 @@ class DynMoCallback(Callback):
         self.trust = PredictionTrust()
         self.profiling = profiling.resolved(every_step)
         self.retune_microbatches = repack_config is not None and repack_config.retune_microbatches
-        if not isinstance(background_decisions, bool):
-            raise ValueError(f"background_decisions={background_decisions!r} must be True or False.")
-        self._decisions = DecisionRunner(background_decisions)
+        self._decisions = DecisionRunner(self.profiling.background_decisions)
         assert self.profiling.warmup_steps is not None and self.profiling.steps is not None
         assert self.profiling.cost_smoothing is not None
         self._bus = event_bus or default_bus()
@@ -421,18 +415,31 @@ class DynMoCallback(Callback):
         start = self._clock()
         costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
-        # Rank 0 of the active ranks decides (self._decisions: at once, or in its helper process).
+        profiling_s = result.hook_time_s * (result.num_steps + self._window.warmup_steps)
+        self._pending_overhead = WindowOverhead(profiling_s=profiling_s)
+        # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
+        self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
+        self._decide_once(trainer, view, costs, hardware, retune, started=start)
+
+    def _decide_once(
+        self,
+        trainer: pl.Trainer,
+        view: PipelineView,
+        costs: list[LayerCost],
+        hardware: Hardware,
+        retune: RetuneOptions | None,
+        started: float | None = None,
+    ) -> None:
+        """Rank 0 of the active ranks decides (``self._decisions``: at once, taken here by every rank in
+        one broadcast; or in its helper process, taken at a later step's exchange)."""
+        started = self._clock() if started is None else started
         source, step = view.active_ranks[0], trainer.global_step
         prepare = None
         if view.global_rank == source:
             prepare = functools.partial(self._decision_call, view, costs, hardware, step, retune)
         self._decisions.start(prepare, source, f"the rebalance decision at step {step}")
-        self._pending_overhead = WindowOverhead(
-            profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),
-            decision_s=self._clock() - start,
-        )
-        # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
-        self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
+        spent = self._clock() - started
+        self._pending_overhead = dataclasses.replace(self._pending_overhead, decision_s=spent)
         if not self._decisions.background:
             self._finish_decision(trainer, view)
 
@@ -477,8 +484,8 @@ class DynMoCallback(Callback):
         if self._decisions.background:  # the helper has no torch to build them: they travel computed
             order = order.tabled(decision_shapes(view.num_stages, m, balance, layouts, retune))
         problem, workers = balance.problem(costs, hardware), view.stage_workers(view.placement)
-        call = functools.partial(decide, problem, view.placement, balance, m, order, workers, layouts, retune)
-        return call, per_op_s
+        call = functools.partial(decide, problem, view.placement, balance, m, order, stage_workers=workers)
+        return functools.partial(call, repack_layouts=layouts, retune=retune), per_op_s
 
     def _finish_decision(self, trainer: pl.Trainer, view: PipelineView) -> None:
         """Every active rank: take the decision (one broadcast); it is applied at the next step's start."""

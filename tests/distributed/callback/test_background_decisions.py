@@ -1,4 +1,4 @@
-"""``DynMoCallback(background_decisions=True)``: the search runs in a helper process while the ranks train.
+"""``ProfilingConfig(background_decisions=True)``: the search runs in a helper process while the ranks train.
 
 The MoE GPT of ``test_moe_fit`` from its lopsided start, every-step windows balanced by parameter count:
 in the foreground the first move lands at step 1 (decided at step 0's end while every rank waits); in the
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 from typing_extensions import override
 
+from lightning_dynmo.callback import ProfilingConfig
 from tests.distributed.case_fit import Fit, fit_case
 from tests.distributed.equivalence import assert_differs, assert_equivalent
 from tests.distributed.test_moe_fit import EVERY_STEP, MoERun
@@ -46,7 +47,8 @@ def test_a_decision_taken_in_the_background_lands_later_and_training_stays_exact
     # Steps of at least 0.3 s: the helper process starts while training does, and answers within a step or
     # two (a decision's search here takes milliseconds) however loaded the machine is.
     foreground = SlowMoERun(steps=8, dynmo=(*EVERY_STEP, ("cost", "params")))
-    background = replace(foreground, dynmo=(*EVERY_STEP, ("cost", "params"), ("background_decisions", True)))
+    in_background = ("profiling", ProfilingConfig(background_decisions=True))
+    background = replace(foreground, dynmo=(*EVERY_STEP, ("cost", "params"), in_background))
     ref = foreground.reference()
     first_move = {}
     for name, run in (("foreground", foreground), ("background", background)):

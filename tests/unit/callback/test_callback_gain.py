@@ -205,8 +205,8 @@ def test_after_misses_a_move_needs_the_shortfall_on_top_of_min_gain(monkeypatch:
         repack_layouts=lambda: None,
     )
     costs = [LayerCost(fwd_time_s=1.0), LayerCost(fwd_time_s=1.0)]
-    callback._decide(view, costs, Hardware(), 10, None)  # type: ignore[arg-type]
+    callback._decision_call(view, costs, Hardware(), 10, None)[0]()  # type: ignore[arg-type]
     callback.trust.observe(0.10, 0.01)
     callback.trust.observe(0.10, 0.03)  # two misses: shortfalls 0.09 and 0.07
-    callback._decide(view, costs, Hardware(), 20, None)  # type: ignore[arg-type]
+    callback._decision_call(view, costs, Hardware(), 20, None)[0]()  # type: ignore[arg-type]
     assert seen == [pytest.approx(0.02), pytest.approx(0.02 + 0.08)]
