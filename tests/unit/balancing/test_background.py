@@ -24,6 +24,18 @@ def _raise_unpicklable() -> None:
     raise _Unpicklable(1, 2)
 
 
+class _HoldsALambda(Exception):
+    """An error that cannot even be pickled in the helper: it holds a lambda."""
+
+    def __init__(self) -> None:
+        super().__init__("holds a lambda")
+        self.hook = lambda: None
+
+
+def _raise_holding_a_lambda() -> None:
+    raise _HoldsALambda()
+
+
 def _modules_loaded() -> list[str]:
     import sys
 
@@ -55,7 +67,11 @@ def test_errors_come_back_as_errors_with_the_helpers_traceback(helper):
         helper.result(timeout_s=30)
     assert "Raised in DynMo's helper process" in info.value.__notes__[0]
     helper.submit(_raise_unpicklable)
-    with pytest.raises(HelperFailure, match=r"_Unpicklable"):
+    with pytest.raises(HelperFailure, match=r"its answer did not unpickle here: .*_Unpicklable"):
+        helper.result(timeout_s=30)
+    # Not picklable in the helper at all: its traceback's text still comes back.
+    helper.submit(_raise_holding_a_lambda)
+    with pytest.raises(HelperFailure, match=r"(?s)helper process raised:\n.*_HoldsALambda: holds a lambda"):
         helper.result(timeout_s=30)
 
 
@@ -67,7 +83,7 @@ def test_misuse_is_refused(helper):
     helper.submit(functools.partial(time.sleep, 5))
     with pytest.raises(RuntimeError, match=r"a call is in flight"):
         helper.submit(functools.partial(time.sleep, 0))
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"no answer within 0.1 s"):
         helper.result(timeout_s=0.1)
 
 

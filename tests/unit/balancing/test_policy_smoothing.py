@@ -58,3 +58,11 @@ def test_bad_weight_is_rejected_by_the_callback_and_the_function(weight, match):
 def test_defaults_follow_the_trigger():
     assert DynMoCallback(every_step=True).profiling.cost_smoothing == 0.8
     assert DynMoCallback(every_n_steps=10).profiling.cost_smoothing == 0.0
+
+
+def test_the_background_search_switch_must_be_a_bool():
+    with pytest.raises(
+        ValueError, match=r"ProfilingConfig\(background_decisions='yes'\) must be True or False"
+    ):
+        ProfilingConfig(background_decisions="yes")  # type: ignore[arg-type]
+    assert DynMoCallback(profiling=ProfilingConfig(background_decisions=True)).profiling.background_decisions
