@@ -194,9 +194,8 @@ def replay_case(
             )
             slowest_s = max(slowest_s, time.perf_counter() - started)
     # The mean of the timed steps: a run's time, DynMo's profiled and migrating steps included.
-    per_round = {name: [statistics.fmean(run["step_s"]) for run in runs[p]] for name, p in fixed.items()}
-    for name in VARIANTS:
-        per_round[name] = [statistics.fmean(run["step_s"]) for run in runs[name]]
+    job_of = {**fixed, **{name: name for name in VARIANTS}}  # fixed runs that share a placement share a job
+    per_round = {name: [statistics.fmean(run["step_s"]) for run in runs[job]] for name, job in job_of.items()}
     dynmo_rounds = {name: per_round[name] for name in VARIANTS}
     candidates = {name: per_round[name] for name in FIXED}
     statics = {k: per_round[k] for k in ("uniform", "params")}
@@ -205,7 +204,7 @@ def replay_case(
     versus_head = paired.compare(head, dynmo_rounds, candidates, 0.05)
     rows = {}
     for name in (*FIXED, *VARIANTS):
-        last = runs[fixed.get(name, name)][-1]
+        last = runs[job_of[name]][-1]
         step = statistics.median(per_round[name])
         rows[name] = {
             "ms": 1e3 * step,

@@ -109,11 +109,6 @@ class DecisionRunner:
         value, context = outcome
         return value, context
 
-    @property
-    def helper_s(self) -> float:
-        """The last background call's seconds in the helper (0 in the foreground)."""
-        return 0.0 if self._helper is None else self._helper.busy_s
-
     def close(self) -> None:
         """End the helper process, dropping a decision in flight (safe to call twice)."""
         if self._helper is not None:

@@ -415,11 +415,13 @@ class DynMoCallback(Callback):
         start = self._clock()
         costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
-        profiling_s = result.hook_time_s * (result.num_steps + self._window.warmup_steps)
-        self._pending_overhead = WindowOverhead(profiling_s=profiling_s)
+        self._pending_overhead = WindowOverhead(
+            profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),
+            decision_s=self._clock() - start,
+        )
         # This rank's measured peak beside the model's per-layer memory (loggers record rank 0's).
         self._queued_metrics["dynmo/peak_memory_bytes"] = float(result.peak.peak_bytes)
-        self._decide_once(trainer, view, costs, hardware, retune, started=start)
+        self._decide_once(trainer, view, costs, hardware, retune)
 
     def _decide_once(
         self,
@@ -428,18 +430,15 @@ class DynMoCallback(Callback):
         costs: list[LayerCost],
         hardware: Hardware,
         retune: RetuneOptions | None,
-        started: float | None = None,
     ) -> None:
         """Rank 0 of the active ranks decides (``self._decisions``: at once, taken here by every rank in
         one broadcast; or in its helper process, taken at a later step's exchange)."""
-        started = self._clock() if started is None else started
-        source, step = view.active_ranks[0], trainer.global_step
+        start, source, step = self._clock(), view.active_ranks[0], trainer.global_step
         prepare = None
         if view.global_rank == source:
             prepare = functools.partial(self._decision_call, view, costs, hardware, step, retune)
         self._decisions.start(prepare, source, f"the rebalance decision at step {step}")
-        spent = self._clock() - started
-        self._pending_overhead = dataclasses.replace(self._pending_overhead, decision_s=spent)
+        self._charge_decision(start)
         if not self._decisions.background:
             self._finish_decision(trainer, view)
 
@@ -494,7 +493,11 @@ class DynMoCallback(Callback):
         decision, per_op_s = self._decisions.finish(view.active_ranks, view.control_group, guard)
         assert isinstance(decision, RebalanceDecision)
         self._pending, self._pending_per_op_s = decision, per_op_s
-        spent = self._pending_overhead.decision_s + self._clock() - start
+        self._charge_decision(start)
+
+    def _charge_decision(self, since: float) -> None:
+        """Add the seconds since ``since`` to what the pending decision cost the ranks."""
+        spent = self._pending_overhead.decision_s + self._clock() - since
         self._pending_overhead = dataclasses.replace(self._pending_overhead, decision_s=spent)
 
     def _min_saving(self, step: int) -> float:
