@@ -16,6 +16,7 @@ process (``os.nice``). Calls and values travel pickled, so the function must be 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import subprocess
@@ -34,6 +35,7 @@ HELPER_ENV = "_LIGHTNING_DYNMO_HELPER"
 #: How much lower the helper's priority is than the training process's (``os.nice`` increment).
 HELPER_NICENESS = 5
 _HEADER = 8  # bytes of a message's length
+_REAP_S = 2.0  # how long a failing helper is given to exit before its code is read
 
 
 class HelperFailure(RuntimeError):
@@ -179,7 +181,12 @@ class BackgroundCall:
             self._answer.append((False, _Raised(None, text), 0.0))
 
     def _death(self, what: str) -> str:
-        code = None if self._process is None else self._process.poll()
+        code = None
+        if self._process is not None:
+            # Its output closes a moment before the kernel reaps it: give the exit code that moment.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=_REAP_S)
+            code = self._process.poll()
         return (
             f"DynMo's helper process (pid {self.pid}) failed: {what}; exit code {code} (negative: killed by "
             "that signal; -9 is what the out-of-memory killer sends). Its error, if any, is on stderr above."

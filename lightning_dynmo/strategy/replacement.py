@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_dynmo.balancing.placement import Placement
@@ -64,6 +65,12 @@ from lightning_dynmo.pipeline import (
 from lightning_dynmo.pipeline import grads as pipeline_grads
 from lightning_dynmo.pipeline.model.compiled import compile_blocks
 from lightning_dynmo.pipeline.sharding import StageSharding, check_shardable_ties
+from lightning_dynmo.pipeline.step.boundaries import (
+    BoundaryRecorder,
+    StageTensors,
+    frozen_names,
+    stage_metadata,
+)
 from lightning_dynmo.strategy import steps
 from lightning_dynmo.strategy.state import PipelineState, RankState, module_of, trainer_of
 
@@ -118,11 +125,32 @@ def apply_placement(
         return MigrationReport(moves=(), bytes_sent=0, bytes_received=0, seconds=0.0)
     grid, style = ranks.require_grid(), pipeline.schedule.style
     planned = unit_moves(old, target, grid, style, spec.first_parts, spec.last_parts)
+    tensors = recorded_stage_tensors(strategy, ranks, pipeline, target)
     report = migrate(planned, f"migration {old} -> {target}")
     pipeline.placement = target
-    strategy.rebuild_pipeline()
+    rebuild_pipeline(strategy, ranks, pipeline, tensors)
     log.info("rank %d: placement %s -> %s (%d units moved)", strategy.global_rank, old, target, len(planned))
     return report
+
+
+def recorded_stage_tensors(
+    strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState, target: Placement
+) -> dict[int, StageTensors] | None:
+    """Every stage's inputs and outputs under ``target`` from the ranks' boundary records (one gather over
+    the active ranks), or ``None``: torch's metadata pass runs in the new stages' first step."""
+    mine = (pipeline.boundaries.record_now, frozen_names(module_of(strategy)))
+    gathered: list[Any] = [None] * len(ranks.active_ranks)
+    with strategy.guard("the exchange of the recorded stage boundaries", control=True):
+        dist.all_gather_object(gathered, mine, group=ranks.control_group)
+    records = [record for record, _ in gathered]
+    frozen = frozenset().union(*(names for _, names in gathered))
+    batch_shape = pipeline.microbatches.batch_shape
+    tensors = stage_metadata(records, frozen, batch_shape, target, range(target.num_stages))
+    if tensors is None:
+        log.debug(
+            "rank %d: no usable boundary record; the new stages infer their tensors", strategy.global_rank
+        )
+    return tensors
 
 
 def repack(
@@ -239,6 +267,10 @@ def place_initially(
     keep_local_units(module, spec, owned, device=strategy.root_device)
     compile_local_blocks(module, pipeline, strategy.global_rank)
     pipeline.cut_module = module
+    counts = pipeline.microbatches
+    pipeline.boundaries = BoundaryRecorder(
+        lambda: counts.batch_shape, lambda: frozen_names(module_of(strategy))
+    )
 
 
 def compile_local_blocks(module: nn.Module, pipeline: PipelineState, global_rank: int) -> None:
@@ -287,8 +319,19 @@ def migrate(
     return report
 
 
-def rebuild_pipeline(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:
-    """New stages and schedule on this rank for the current placement and micro-batch count."""
+def rebuild_pipeline(
+    strategy: DynMoStrategy,
+    ranks: RankState,
+    pipeline: PipelineState,
+    stage_tensors: Mapping[int, StageTensors] | None = None,
+) -> None:
+    """New stages and schedule on this rank for the current placement and micro-batch count.
+
+    ``stage_tensors`` (:func:`recorded_stage_tensors`): the stages are built from them (they run the batch
+    shapes of the record); ``None``: torch's metadata pass runs in their first step and is recorded.
+    """
+    if stage_tensors is None:
+        pipeline.boundaries.start()
     pipeline.pipe = build_pipeline(
         module_of(strategy),
         pipeline.require_spec(),
@@ -301,8 +344,11 @@ def rebuild_pipeline(strategy: DynMoStrategy, ranks: RankState, pipeline: Pipeli
         group=ranks.pipeline_group,
         recompute=pipeline.recompute,
         prepare_stage=None if pipeline.sharding is None else pipeline.sharding.shard_stage,
+        recorder=pipeline.boundaries,
+        stage_tensors=stage_tensors,
     )
-    pipeline.microbatches.batch_shape = None
+    if stage_tensors is None:
+        pipeline.microbatches.batch_shape = None  # the next batch sets it, whatever its shapes
 
 
 def pair_tied_copies(strategy: DynMoStrategy, ranks: RankState, pipeline: PipelineState) -> None:

@@ -40,6 +40,7 @@ from lightning_dynmo.pipeline import (
 )
 from lightning_dynmo.pipeline.placement.groups import GridGroups
 from lightning_dynmo.pipeline.sharding import StageSharding
+from lightning_dynmo.pipeline.step.boundaries import BoundaryRecorder
 from lightning_dynmo.pipeline.step.schedule import ScheduleSpec
 from lightning_dynmo.strategy.args import DataParallelSharding
 
@@ -126,6 +127,8 @@ class PipelineState:
         data_parallel_sharding: ``DynMoStrategy(data_parallel_sharding=...)``: ``"replicate"`` or ``"fsdp"``.
         sharding: Under ``"fsdp"``, how this rank's units are sharded (its stage's data-parallel mesh and the
             precision's policy; set at setup); ``None`` while every replica holds whole stages.
+        boundaries: What crossed each layer boundary in the last metadata pass of torch's stages (a
+            migration builds its stages from it: :mod:`lightning_dynmo.pipeline.step.boundaries`).
     """
 
     schedule: ScheduleSpec
@@ -144,6 +147,7 @@ class PipelineState:
     loss_scaling: PipelineLossScaling = field(
         default_factory=lambda: PipelineLossScaling(None, _no_group, _CPU)
     )
+    boundaries: BoundaryRecorder = field(default_factory=BoundaryRecorder)
 
     def require_spec(self) -> ModelSpec:
         """The model's spec; raises before setup."""

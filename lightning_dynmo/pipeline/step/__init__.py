@@ -2,6 +2,8 @@
 
 - :mod:`.stage`: the module one stage runs and how the stage interface reaches its blocks.
 - :mod:`.schedule`: build this rank's stages and one torch schedule, and run a step.
+- :mod:`.boundaries`: what crosses each layer boundary, recorded once, so a migration's new stages skip
+  torch's metadata pass.
 - :mod:`.actions`: each rank's ordered compute actions under a schedule, read from torch's schedules.
 - :mod:`.microbatches`: the micro-batch count a pipeline runs (configured, or re-tuned by a re-pack).
 - :mod:`.aux_loss`: auxiliary losses from any block or part, their gradient applied where they arise.

@@ -32,6 +32,7 @@ from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.pipeline.model.contract import ModelSpec
 from lightning_dynmo.pipeline.placement.layout import StageStyle, stages_of_pipeline_rank
 from lightning_dynmo.pipeline.step.aux_loss import AuxLossRecord, collect_aux_losses
+from lightning_dynmo.pipeline.step.boundaries import BoundaryRecorder, StageTensors
 from lightning_dynmo.pipeline.step.gradless import guard_gradless_inputs
 from lightning_dynmo.pipeline.step.stage import PipelineLoss, StageModule, guard_shape_inference
 
@@ -125,6 +126,8 @@ def build_pipeline(
     group: dist.ProcessGroup | None,
     recompute: bool = False,
     prepare_stage: Callable[[nn.Module], object] | None = None,
+    recorder: BoundaryRecorder | None = None,
+    stage_tensors: Mapping[int, StageTensors] | None = None,
 ) -> BuiltPipeline:
     """Build this rank's stages and schedule for ``placement``.
 
@@ -132,23 +135,42 @@ def build_pipeline(
     activation checkpointing of every block (:mod:`lightning_dynmo.pipeline.step.recompute`).
     ``prepare_stage``: called on each new :class:`StageModule` before torch's ``PipelineStage`` wraps it
     (a sharded run makes it the FSDP root there:
-    :meth:`lightning_dynmo.pipeline.sharding.StageSharding.shard_stage`).
+    :meth:`lightning_dynmo.pipeline.sharding.StageSharding.shard_stage`). ``recorder``: keeps what
+    crosses each layer boundary when torch's metadata pass runs (:mod:`.boundaries`).
+    ``stage_tensors``: every local stage's inputs and outputs
+    (:func:`~lightning_dynmo.pipeline.step.boundaries.stage_metadata`): torch's stages are given them
+    and skip that pass.
 
     Raises:
         ValueError: if the schedule rejects ``num_microbatches`` (the message says which counts work).
     """
     indices = stages_of_pipeline_rank(pipeline_rank, placement.num_stages, pipeline_size, schedule.style)
     last_stage = placement.num_stages - 1
+    known = stage_tensors or {}
     modules = [
-        StageModule(model, spec, placement.layers_of(s), s == 0, s == last_stage, recompute) for s in indices
+        StageModule(
+            model,
+            spec,
+            placement.layers_of(s),
+            s == 0,
+            s == last_stage,
+            recompute,
+            recorder=recorder,
+            expected_outputs=known[s].outputs if s in known else None,
+        )
+        for s in indices
     ]
     if prepare_stage is not None:
         for module in modules:
             prepare_stage(module)
-    stages = [
-        PipelineStage(m, s, placement.num_stages, device, group=group)
-        for m, s in zip(modules, indices, strict=True)
-    ]
+    stages = []
+    for m, s in zip(modules, indices, strict=True):
+        inputs, outputs = known[s].examples() if s in known else (None, None)
+        stages.append(
+            PipelineStage(
+                m, s, placement.num_stages, device, input_args=inputs, output_args=outputs, group=group
+            )
+        )
     for stage, module in zip(stages, modules, strict=True):
         guard_shape_inference(stage, module)
         guard_gradless_inputs(stage)  # behind a frozen prefix (see pipeline/gradless.py)
