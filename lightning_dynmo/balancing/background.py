@@ -33,9 +33,9 @@ __all__ = ["BackgroundCall", "HelperFailure"]
 #: Set in the helper's environment: ``import lightning_dynmo`` then skips registering the strategy.
 HELPER_ENV = "_LIGHTNING_DYNMO_HELPER"
 #: How much lower the helper's priority is than the training process's (``os.nice`` increment): the
-#: lowest, so that on a machine whose cores the ranks keep busy the search runs in their idle time rather
-#: than slowing their steps (a replay of 8 ranks on 2 cores: about 100 ms per step while it ran, against
-#: 130 ms at niceness 5); where cores are free it changes nothing.
+#: lowest, so that on a machine whose cores the ranks keep busy the search takes their idle time first
+#: rather than their steps' (the decision may then take longer to be ready); where cores are free it
+#: changes nothing.
 HELPER_NICENESS = 19
 _HEADER = 8  # bytes of a message's length
 _REAP_S = 2.0  # how long a failing helper is given to exit before its code is read
