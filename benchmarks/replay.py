@@ -187,6 +187,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "step_s": timer.step_s[job.warmup :],
         "placement": str(strategy.placement),
         "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
+        "moves": [r.step for r in dynmo.rebalances if r.applied] if dynmo else [],  # global steps
         # What DynMo's monitoring did: decisions (one per profiling window), windows skipped, seconds spent.
         "windows": (len(dynmo.rebalances), dynmo.skipped_windows, dynmo.overhead_s) if dynmo else (0, 0, 0.0),
         "parts_s": parts,
