@@ -19,7 +19,7 @@ A record holds only while what it was made under holds: the batch shapes and mic
 tensors' shapes) and the set of frozen parameters (whether a boundary tensor requires gradients). Any
 difference, or a boundary nobody recorded, and :func:`stage_metadata` says ``None``: torch's metadata
 pass runs, as on the first build. A stage built from a record checks its first outputs against it
-(:meth:`BoundaryRecorder.check_outputs`) and names the difference rather than send a tensor its
+(:func:`check_outputs`) and names the difference rather than send a tensor its
 neighbour cannot receive.
 """
 
@@ -34,7 +34,17 @@ from torch import Tensor
 
 from lightning_dynmo.balancing.placement import Placement
 
-__all__ = ["BoundaryRecord", "BoundaryRecorder", "StageTensors", "TensorSpec", "stage_metadata"]
+__all__ = [
+    "BoundaryRecord",
+    "BoundaryRecorder",
+    "Specs",
+    "StageTensors",
+    "TensorSpec",
+    "check_outputs",
+    "frozen_names",
+    "specs_of",
+    "stage_metadata",
+]
 
 
 class TensorSpec(NamedTuple):
@@ -138,24 +148,24 @@ class BoundaryRecorder:
         elif layer is not None:
             record.after[layer] = specs
 
-    @staticmethod
-    def check_outputs(expected: Specs, value: Tensor | Sequence[Tensor], who: str) -> None:
-        """Raise when a stage built from a record sends other tensors than the record said.
 
-        Raises:
-            RuntimeError: naming both, and what would have made them differ.
-        """
-        got = specs_of(value)
-        if [(s.shape, s.dtype, s.requires_grad) for s in got] != [
-            (s.shape, s.dtype, s.requires_grad) for s in expected
-        ]:
-            raise RuntimeError(
-                f"{who} sends {_describe(got)} but its stage was built for {_describe(expected)}, which "
-                "DynMo recorded in an earlier metadata pass at this layer boundary. A block changed what "
-                "it returns between steps (shape, dtype, or whether it requires gradients) without a new "
-                "batch shape or a freezing change; boundary tensors must keep their shapes from step to "
-                "step."
-            )
+def check_outputs(expected: Specs, value: Tensor | Sequence[Tensor], who: str) -> None:
+    """Raise when a stage built from a record sends other tensors than the record said.
+
+    Raises:
+        RuntimeError: naming both, and what would have made them differ.
+    """
+    got = specs_of(value)
+    if [(s.shape, s.dtype, s.requires_grad) for s in got] != [
+        (s.shape, s.dtype, s.requires_grad) for s in expected
+    ]:
+        raise RuntimeError(
+            f"{who} sends {_describe(got)} but its stage was built for {_describe(expected)}, which "
+            "DynMo recorded in an earlier metadata pass at this layer boundary. A block changed what "
+            "it returns between steps (shape, dtype, or whether it requires gradients) without a new "
+            "batch shape or a freezing change; boundary tensors must keep their shapes from step to "
+            "step."
+        )
 
 
 def stage_metadata(
@@ -173,7 +183,8 @@ def stage_metadata(
         frozen_now: Every rank's frozen parameter names now (the union over the ranks).
         batch_shape: The batch shapes and micro-batch count the new stages will run.
         placement: The new placement.
-        stages: This rank's stage indices under it.
+        stages: The stages to give (callers pass every stage, so that every rank decides alike between
+            the record and torch's pass: torch's stages vote, and all must agree).
 
     Returns:
         ``{stage: StageTensors}`` for each of ``stages``, or ``None`` when a rank has no record, the

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_dynmo.pipeline.model.contract import HIDDEN, ModelSpec, block_inputs, check_loss
 from lightning_dynmo.pipeline.step.aux_loss import collect_aux_losses
-from lightning_dynmo.pipeline.step.boundaries import BoundaryRecorder, Specs
+from lightning_dynmo.pipeline.step.boundaries import BoundaryRecorder, Specs, check_outputs
 from lightning_dynmo.pipeline.step.recompute import recomputing, run_checkpointed
 
 __all__ = [
@@ -75,7 +75,7 @@ class StageModule(nn.Module):
         recorder: Keeps what crosses each layer boundary in torch's metadata pass (training pipelines:
             :mod:`.boundaries`).
         expected_outputs: The outputs the stage was built for when built from a record: its first
-            forward with gradients checks them (:meth:`.boundaries.BoundaryRecorder.check_outputs`).
+            forward with gradients checks them (:func:`.boundaries.check_outputs`).
     """
 
     _model: Any  # the contract-abiding model, unregistered (its methods are the contract's, not nn.Module's)
@@ -93,7 +93,7 @@ class StageModule(nn.Module):
     ):
         super().__init__()
         self._recompute = recompute
-        self._recorder = recorder if recorder is not None else BoundaryRecorder()
+        self._recorder = recorder
         self._expected_outputs = expected_outputs
         object.__setattr__(self, "_model", model)
         self._spec = spec
@@ -126,23 +126,23 @@ class StageModule(nn.Module):
         return type(self._model).__name__
 
     def forward(self, *flat: Tensor, **side_inputs: Tensor) -> Tensor | tuple[Tensor, ...]:
-        recording = self._inferring and torch.is_grad_enabled()
+        recorder = self._recorder if self._inferring and torch.is_grad_enabled() else None
         if self._inferring:
             _zero_received(flat, self._is_first)
-            if recording and self._is_first:
-                self._recorder.record(None, flat, "first")
+        if recorder is not None and self._is_first:
+            recorder.record(None, flat, "first")
         state = self._start(flat, side_inputs) if self._is_first else self._unpack(flat)
         for key, block in self.layers.items():
             state = self._run_block(key, block, state, side_inputs)
-            if recording:
-                self._recorder.record(int(key), self._pack(state))
+            if recorder is not None:
+                recorder.record(int(key), self._pack(state))
         out = self._finish(state, side_inputs) if self._is_last else self._pack(state)
-        if recording and self._is_last:
-            self._recorder.record(None, out, "last")
+        if recorder is not None and self._is_last:
+            recorder.record(None, out, "last")
         if self._expected_outputs is not None and torch.is_grad_enabled() and not self._inferring:
             expected, self._expected_outputs = self._expected_outputs, None  # the first forward only
             keys = list(self.layers.keys())
-            self._recorder.check_outputs(expected, out, f"the stage of layers {keys[0]}-{keys[-1]}")
+            check_outputs(expected, out, f"the stage of layers {keys[0]}-{keys[-1]}")
         return out
 
     @contextlib.contextmanager
