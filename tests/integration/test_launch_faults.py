@@ -80,11 +80,13 @@ def _check(launcher: str, outcomes: dict[tuple[str, int], Outcome]) -> list[str]
         own, other = _rank_lines(outcome.output, culprit), _rank_lines(outcome.output, peer)
         if where in _OWN and not re.search(_OWN[where].format(r=culprit), own, re.DOTALL):
             problems.append(f"{name}: its own error is missing:\n{own[-3000:]}")
-        # The survivor names the failed rank: its posted error, the call it was in, or that it is gone.
+        # The survivor names the failed rank: its posted error, the call it was in, or that it is gone. The
+        # last is all it can say when the store died with rank 0 before the survivor read rank 0's post (a
+        # race of a loaded machine); before placement (setup) the gone rank has no stage to name.
         named = (
             rf"CommunicationError: DynMo: (rank {culprit} \(stage \w+\) failed first: ValueError: injected"
             rf"|rank {peer} \(stage \w+\) failed in .* while rank {culprit} \(stage {culprit}\) was waiting "
-            rf"in apply_placement|rank {culprit} \(stage \w+\) is gone)"
+            rf"in apply_placement|rank {culprit}(?: \(stage \w+\))? is gone)"
         )
         if where == "apply_placement":  # the board names the call the culprit was stuck in, under both stores
             named = (
