@@ -2,7 +2,9 @@
 
 Read in this order: :meth:`CompiledSchedule.build` (checks the lists as
 :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` does and fixes the order to evaluate
-them in), then :meth:`CompiledSchedule.step` (one pass: the step and each rank's busy time).
+them in), then :meth:`CompiledSchedule.step` (one pass: the step and each rank's busy time) and
+:meth:`CompiledSchedule.busiest` (the busiest rank's time alone: a lower bound of the step, without the
+pass, which a search uses to skip the placements that cannot beat its best).
 
 Why: :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` checks its input, records every
 action's timeline and traces the critical path on every call; a placement search predicts the same action
@@ -93,6 +95,34 @@ class CompiledSchedule:
         Raises:
             ValueError: for a stage count other than the lists', a missing, negative or non-finite time.
         """
+        durations = self._durations(stage_times)
+        link = _link_slots(links, self.num_stages)  # slot -1: its last entry, 0 (same rank)
+        end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
+        for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
+            start = end[previous]
+            ready = end[dep1] + link[link1]
+            if ready > start:
+                start = ready
+            ready = end[dep2] + link[link2]
+            if ready > start:
+                start = ready
+            end[i] = start + durations[slot]
+        return max(end), self._busy(durations)
+
+    def busiest(self, stage_times: Sequence[StageTimes]) -> float:
+        """The longest of the ranks' busy times, without the pass: no step is shorter, since a rank runs
+        its actions one after another (a lower bound of :meth:`step`'s, up to rounding).
+
+        Raises:
+            ValueError: as :meth:`step`.
+        """
+        return max(self._busy(self._durations(stage_times)), default=0.0)
+
+    def _busy(self, durations: Sequence[float]) -> tuple[float, ...]:
+        return tuple(sum(map(durations.__getitem__, slots)) for slots in self._rank_slots)
+
+    def _durations(self, stage_times: Sequence[StageTimes]) -> list[float]:
+        """Per duration slot (4 * stage + kind), one action's seconds; checked."""
         if len(stage_times) != self.num_stages:
             raise ValueError(
                 f"stage_times has {len(stage_times)} entries but the compiled lists run {self.num_stages} "
@@ -108,19 +138,7 @@ class CompiledSchedule:
                         "seconds >= 0: fix the measurement."
                     )
                 durations[4 * stage + _SLOT[kind]] = value
-        link = _link_slots(links, self.num_stages)  # slot -1: its last entry, 0 (same rank)
-        end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
-        for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
-            start = end[previous]
-            ready = end[dep1] + link[link1]
-            if ready > start:
-                start = ready
-            ready = end[dep2] + link[link2]
-            if ready > start:
-                start = ready
-            end[i] = start + durations[slot]
-        busy = tuple(sum(map(durations.__getitem__, slots)) for slots in self._rank_slots)
-        return max(end), busy
+        return durations
 
 
 def _resolved(

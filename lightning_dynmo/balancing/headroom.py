@@ -17,6 +17,9 @@ The headroom is a bound for a continuum of work; layers are discrete, so a pipel
 headroom that no placement of whole layers recovers. Once a decision on the profiled layers kept the
 placement, the same decision follows as long as the stages' shares of the load stay where they were:
 :attr:`StageLoadAverage.drift` measures how far they moved since that decision (:func:`share_drift`).
+A decision that moved layers predicted how the new placement shares the load out; while the measured
+shares stay that close to the prediction (:meth:`StageLoadAverage.restart` with ``expected``), a decision
+on them would find the placement it just chose, and the same rule holds.
 """
 
 from __future__ import annotations
@@ -112,10 +115,19 @@ class StageLoadAverage:
         w = self.weight
         self._loads = [w * old + (1.0 - w) * new for old, new in zip(self._loads, values, strict=True)]
 
-    def restart(self) -> None:
-        """Forget the history and the mark: the loads no longer describe the pipeline."""
+    def restart(self, expected: Sequence[float] | None = None) -> None:
+        """Forget the history: the loads no longer describe the pipeline.
+
+        Args:
+            expected: The loads predicted for the pipeline from now on (a decision that moved layers: its
+                prediction of the new placement), marked in place of measured ones; ``None``: no mark.
+        """
         self._loads = None
         self._marked = None
+        if expected is not None:
+            values = [float(x) for x in expected]
+            headroom(values)  # validates
+            self._marked = values
 
     def mark(self) -> None:
         """Remember the averaged loads as they are now (a decision on them kept the placement)."""
@@ -134,7 +146,7 @@ class StageLoadAverage:
     @property
     def drift(self) -> float | None:
         """:func:`share_drift` from the marked loads to the averaged ones; ``None`` without both (a restart
-        or another stage count clears the mark)."""
-        if self._marked is None or self._loads is None:
+        or another stage count clears the mark) or when their stage counts differ."""
+        if self._marked is None or self._loads is None or len(self._marked) != len(self._loads):
             return None
         return share_drift(self._marked, self._loads)

@@ -22,7 +22,9 @@ scores placements by the predicted step itself (``step_of``):
 
 Its guarantee is one-sided: the result is never predicted slower than the proposal (which is scored
 first), and it is a local optimum of those moves when the budget is not exhausted. Placements that break a
-memory cap are never chosen. Nothing here imports torch.
+memory cap are never chosen. Where the caller can tell cheaply that a candidate cannot beat the step to
+beat (``at_least``: the busiest rank's own work already reaches it), that candidate is not simulated; the
+search takes the same path and returns the same placement. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class Refinement:
         step_s: Its predicted step.
         proposal_step_s: The proposal's predicted step.
         exact: Whether every contiguous placement was simulated.
-        simulations: How many steps were simulated.
+        simulations: How many placements were scored (simulated, or bounded by ``at_least``: see
+            :func:`refine`).
     """
 
     placement: Placement
@@ -71,7 +74,7 @@ class Refinement:
     def describe(self) -> str:
         """One phrase for the decision's reason."""
         how = "exact search" if self.exact else "local search"
-        return f"{how} by the schedule's step ({self.simulations} simulated)"
+        return f"{how} by the schedule's step ({self.simulations} placements scored)"
 
 
 def refine(
@@ -80,6 +83,7 @@ def refine(
     step_of: Callable[[Placement], float],
     budget: int = SEARCH_BUDGET,
     stage_workers: Sequence[int] | None = None,
+    at_least: Callable[[Placement, float], float] | None = None,
 ) -> Refinement:
     """The contiguous placement of ``proposal``'s stage count predicted fastest by ``step_of``.
 
@@ -92,6 +96,11 @@ def refine(
         budget: The most simulations: exact search when there are at most this many placements.
         stage_workers: The worker of each stage when workers run several (``None``: stage ``s`` on
             worker ``s``); the local search then also passes layers between a worker's stages.
+        at_least: ``at_least(placement, time)``: ``step_of(placement)`` when it may be below ``time``,
+            else any number ``>= time`` (e.g. :func:`~lightning_dynmo.balancing.step_prediction.
+            step_at_least`, which skips the simulation then). Where a candidate only matters if it beats
+            the best so far, the search asks this instead: the same result, sooner. ``None``:
+            ``step_of`` for every candidate.
 
     Raises:
         ValueError: for a budget below 1, or ``stage_workers`` not one worker per stage.
@@ -110,6 +119,10 @@ def refine(
     def fits(placement: Placement) -> bool:
         return model.overflow(placement)[0] <= 0
 
+    def beats(placement: Placement, time_s: float) -> float:
+        """``placement``'s step if it is below ``time_s``, else a number ``>= time_s``."""
+        return step_of(placement) if at_least is None else at_least(placement, time_s)
+
     start = step_of(proposal)
     if math.comb(layers - 1, stages - 1) <= budget:
         best, best_s, runs = proposal, start, 1
@@ -118,20 +131,28 @@ def refine(
             if candidate == proposal or not fits(candidate):
                 continue
             runs += 1
-            step = step_of(candidate)
+            step = beats(candidate, best_s)
             if step < best_s:
                 best, best_s = candidate, step
         return Refinement(best, best_s, start, exact=True, simulations=runs)
     seen: dict[Placement, float] = {proposal: start}
+    bounded: set[Placement] = set()  # what seen holds for these is a bound, not their step
 
-    def score(placement: Placement) -> float | None:
-        """The predicted step (cached); ``None`` over a memory cap or past the budget."""
-        if placement in seen:
-            return seen[placement]
-        if len(seen) >= budget or not fits(placement):
+    def score(placement: Placement, to_beat: float | None = None) -> float | None:
+        """The predicted step (cached), or with ``to_beat`` a number ``>= to_beat`` when it is no
+        shorter; ``None`` over a memory cap or past the budget."""
+        known = seen.get(placement)
+        if known is not None and (placement not in bounded or (to_beat is not None and known >= to_beat)):
+            return known
+        if known is None and (len(seen) >= budget or not fits(placement)):
             return None
-        seen[placement] = step_of(placement)
-        return seen[placement]
+        value = step_of(placement) if to_beat is None else beats(placement, to_beat)
+        if to_beat is not None and value >= to_beat:
+            bounded.add(placement)  # perhaps only a bound: asked again against a longer step, recompute
+        else:
+            bounded.discard(placement)
+        seen[placement] = value
+        return value
 
     # The per-stage min-max partition (under a V schedule it can beat the per-worker proposal's step).
     plain = problem.with_hardware(
@@ -154,7 +175,7 @@ def refine(
 def _descend(
     placement: Placement,
     step_s: float,
-    score: Callable[[Placement], float | None],
+    score: Callable[[Placement, float], float | None],
     pairs: _Pairs,
 ) -> tuple[Placement, float]:
     """Take the first move that shortens the step until none does (or ``score`` runs out of budget)."""
@@ -162,7 +183,7 @@ def _descend(
     while improved:
         improved = False
         for candidate in _transfers(placement, pairs.of(placement)):
-            step = score(candidate)
+            step = score(candidate, step_s)
             if step is not None and step < step_s:
                 placement, step_s, improved = candidate, step, True
                 break

@@ -37,7 +37,7 @@ from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.repack import repack
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine, step_at_least
 from lightning_dynmo.balancing.trigger import TriggerConfig
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
@@ -217,6 +217,10 @@ class RebalanceDecision:
         num_microbatches: With a re-tune (:class:`~lightning_dynmo.balancing.microbatches.RetuneOptions`),
             the micro-batch count the re-packed pipeline runs; ``None``: unchanged.
         microbatch_steps: The predicted step seconds of each micro-batch count the re-tune weighed.
+        worker_loads_after: ``proposed``'s predicted load of each worker (pipeline rank), its stages'
+            forward and backward summed, in the prediction's units (a step's or a micro-batch's): how the
+            ranks' measured busy times should share out once it runs; only the shares are read
+            (:meth:`~lightning_dynmo.balancing.headroom.StageLoadAverage.restart`'s ``expected``).
     """
 
     apply: bool
@@ -231,6 +235,7 @@ class RebalanceDecision:
     reason: str
     num_microbatches: int | None = None
     microbatch_steps: Mapping[int, float] | None = None
+    worker_loads_after: tuple[float, ...] | None = None
 
     @property
     def predicted_gain(self) -> float:
@@ -249,7 +254,20 @@ class RebalanceDecision:
 class _Prediction:
     step: float
     bubble_ratio: float
-    imbalance: float
+    stage_loads: tuple[float, ...]
+
+    @property
+    def imbalance(self) -> float:
+        return imbalance(self.stage_loads)
+
+    def worker_loads(self, stage_workers: Sequence[int] | None) -> tuple[float, ...]:
+        """The stage loads summed per worker (``None``: stage ``s`` on worker ``s``)."""
+        if stage_workers is None:
+            return self.stage_loads
+        loads = [0.0] * (max(stage_workers) + 1)
+        for worker, load in zip(stage_workers, self.stage_loads, strict=True):
+            loads[worker] += load
+        return tuple(loads)
 
 
 @takes_problem
@@ -284,13 +302,13 @@ def _predict(
     # Both step models add the runtime's cost per action (Hardware.per_op_s) in the time view.
     if isinstance(schedule, ScheduleOrder):
         step = predict_step(problem, placement, schedule, num_microbatches, stage_workers)
-        return _Prediction(step.step_s, step.bubble_ratio, imbalance(step.stage_loads))
+        return _Prediction(step.step_s, step.bubble_ratio, tuple(step.stage_loads))
     times = stage_times(problem, placement, stage_workers)
     per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
     fwd, bwd = times.per_microbatch(num_microbatches, per_op_s=per_op_s)
     sim = simulate_pipeline(fwd, bwd, num_microbatches, simulated_schedule(schedule))
     loads = tuple(f + b for f, b in zip(fwd, bwd, strict=True))
-    return _Prediction(sim.step_time_s, sim.bubble_ratio, imbalance(loads))
+    return _Prediction(sim.step_time_s, sim.bubble_ratio, loads)
 
 
 def decision_shapes(
@@ -398,8 +416,13 @@ def decide(
         # The search ranks placements by their work alone: the runtime's cost per action is one number
         # fitted to the running placement's step, no measure of where the work should go.
         work = problem.with_hardware(per_op_s=0.0)
+        order, m = schedule, num_microbatches
         refined = refine(
-            work, proposed, lambda p: evaluate(p, stage_workers, work).step, stage_workers=stage_workers
+            work,
+            proposed,
+            lambda p: evaluate(p, stage_workers, work).step,
+            stage_workers=stage_workers,
+            at_least=lambda p, time_s: step_at_least(work, p, order, m, time_s, stage_workers),
         )
         proposed, reason = refined.placement, f"{reason}, refined by {refined.describe()}"
     proposed_workers = (
@@ -432,6 +455,7 @@ def decide(
         imbalance_before=before.imbalance,
         imbalance_after=after.imbalance,
         reason=f"{reason}; {why}",
+        worker_loads_after=after.worker_loads(proposed_workers),
     )
     if retune is None or not apply or proposed.num_stages == current.num_stages or config.cost != "time":
         return decision

@@ -3,7 +3,8 @@
 Read in this order: :class:`ScheduleOrder` (a schedule and the per-rank action lists it runs), then
 :func:`predict_step` (costs + hardware + placement -> :class:`StepPrediction`, through
 :class:`~lightning_dynmo.balancing.compiled_schedule.CompiledSchedule`, the step of
-:func:`~lightning_dynmo.balancing.schedule_model.simulate_step` compiled once per action lists), then
+:func:`~lightning_dynmo.balancing.schedule_model.simulate_step` compiled once per action lists) and
+:func:`step_at_least` (the same step, or a bound that shows it cannot beat a given one), then
 :func:`per_action_s` and :func:`fit_per_op` (the runtime's own cost per action).
 
 Why: the balancers minimise the heaviest stage (plus its sends). The step a schedule runs also has
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
-from lightning_dynmo.balancing.hardware import check_per_op, stage_times
+from lightning_dynmo.balancing.hardware import StageCosts, check_per_op, stage_times
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, Refinement, refine
 from lightning_dynmo.balancing.problem import BalanceProblem
@@ -42,6 +43,7 @@ __all__ = [
     "per_action_s",
     "predict_step",
     "refine",
+    "step_at_least",
 ]
 
 #: ``(num_stages, num_microbatches)`` -> per pipeline rank, the actions it runs in one step.
@@ -162,6 +164,61 @@ def predict_step(
             the problem's :attr:`~lightning_dynmo.balancing.hardware.Hardware.per_op_s` (with
             ``by="time"``; 0 in the ``"params"`` view), a number replaces it.
     """
+    times, compiled, per_stage = _simulation_inputs(
+        problem, placement, order, num_microbatches, stage_workers, per_op_s
+    )
+    step, busy = compiled.step(per_stage)
+    ranks = len(busy)
+    bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
+    step += max(times.update_s, default=0.0)  # the update: once, after the flush, every stage at once
+    loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
+    return StepPrediction(step, bubble, loads)
+
+
+#: How far above ``time_s`` :func:`step_at_least`'s bound must reach before the simulation is skipped: more
+#: than the rounding by which a sum of a rank's action times can exceed the step simulated from them.
+_BOUND_MARGIN = 1e-9
+
+
+def step_at_least(
+    problem: BalanceProblem,
+    placement: Placement,
+    order: ScheduleOrder,
+    num_microbatches: int,
+    time_s: float,
+    stage_workers: Sequence[int] | None = None,
+    per_op_s: float | None = None,
+) -> float:
+    """:func:`predict_step`'s ``step_s``, or, when ``placement`` cannot be faster than ``time_s``, a number
+    ``>= time_s`` found without simulating the schedule.
+
+    A rank runs its actions one after another, so no step is shorter than the busiest rank's actions
+    end to end (plus the update). When that alone reaches ``time_s``, it is returned: a search that only
+    wants placements faster than its best so far (:func:`refine`'s ``at_least``) skips the simulation,
+    most of a prediction's cost, for the many moves that load the busiest rank further.
+
+    Args:
+        time_s: The step to beat. Other arguments: as :func:`predict_step`.
+    """
+    times, compiled, per_stage = _simulation_inputs(
+        problem, placement, order, num_microbatches, stage_workers, per_op_s
+    )
+    update = max(times.update_s, default=0.0)
+    bound = compiled.busiest(per_stage) + update
+    if bound >= time_s + abs(time_s) * _BOUND_MARGIN:
+        return bound
+    return compiled.step(per_stage)[0] + update
+
+
+def _simulation_inputs(
+    problem: BalanceProblem,
+    placement: Placement,
+    order: ScheduleOrder,
+    num_microbatches: int,
+    stage_workers: Sequence[int] | None,
+    per_op_s: float | None,
+) -> tuple[StageCosts, CompiledSchedule, list[StageTimes]]:
+    """The stage costs, the compiled action lists and one micro-batch's times per stage."""
     if per_op_s is None:
         per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
     check_per_op(per_op_s)
@@ -186,12 +243,7 @@ def predict_step(
                 weight_grad_s=wgrad + per_op_s,
             )
         )
-    step, busy = compiled.step(per_stage)
-    ranks = len(busy)
-    bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
-    step += max(times.update_s, default=0.0)  # the update: once, after the flush, every stage at once
-    loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
-    return StepPrediction(step, bubble, loads)
+    return times, compiled, per_stage
 
 
 #: Compiled action lists by the identity of the lists (kept alive beside them, so an id is never reused

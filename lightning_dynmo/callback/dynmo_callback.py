@@ -101,7 +101,9 @@ class DynMoCallback(Callback):
             dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
             of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
-            placement recovers; the same loads lead to the same decision); and while the busiest stage
+            placement recovers; the same loads lead to the same decision); after a decision that moved
+            layers, while the shares stay that close to the ones it predicted for the new placement;
+            and while the busiest stage
             is the first or the last holding a single layer (it cannot be lightened; a heavy head does
             this). By ``time`` a window also waits for one step's loads (at the start, after a move or
             an event), so these rules can judge it. By ``params``: after a
@@ -539,7 +541,7 @@ class DynMoCallback(Callback):
         )
         self._cost_to_share = record.overhead_s
         self.placement, self._layout = view.placement, view.layout
-        self._window.decided(decision.apply)
+        self._window.decided(decision.apply, decision.worker_loads_after)
         self._history.add(record)
         self._log_decision(trainer, view, decision, record)
         return view

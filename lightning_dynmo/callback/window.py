@@ -22,7 +22,8 @@ __all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "ProfilingWindow"]
 #: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
 ACTIVATION_REFRESH_STEPS = 100
 #: skip_balanced by time: after a decision kept the placement, every-step windows are skipped while no
-#: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share.
+#: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share;
+#: after one that moved layers, while the shares stay that close to the ones it predicted.
 SKIP_DRIFT = 0.05
 
 
@@ -179,11 +180,17 @@ class ProfilingWindow:
             self.profiler.stop()
             self.profiler = None
 
-    def decided(self, applied: bool) -> None:
-        """A decision was taken: a new placement restarts the loads; a kept one settles the skip rule."""
+    def decided(self, applied: bool, expected: Sequence[float] | None = None) -> None:
+        """A decision was taken: a new placement restarts the loads; a kept one settles the skip rule.
+
+        Args:
+            applied: Whether it moved layers.
+            expected: Its prediction of each pipeline rank's load under the new placement: the skip rule
+                then holds while the measured loads stay within :data:`SKIP_DRIFT` of it (by time only).
+        """
         self._params_settled = not applied  # read only by params
         if applied:
-            self.stage_loads.restart()
+            self.stage_loads.restart(None if self._by_params else expected)
         else:
             self.stage_loads.mark()  # by time: skip while the loads stay where this decision saw them
 

@@ -195,6 +195,35 @@ def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement
         assert r["skipped"] <= 2 and len(r["rebalances"]) >= run.steps - 3
 
 
+def test_every_step_does_not_decide_again_after_a_move_that_shares_the_load_as_predicted(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four heavy blocks then four light ones (3:1): the uniform split loads rank 0 three times rank 1, and
+    # the best split of whole blocks, 0-2|3-7, still leaves 27:21 (a headroom of 11%, over min_gain). Once
+    # it runs, the measured shares are the ones the move predicted, so no window opens again; without
+    # the prediction (the negative control) the step after the move profiles and decides once more.
+    run = Run(num_layers=8, steps=8)
+    kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.05}
+    rest = (None, run, 0, [9.0] * 4 + [3.0] * 4)  # no restore, the run, no pruning event, the sleeps
+
+    def fit(name: str) -> list[dict[str, Any]]:
+        (tmp_path / name).mkdir()
+        return run_distributed(fit_with_callback, 2, tmp_path / name, timeout_s=150, args=(kwargs, *rest))
+
+    predicted = fit("predicted")
+    for r in predicted:
+        decided = [(rec["step"], rec["applied"], rec["new"]) for rec in r["rebalances"]]
+        assert r["placement"] == "0-2|3-7" and decided[0][1:] == (True, "0-2|3-7"), decided
+        assert len(decided) == 1, decided
+    original = window_module.ProfilingWindow.decided
+    monkeypatch.setattr(  # patched before the ranks fork
+        window_module.ProfilingWindow, "decided", lambda self, applied, expected=None: original(self, applied)
+    )
+    for r in fit("unpredicted"):
+        decided = [(rec["step"], rec["applied"]) for rec in r["rebalances"]]
+        assert r["placement"] == "0-2|3-7" and len(decided) >= 2 and not decided[1][1], decided
+
+
 def test_auto_trigger_notices_the_change_without_an_event(tmp_path: Any) -> None:
     kwargs = {
         "on_events": False,

@@ -95,6 +95,26 @@ def test_the_drift_is_measured_from_the_mark_until_a_restart() -> None:
     assert avg.drift is None
 
 
+def test_a_restart_can_mark_the_loads_a_decision_predicted() -> None:
+    avg = StageLoadAverage(0.0)
+    avg.update([1.0, 3.0])
+    avg.restart(expected=[2.0, 2.0])  # a move predicted to share the load out evenly
+    assert avg.loads is None and avg.drift is None  # nothing measured on the new placement yet
+    avg.update([2.2, 2.1])  # as predicted, within a few percent
+    assert avg.drift == pytest.approx(abs(2.2 / 4.3 - 0.5) / 0.5)
+    avg.update([1.0, 3.0])  # not as predicted
+    assert avg.drift == pytest.approx(0.5)
+    # Negative controls: a restart without a prediction marks nothing; another stage count compares none.
+    avg.restart()
+    avg.update([2.0, 2.0])
+    assert avg.drift is None
+    avg.restart(expected=[1.0, 1.0, 1.0])
+    avg.update([2.0, 2.0])
+    assert avg.drift is None
+    with pytest.raises(ValueError, match="must be one finite number"):
+        avg.restart(expected=[1.0, -1.0])
+
+
 def _stage_loads(costs: list[float], first: float, last: float, sizes: tuple[int, ...]) -> list[float]:
     bounds = [0, *itertools.accumulate(sizes)]
     loads = [sum(costs[bounds[s] : bounds[s + 1]]) for s in range(len(sizes))]

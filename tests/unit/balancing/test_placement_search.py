@@ -6,6 +6,9 @@
   than the proposal, and on small cases equals the brute-force optimum over every placement (enumerated
   here); the min-max partition it starts from is strictly slower on a constructed case (the negative
   control), and so is a descent of single-boundary moves (the old search) on a lumpy one.
+- The busiest rank's time never exceeds the compiled step; a search that skips the candidates it bounds
+  above the step to beat returns exactly what the full search does, with fewer simulations (a bound that
+  lies, the negative control, stops it short).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
 from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine, step_at_least
 from tests.unit.balancing.brute import all_placements
 
 
@@ -235,3 +238,68 @@ def test_refine_rejects_workers_that_do_not_match_the_stages() -> None:
     problem = dense_with_head(8)
     with pytest.raises(ValueError, match=r"stage_workers has 3 entries but proposal=.* has 4 stages"):
         refine(problem, partition(problem, 4), lambda p: 0.0, stage_workers=[0, 1, 0])
+
+
+@pytest.mark.parametrize("lists", [one_f_one_b, v_split], ids=["1F1B", "V split"])
+def test_the_busiest_rank_bounds_the_compiled_step_from_below(
+    lists: Callable[[int, int], list[list[Action]]],
+) -> None:
+    draw = random.Random(11)
+    for stages, m in ((2, 1), (4, 3), (8, 4)):
+        compiled = CompiledSchedule.build(lists(stages, m), stages)
+        for _ in range(10):
+            times = random_times(draw, stages)
+            step, busy = compiled.step(times)
+            assert compiled.busiest(times) == max(busy) <= step
+    # One stage: the rank never waits, so the bound is the step itself.
+    single = CompiledSchedule.build(one_f_one_b(1, 3), 1)
+    assert single.busiest([StageTimes(1.0, 2.0)]) == single.step([StageTimes(1.0, 2.0)])[0] == 9.0
+    with pytest.raises(ValueError, match="stage_times has 1 entries but the compiled lists run 2 stages"):
+        CompiledSchedule.build(one_f_one_b(2, 2), 2).busiest([StageTimes(1.0, 1.0)])
+
+
+SEARCHES = [
+    ("dense + head, V, 16 stages", dense_with_head(44), 16, V_ORDER, [min(s, 15 - s) for s in range(16)]),
+    ("lumpy, V, 12 stages", lumpy(36), 12, V_ORDER, [min(s, 11 - s) for s in range(12)]),
+    ("random, 1F1B, 10 stages", random_problem(5, 30), 10, ORDER, None),
+    ("random, 1F1B, 4 stages (exact)", random_problem(6, 9), 4, ORDER, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("problem", "stages", "order", "workers"), [c[1:] for c in SEARCHES], ids=[c[0] for c in SEARCHES]
+)
+def test_skipping_what_cannot_beat_the_best_changes_nothing_but_the_simulations_run(
+    problem: BalanceProblem, stages: int, order: ScheduleOrder, workers: list[int] | None
+) -> None:
+    m, runs = 8, {"full": 0}
+
+    def step_of(p: Placement) -> float:
+        runs["full"] += 1
+        return predict_step(problem, p, order, m, workers).step_s
+
+    def at_least(p: Placement, time_s: float) -> float:
+        value = step_at_least(problem, p, order, m, time_s, workers)
+        exact = predict_step(problem, p, order, m, workers).step_s
+        assert value == exact or exact >= value >= time_s  # the contract: the step, or a bound over time_s
+        return value
+
+    plain = refine(problem, partition(problem, stages), step_of, budget=1000, stage_workers=workers)
+    calls = runs["full"]
+    runs["full"] = 0
+    fast = refine(
+        problem, partition(problem, stages), step_of, budget=1000, stage_workers=workers, at_least=at_least
+    )
+    assert fast == plain  # the same placement, step, proposal step and count of placements scored
+    assert runs["full"] < calls  # the bound answered for some candidates: fewer simulations
+    # Negative control: a bound that wrongly claims every candidate slower leaves the search where its
+    # starting points were (the proposal or the best seed, scored in full), short of what it finds.
+    stuck = refine(
+        problem,
+        partition(problem, stages),
+        step_of,
+        budget=1000,
+        stage_workers=workers,
+        at_least=lambda p, time_s: time_s,
+    )
+    assert stuck.step_s > plain.step_s

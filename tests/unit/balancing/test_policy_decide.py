@@ -323,3 +323,19 @@ def test_a_repack_under_a_v_schedule_proposes_only_what_it_can_run():
 def test_a_micro_batch_count_below_one_is_refused_by_name():
     with pytest.raises(ValueError, match=r"num_microbatches=0 .*micro-batches per step"):
         decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 0, "1F1B")
+
+
+def test_a_decision_predicts_how_its_placement_shares_the_load_among_the_workers():
+    # CHANGED moved to its partition 0-4|5-7: stage 0 holds 4 x 0.1 + 0.4, stage 1 3 x 0.4 (one step).
+    decision = decide(BalanceProblem(CHANGED), UNIFORM, BalanceConfig(), 4, "1F1B")
+    assert decision.proposed == Placement.from_string("0-4|5-7")
+    loads = decision.worker_loads_after
+    assert loads is not None and [x / sum(loads) for x in loads] == pytest.approx([0.4, 0.6])
+    # Several stages per worker: each worker's stages summed (stages 0 and 3 on worker 0 of a V).
+    costs = _costs([1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0, 4.0])
+    current = Placement.from_string("0-1|2-3|4-5|6-7")
+    v = decide(BalanceProblem(costs), current, BalanceConfig(), 4, "1F1B", stage_workers=[0, 1, 1, 0])
+    sums = [sum(1.0 * (i // 2 + 1) for i in v.proposed.layers_of(s)) for s in range(4)]
+    loads = v.worker_loads_after
+    assert loads is not None and len(loads) == 2
+    assert loads[0] / sum(loads) == pytest.approx((sums[0] + sums[3]) / sum(sums))

@@ -128,7 +128,7 @@ def test_decide_with_the_schedule_order_moves_to_the_fastest_step_and_says_how_i
     by_order = decide(problem, Placement.from_string("0|1-3"), config, 2, ORDER)
     assert str(by_order.proposed) == "0-2|3-3" and by_order.apply
     assert by_order.predicted_step_after == pytest.approx(30.0)
-    assert "refined by exact search by the schedule's step (3 simulated)" in by_order.reason
+    assert "refined by exact search by the schedule's step (3 placements scored)" in by_order.reason
     by_name = decide(problem, Placement.from_string("0|1-3"), config, 2, "1F1B")
     assert str(by_name.proposed) == "0-1|2-3"  # the event simulator's policy keeps partition's choice
 

@@ -33,3 +33,24 @@ def test_a_window_waits_for_one_step_of_loads_at_the_start_and_after_an_event() 
     assert window.nothing_to_gain((2, 2, 2))
     window.observe_loads([1.0, 1.0, 5.0], event=False)
     assert not window.nothing_to_gain((2, 2, 2))
+
+
+def test_after_a_move_windows_are_skipped_while_the_loads_are_shared_as_predicted() -> None:
+    window = _window()
+    window.observe_loads([1.0, 1.0, 5.0], event=False)
+    window.decided(True, expected=[2.0, 2.0, 3.0])  # the move and its prediction
+    assert window.nothing_to_gain((2, 2, 2))  # nothing measured on the new placement: wait one step
+    window.observe_loads([2.1, 2.0, 3.1], event=False)  # shares within SKIP_DRIFT of the prediction
+    assert window.nothing_to_gain((2, 2, 2))
+    window.observe_loads([1.0, 1.0, 9.0], event=False)  # they moved away: a decision could find more
+    assert not window.nothing_to_gain((2, 2, 2))
+    # Negative control: the same move and loads without a prediction open the window, as before.
+    plain = _window()
+    plain.observe_loads([1.0, 1.0, 5.0], event=False)
+    plain.decided(True)
+    plain.observe_loads([2.1, 2.0, 3.1], event=False)
+    assert not plain.nothing_to_gain((2, 2, 2))
+    # By parameter counts the prediction is not read (the counts settle only on a kept decision).
+    params = ProfilingWindow(warmup_steps=1, steps=1, smoothing=0.5, skip=True, by_params=True, min_gain=0.05)
+    params.decided(True, expected=[2.0, 2.0, 3.0])
+    assert not params.nothing_to_gain((2, 2, 2))
