@@ -188,6 +188,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "placement": str(strategy.placement),
         "rebalances": sum(1 for r in dynmo.rebalances if r.applied) if dynmo else 0,
         "moves": [r.step for r in dynmo.rebalances if r.applied] if dynmo else [],  # global steps
+        "decided": [r.step for r in dynmo.rebalances] if dynmo else [],  # each decision's step, kept too
         # What DynMo's monitoring did: decisions (one per profiling window), windows skipped, seconds spent.
         "windows": (len(dynmo.rebalances), dynmo.skipped_windows, dynmo.overhead_s) if dynmo else (0, 0, 0.0),
         "parts_s": parts,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from benchmarks._lib.trace_cases import synthetic_trace
-from benchmarks.paper_replay import BACKGROUND, main, recipe, split_backward
+from benchmarks.paper_replay import BACKGROUND, between_events, main, recipe, split_backward
 from benchmarks.paper_setup import cost_trace, mapped, paper_costs
 from benchmarks.replay import DYNMO
 
@@ -24,8 +24,9 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
         assert re.search(rf"head-aware static / {variant}: \*\*[\d.]+x\*\* \(per round [\d.]+\)", report)
     assert re.search(r"Best fixed in hindsight \(measured, held out per round\): [a-z' -]+\.", report)
     # Quick mode: 2 untimed steps, then 2 phases of 2 steps.
-    windows = r"over the job's 6 steps\): \d+ / \d+ / [\d.]+ s\."
+    windows = r"over the job's 6 steps\): \d+ / \d+ / [\d.]+ s\. Between its events .*: head-aware static / "
     assert len(re.findall(windows, report)) == 2
+    assert len(re.findall(r"head-aware static / [A-Za-z, ]+ [\d.]+x \(per round [\d.]+\)\.", report)) == 2
     for variant in ("DynMo", BACKGROUND):  # the summary
         assert re.search(
             rf"\| synthetic \| 2 x ZBVZeroBubble .* \| {variant} \| .* \| (yes|NO) \| (yes|NO) \|", report
@@ -48,3 +49,12 @@ def test_each_case_is_replayed_as_its_recipe_runs_it():
     assert "every_step" not in pruning["dynmo"] and pruning["dynmo"]["profiling"].steps == 1
     assert recipe("freezing", 3, 6)["announce"] == "frozen"
     assert recipe("dense", 3, 6)["announce"] == "custom"
+
+
+def test_between_events_leaves_out_each_decisions_step_and_the_step_it_took_effect_at():
+    # Timed steps are global 3-8; decisions took effect at 5 (decided at the end of 4) and at 9 (decided
+    # at 8, the last timed step): steps 4, 5 and 8 are left out.
+    run = {"step_s": [1.0, 5.0, 3.0, 1.0, 1.0, 4.0], "decided": [5, 9]}
+    assert between_events(run, warmup=3) == 1.0
+    assert between_events({"step_s": [2.0, 4.0], "decided": [1, 2]}, warmup=0) == 3.0  # all events
+    assert between_events({"step_s": [2.0, 4.0], "decided": []}, warmup=0) == 3.0  # no event
