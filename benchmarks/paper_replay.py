@@ -27,8 +27,8 @@ untimed steps on the first (:func:`recipe`):
   search runs in a helper process on the deciding rank while every rank trains on).
 
 A job's step is the mean of its timed steps (its run time: DynMo's profiled and migrating steps count).
-Beside it, DynMo's step *between its events* (:func:`between_events`: its timed steps less those that
-closed a window with a decision or applied one), against the head-aware split's whole run: what its
+Beside it, DynMo *between its events* (:func:`between_events`: its timed steps less those that closed
+a window with a decision or applied one, against the same steps of the head-aware split): what its
 placements ran at, the events' own cost left out; with the background search its helper's work falls in
 steps counted there. The **best fixed placement in hindsight is measured**: per round, the fixed job with
 the lowest median step over the *other* rounds (:func:`benchmarks._lib.paired.held_out_best`).
@@ -219,18 +219,23 @@ def replay_case(
     for name in VARIANTS:
         rows[name]["rebalances"] = [run["rebalances"] for run in runs[name]]
         rows[name]["windows"] = [run["windows"] for run in runs[name]]
-        quiet = [between_events(run, base.warmup) for run in runs[name]]
-        rows[name]["between"] = [h / q for h, q in zip(per_round["head-aware static"], quiet, strict=True)]
+        head = runs[job_of["head-aware static"]]
+        rows[name]["between"] = [
+            between_events(run, h, base.warmup) for run, h in zip(runs[name], head, strict=True)
+        ]
     return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape, "steps": base.steps}
 
 
-def between_events(run: dict[str, Any], warmup: int) -> float:
-    """A DynMo job's mean timed step outside its events: leaving out each decision's step (a decision
-    recorded at step ``s`` closed its window at the end of ``s - 1``) and the step it took effect at
-    (``s``: a move's migration); the whole job's mean when every timed step is one of those."""
+def between_events(run: dict[str, Any], other: dict[str, Any], warmup: int) -> float:
+    """``other``'s mean step over ``run``'s timed steps outside its events, over ``run``'s: the steps that
+    took no decision (a decision recorded at step ``s`` closed its window at the end of ``s - 1``) and
+    applied none (``s``: a move's migration), the same steps of both jobs (phases differ in cost); over
+    every timed step when each one is an event's."""
     events = {t for s in run["decided"] for t in (s - 1, s)}
-    steps = [x for i, x in enumerate(run["step_s"]) if warmup + i not in events]
-    return statistics.fmean(steps or run["step_s"])
+    kept = [i for i in range(len(run["step_s"])) if warmup + i not in events] or range(len(run["step_s"]))
+    return statistics.fmean(other["step_s"][i] for i in kept) / statistics.fmean(
+        run["step_s"][i] for i in kept
+    )
 
 
 def _ratios(values: tuple[float, ...]) -> str:
@@ -265,7 +270,8 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
             f"head-aware split in every round: {'YES' if h.slower_beyond_noise(v) else 'no'}. Rebalances "
             f"per round: {rows[v]['rebalances']}; windows per round (decided, skipped, seconds the callback "
             f"reported over the job's {result['steps']} steps): {windows}. Between its events (the "
-            f"timed steps that took no decision and applied none): head-aware static / {v} "
+            f"timed steps that took no decision and applied none, the same steps of both): head-aware "
+            f"static / {v} "
             f"{statistics.median(rows[v]['between']):.3f}x (per round {_ratios(tuple(rows[v]['between']))}).",
         ]
     return [*lines, ""]

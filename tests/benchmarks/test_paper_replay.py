@@ -55,6 +55,7 @@ def test_between_events_leaves_out_each_decisions_step_and_the_step_it_took_effe
     # Timed steps are global 3-8; decisions took effect at 5 (decided at the end of 4) and at 9 (decided
     # at 8, the last timed step): steps 4, 5 and 8 are left out.
     run = {"step_s": [1.0, 5.0, 3.0, 1.0, 1.0, 4.0], "decided": [5, 9]}
-    assert between_events(run, warmup=3) == 1.0
-    assert between_events({"step_s": [2.0, 4.0], "decided": [1, 2]}, warmup=0) == 3.0  # all events
-    assert between_events({"step_s": [2.0, 4.0], "decided": []}, warmup=0) == 3.0  # no event
+    other = {"step_s": [2.0, 9.0, 9.0, 1.0, 3.0, 9.0]}  # compared on the same steps: 2, 1 and 3
+    assert between_events(run, other, warmup=3) == 2.0
+    assert between_events({"step_s": [2.0, 4.0], "decided": [1, 2]}, {"step_s": [3.0, 3.0]}, 0) == 1.0
+    assert between_events({"step_s": [2.0, 4.0], "decided": []}, {"step_s": [6.0, 6.0]}, warmup=0) == 2.0
