@@ -9,7 +9,7 @@ schedules, and a backward split in two under the zero-bubble ones; the placement
 heaviest stage need not be the fastest, and many placements share that heaviest stage. So the search
 scores placements by the predicted step itself (``step_of``):
 
-- **exact** when the stage count leaves at most ``budget`` contiguous placements (every one simulated);
+- **exact** when the stage count leaves at most ``budget`` contiguous placements (every one scored);
 - otherwise a **local search**. Starting points: the proposal, and the fastest of the exact min-max
   placements whose stage loads grow or shrink geometrically along the pipeline, the last up to 4x the
   first or a quarter of it (:func:`_profiles`: a schedule's fill and drain can favour lighter first or
