@@ -213,7 +213,9 @@ def section(
         for p in visits:
             measured[p].append(visits[p])
             early[p].append(predicted_[p])
-            fitted[p].append(predicted_[p] * scale)
+            # The reference's fitted step is its measured step by construction; say so exactly, as
+            # predicted * (measured / predicted) can round a hair either side (and print as -0.0%).
+            fitted[p].append(visits[p] if p == base.placement else predicted_[p] * scale)
         job_measured.append(visits)
         job_predicted.append(predicted_)
     lines = [
