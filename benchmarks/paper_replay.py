@@ -72,7 +72,8 @@ from benchmarks.replay import (
     run_replay,
     select_traces,
 )
-from lightning_dynmo.balancing import by_parameters, uniform
+from lightning_dynmo.balancing import Placement, by_parameters, uniform
+from lightning_dynmo.balancing.step_prediction import predict_step
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.callback import ProfilingConfig
 from lightning_dynmo.demos import measure_call_overhead
@@ -223,6 +224,11 @@ def replay_case(
         rows[name]["between"] = [
             between_events(run, h, base.warmup) for run, h in zip(runs[name], head, strict=True)
         ]
+        rows[name]["simulated"] = [
+            under_replayed_costs(base, shape, run, fixed["head-aware static"], fixed["uniform"])
+            for run in runs[name]
+        ]
+        rows[name]["profile"] = [run["profile"] for run in runs[name] if run["profile"] is not None]
     return {"rows": rows, "static": versus_static, "head": versus_head, "shape": shape, "steps": base.steps}
 
 
@@ -235,6 +241,49 @@ def between_events(run: dict[str, Any], other: dict[str, Any], warmup: int) -> f
     kept = [i for i in range(len(run["step_s"])) if warmup + i not in events] or range(len(run["step_s"]))
     return statistics.fmean(other["step_s"][i] for i in kept) / statistics.fmean(
         run["step_s"][i] for i in kept
+    )
+
+
+def under_replayed_costs(
+    base: ReplayJob, shape: Shape, run: dict[str, Any], static: str, start: str
+) -> float:
+    """``static``'s simulated step over the placements ``run`` ran, on the costs the pipeline replayed.
+
+    The step model (no job) on each timed step's replayed row (:meth:`ReplayJob.true_trace`), each step on
+    the placement DynMo ran then (``start`` until its first move; a move recorded at step ``s`` migrated at
+    the start of ``s``), the means over the timed steps divided: DynMo's choices as the costs it was given
+    rank them, apart from how the emulation ran them.
+    """
+    true, replay, order = base.true_trace(), base.trace_replay(), shape.order
+    predicted: dict[tuple[int, str], float] = {}
+
+    def step_s(row: int, placement: str) -> float:
+        if (row, placement) not in predicted:
+            problem = true.rows[row].problem()
+            p = Placement.from_string(placement)
+            predicted[row, placement] = predict_step(problem, p, order, base.microbatches).step_s
+        return predicted[row, placement]
+
+    ran, theirs, ours = start, [], []
+    moves = dict(run["placements"])
+    for step in range(base.steps):
+        ran = moves.get(step, ran)  # moves in the untimed first steps count too
+        if step >= base.warmup:
+            row = replay.row(step)
+            theirs.append(step_s(row, static))
+            ours.append(step_s(row, ran))
+    return statistics.fmean(theirs) / statistics.fmean(ours)
+
+
+def _profile_note(profiles: list[dict[str, float]]) -> str:
+    """DynMo's last profile over the replayed costs (:func:`benchmarks.replay.profile_against_replayed`),
+    medians over the rounds that have one."""
+    if not profiles:
+        return ""
+    fwd, bwd, last = (statistics.median(p[k] for p in profiles) for k in ("fwd", "bwd", "last"))
+    return (
+        f" Its last profile over the costs replayed then (medians over blocks, then over {len(profiles)} "
+        f"rounds): forward x{fwd:.2f}, backward x{bwd:.2f}; head + loss x{last:.2f}."
     )
 
 
@@ -262,6 +311,7 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
     for v in VARIANTS:
         head_gain = h.median_speedup(v)
         windows = ", ".join(f"{d} / {k} / {t:.2f} s" for d, k, t in rows[v]["windows"])
+        simulated = rows[v]["simulated"]
         lines += [
             f"- **{v}**: better static ({s.static}) / {v}: **{s.median_speedup(v):.3f}x** (per round "
             f"{_ratios(s.speedup[v])}); head-aware static / {v}: **{head_gain:.3f}x** (per round "
@@ -272,7 +322,10 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
             f"reported over the job's {result['steps']} steps): {windows}. Between its events (the "
             f"timed steps that took no decision and applied none, the same steps of both): head-aware "
             f"static / {v} "
-            f"{statistics.median(rows[v]['between']):.3f}x (per round {_ratios(tuple(rows[v]['between']))}).",
+            f"{statistics.median(rows[v]['between']):.3f}x (per round {_ratios(tuple(rows[v]['between']))}). "
+            f"Its placements on the replayed costs (step model, no job): head-aware static / {v} "
+            f"{statistics.median(simulated):.3f}x (per round {_ratios(tuple(simulated))})."
+            f"{_profile_note(rows[v]['profile'])}",
         ]
     return [*lines, ""]
 

@@ -46,6 +46,7 @@ The report goes to ``benchmarks/results/replay-<date>.md``; an existing file is 
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -193,6 +194,33 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "windows": (len(dynmo.rebalances), dynmo.skipped_windows, dynmo.overhead_s) if dynmo else (0, 0, 0.0),
         "parts_s": parts,
         "stages": strategy.placement.num_stages,
+        "placements": [(r.step, r.new) for r in dynmo.rebalances if r.applied] if dynmo else [],
+        "profile": profile_against_replayed(job, dynmo) if dynmo else None,
+    }
+
+
+def profile_against_replayed(job: ReplayJob, dynmo: DynMoCallback) -> dict[str, float] | None:
+    """DynMo's last profile over the costs this rank's pipeline replayed while it was taken.
+
+    The ratios of the profiled to the replayed (:meth:`ReplayJob.true_trace`) costs: per block forward and
+    backward, their medians over the blocks, and the last part's (head and loss) forward plus backward.
+    Only where the trace held one row over the profiled steps (``hold``; a decision recorded at step ``s``
+    closed its window at the end of ``s - 1``): an every-step trace changes under the window, and its
+    profile is a moving average of rows. ``None`` there, or without a decision.
+    """
+    costs, hardware = dynmo.last_costs, dynmo.last_hardware
+    if job.hold is None or not costs or hardware is None or not dynmo.rebalances:
+        return None
+    replay = job.trace_replay()
+    step = dynmo.rebalances[-1].step - 1
+    row = job.true_trace().rows[replay.row(step)]
+    if replay.row(step - (dynmo.profiling.steps or 1) + 1) != replay.row(step):  # resolved: never None
+        return None  # the window straddled two rows
+    last = hardware.last_stage_extra
+    return {
+        "fwd": statistics.median(c.fwd_time_s / r.fwd_time_s for c, r in zip(costs, row.layers, strict=True)),
+        "bwd": statistics.median(c.bwd_time_s / r.bwd_time_s for c, r in zip(costs, row.layers, strict=True)),
+        "last": math.nan if last is None else last.time_s / row.last.time_s,
     }
 
 

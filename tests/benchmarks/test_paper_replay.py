@@ -3,12 +3,25 @@ the weight pass, and reports every run, every round and both verdicts (no timing
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from types import SimpleNamespace
+
+import pytest
 
 from benchmarks._lib.trace_cases import synthetic_trace
-from benchmarks.paper_replay import BACKGROUND, between_events, main, recipe, split_backward
+from benchmarks.paper_replay import (
+    BACKGROUND,
+    between_events,
+    main,
+    recipe,
+    split_backward,
+    under_replayed_costs,
+)
 from benchmarks.paper_setup import cost_trace, mapped, paper_costs
-from benchmarks.replay import DYNMO
+from benchmarks.projection import Shape
+from benchmarks.replay import DYNMO, ReplayJob, profile_against_replayed
+from lightning_dynmo.balancing.hardware import Hardware
 
 
 def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_path):
@@ -26,7 +39,12 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
     # Quick mode: 2 untimed steps, then 2 phases of 2 steps.
     windows = r"over the job's 6 steps\): \d+ / \d+ / [\d.]+ s\. Between its events .*: head-aware static / "
     assert len(re.findall(windows, report)) == 2
-    assert len(re.findall(r"head-aware static / [A-Za-z, ]+ [\d.]+x \(per round [\d.]+\)\.", report)) == 2
+    between = r"Between its events [^:]*: head-aware static / [A-Za-z, ]+ [\d.]+x \(per round [\d.]+\)\."
+    assert len(re.findall(between, report)) == 2
+    simulated = (
+        r"on the replayed costs \(step model, no job\): head-aware static / [A-Za-z, ]+ [\d.]+x \(per round"
+    )
+    assert len(re.findall(simulated, report)) == 2
     for variant in ("DynMo", BACKGROUND):  # the summary
         assert re.search(
             rf"\| synthetic \| 2 x ZBVZeroBubble .* \| {variant} \| .* \| (yes|NO) \| (yes|NO) \|", report
@@ -59,3 +77,55 @@ def test_between_events_leaves_out_each_decisions_step_and_the_step_it_took_effe
     assert between_events(run, other, warmup=3) == 2.0
     assert between_events({"step_s": [2.0, 4.0], "decided": [1, 2]}, {"step_s": [3.0, 3.0]}, 0) == 1.0
     assert between_events({"step_s": [2.0, 4.0], "decided": []}, {"step_s": [6.0, 6.0]}, warmup=0) == 2.0
+
+
+def _job(hold: int | None = 2) -> tuple[ReplayJob, Shape]:
+    trace = split_backward(cost_trace(mapped(synthetic_trace(4, 3), 8, 3), paper_costs(quick=True)))
+    job = ReplayJob(trace, 2, 6, 2, "uniform", schedule="ZBVZeroBubble", num_microbatches=4, hold=hold)
+    return job, Shape(2, "ZBVZeroBubble", 4)
+
+
+def test_under_replayed_costs_follows_dynmos_placement_step_by_step():
+    job, shape = _job()
+    even, lopsided = "0-1|2-3|4-5|6-7", "0-4|5-5|6-6|7-7"  # rank 0 runs stages 0 and 3 (and the head)
+    assert under_replayed_costs(job, shape, {"placements": []}, even, even) == 1.0
+    moved_untimed = under_replayed_costs(job, shape, {"placements": [(1, lopsided)]}, even, even)
+    moved_halfway = under_replayed_costs(job, shape, {"placements": [(4, lopsided)]}, even, even)
+    assert moved_untimed < moved_halfway < 1.0  # a move before the timed steps counts for all of them
+    # Negative control: a move recorded after the last step never ran.
+    assert under_replayed_costs(job, shape, {"placements": [(6, lopsided)]}, even, even) == 1.0
+    # And the other way round: the lopsided static split over DynMo's even one.
+    assert under_replayed_costs(job, shape, {"placements": [(1, even)]}, lopsided, lopsided) > 1.0
+
+
+def _callback(job: ReplayJob, decided_at: int, scale: float, head_scale: float) -> SimpleNamespace:
+    row = job.true_trace().rows[job.trace_replay().row(decided_at - 1)]
+    costs = [
+        dataclasses.replace(c, fwd_time_s=scale * c.fwd_time_s, bwd_time_s=2 * scale * c.bwd_time_s)
+        for c in row.layers
+    ]
+    head = dataclasses.replace(
+        row.last, fwd_time_s=head_scale * row.last.fwd_time_s, bwd_time_s=head_scale * row.last.bwd_time_s
+    )
+    return SimpleNamespace(
+        last_costs=costs,
+        last_hardware=Hardware(last_stage_extra=head),
+        rebalances=[SimpleNamespace(step=decided_at)],
+        profiling=SimpleNamespace(steps=1),
+    )
+
+
+def test_profile_against_replayed_divides_the_profile_by_the_row_it_was_taken_on():
+    job, _ = _job()
+    got = profile_against_replayed(job, _callback(job, decided_at=5, scale=1.2, head_scale=1.1))
+    assert got == pytest.approx({"fwd": 1.2, "bwd": 2.4, "last": 1.1})
+    # Against another row than the profiled one the ratios would differ: the rows differ in cost.
+    rows = job.true_trace().rows
+    assert rows[job.trace_replay().row(4)] != rows[job.trace_replay().row(2)]
+    # No figure where the trace changes every step, or the window straddled two rows, or no decision.
+    assert profile_against_replayed(_job(hold=None)[0], _callback(job, 5, 1.2, 1.1)) is None
+    two_steps = _callback(job, decided_at=5, scale=1.2, head_scale=1.1)
+    two_steps.profiling.steps = 3
+    assert profile_against_replayed(job, two_steps) is None
+    two_steps.rebalances = []
+    assert profile_against_replayed(job, two_steps) is None
