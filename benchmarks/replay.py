@@ -57,7 +57,14 @@ from typing import Any
 import torch
 
 from benchmarks._lib import paired
-from benchmarks._lib.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks._lib.common import (
+    SleepsOfEveryRank,
+    StepTimer,
+    benchmark_trainer,
+    launch,
+    results_path,
+    write_report,
+)
 from benchmarks._lib.gpu_curves import read_kernels, relative_cost_trace
 from benchmarks._lib.trace_cases import (
     DENSE_FWD,
@@ -79,6 +86,7 @@ from lightning_dynmo.demos import (
     TraceReplay,
     measure_call_overhead,
 )
+from lightning_dynmo.demos.cost import SLEEPS
 from lightning_dynmo.demos.emulated_block import COMPUTES
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.strategy import DynMoStrategy
@@ -128,6 +136,9 @@ class ReplayJob:
         hold: Steps each trace row lasts after the ``warmup`` steps, which replay the first row (the
             trace's rows are phases); ``None``: the rows spread evenly over all ``steps``.
         announce: Publish a dynamism event of this kind at every new row (``TraceReplay(announce=...)``).
+        sleep_feedback: Every rank's sleeps follow their own wake-up delay
+            (:attr:`lightning_dynmo.demos.cost.SleepAccount.feedback`), so a call lasts what the trace
+            says under the load of more ranks than cores.
     """
 
     trace: CostTrace
@@ -143,6 +154,7 @@ class ReplayJob:
     split_backward: bool = False
     hold: int | None = None
     announce: str | None = None
+    sleep_feedback: bool = False
 
     @property
     def microbatches(self) -> int:
@@ -168,9 +180,11 @@ class ReplayJob:
 def run_replay(job: ReplayJob) -> dict[str, Any]:
     """Body of one rank (started by ``benchmarks._lib.common.launch``)."""
     torch.set_num_threads(1)
+    SLEEPS.feedback = job.sleep_feedback
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
-    callbacks = [timer, job.trace_replay(), *([dynmo] if dynmo else [])]
+    sleeps = SleepsOfEveryRank()
+    callbacks = [timer, job.trace_replay(), sleeps, *([dynmo] if dynmo else [])]
     strategy = DynMoStrategy(num_microbatches=m, schedule=job.schedule, placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
     model = replay_model(job.trace.num_layers, job.compute, job.split_backward)
@@ -195,6 +209,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "parts_s": parts,
         "stages": strategy.placement.num_stages,
         "placements": [(r.step, r.new) for r in dynmo.rebalances if r.applied] if dynmo else [],
+        "overshoot": sleeps.overshoot,  # every rank's slept / requested
         "profile": profile_against_replayed(job, dynmo) if dynmo else None,
     }
 

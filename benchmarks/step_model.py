@@ -56,22 +56,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
 # torch's own backward passes under zero-bubble schedules (what its stage calls), to time a stage's
 # compute as the schedule runs it; private in torch 2.13.
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from benchmarks._lib.common import StepTimer, benchmark_trainer, launch, results_path, write_report
+from benchmarks._lib.common import (
+    SleepsOfEveryRank,
+    StepTimer,
+    benchmark_trainer,
+    launch,
+    results_path,
+    write_report,
+)
 from benchmarks._lib.gpt_pipeline import PlacementSweep, visit_schedule
 from lightning_dynmo import DynMoStrategy
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition, uniform
 from lightning_dynmo.balancing.hardware import Hardware
 from lightning_dynmo.balancing.step_prediction import ScheduleOrder, fit_per_op, predict_step, refine
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
-from lightning_dynmo.demos.cost import SLEEPS
 from lightning_dynmo.pipeline import schedule_order, stage_to_pipeline_rank
 from lightning_dynmo.pipeline.step.schedule import resolve_schedule
 
@@ -226,18 +230,6 @@ def _order(schedule: str) -> ScheduleOrder:
     return dataclasses.replace(order, weight_grad_share=0.0)
 
 
-class _SleepsOfEveryRank(pl.Callback):
-    """At the end of training, every rank's sleep overshoot, by global rank (the group is still up)."""
-
-    def __init__(self) -> None:
-        self.overshoot: list[float] = []
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, SLEEPS.overshoot)
-        self.overshoot = [float(v) for v in gathered]
-
-
 def run_job(job: StepModelJob) -> dict[str, Any]:
     """Body of one rank (started by ``benchmarks._lib.common.launch``)."""
     torch.set_num_threads(1)
@@ -248,7 +240,7 @@ def run_job(job: StepModelJob) -> dict[str, Any]:
     strategy = DynMoStrategy(
         num_microbatches=job.microbatches, schedule=job.schedule, placement=job.candidates[0]
     )
-    sleeps = _SleepsOfEveryRank()
+    sleeps = SleepsOfEveryRank()
     callbacks = [timer, PlacementSweep(schedule), sleeps]
     trainer = benchmark_trainer(strategy, callbacks, len(schedule), devices=job.ranks)
     model = job.model()

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from lightning_dynmo.data import StdlibCorpus, TextDataModule
 from lightning_dynmo.demos import DemoGPT, RandomTokenDataModule
+from lightning_dynmo.demos.cost import SLEEPS
 from lightning_dynmo.strategy import DynMoStrategy
 
 T = TypeVar("T")
@@ -216,3 +218,16 @@ class StepTimer(pl.Callback):
     def on_train_end(self, *args: Any) -> None:
         if self._t0 is not None:
             self.step_s.append(time.perf_counter() - self._t0)
+
+
+class SleepsOfEveryRank(pl.Callback):
+    """At the end of training, every rank's emulated-sleep overshoot (slept over requested,
+    :data:`lightning_dynmo.demos.cost.SLEEPS`), by global rank (the group is still up)."""
+
+    def __init__(self) -> None:
+        self.overshoot: list[float] = []
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, SLEEPS.overshoot)
+        self.overshoot = [float(v) for v in gathered]

@@ -3,7 +3,9 @@
 Sleeping keeps pipeline timings meaningful even with more processes than cores (measured in
 ``shared/notes/feasibility.md`` section 6), so balance can be benchmarked on a small machine. A sleep
 wakes late on a busy machine: :data:`SLEEPS` adds up, per process, what was asked and what was slept,
-so a benchmark can state the costs its layers really had.
+so a benchmark can state the costs its layers really had. With ``SLEEPS.feedback`` on, each sleep asks
+for less by the wake-up delay the process's last sleeps had, so a sleep lasts what it was asked to under
+any load that leaves the delay shorter than the sleep.
 """
 
 from __future__ import annotations
@@ -17,22 +19,42 @@ from torch import Tensor
 
 from lightning_dynmo.demos import hardware
 
-__all__ = ["SLEEPS", "EmulatedCost", "SleepAccount", "check_emulated_ms"]
+__all__ = ["FEEDBACK_GAIN", "SLEEPS", "EmulatedCost", "SleepAccount", "check_emulated_ms"]
+
+
+#: How far one sleep moves the wake-up delay estimate towards the delay it had (an exponential average).
+FEEDBACK_GAIN = 0.05
 
 
 @dataclass
 class SleepAccount:
-    """What this process's emulated costs asked to sleep and how long they slept, seconds."""
+    """What this process's emulated costs asked to sleep and how long they slept, seconds.
+
+    Attributes:
+        requested_s: Seconds the emulated costs asked for.
+        slept_s: Seconds their sleeps lasted.
+        feedback: Ask the operating system for ``seconds - wakeup_s`` (not below 0) instead of ``seconds``,
+            and follow each sleep's own delay in ``wakeup_s``: on a machine with more sleeping processes
+            than cores, a sleep wakes 0.1-1 ms late, which would add to every emulated call.
+        wakeup_s: The estimated wake-up delay (an exponential average, :data:`FEEDBACK_GAIN`), kept
+            while ``feedback`` is on.
+    """
 
     requested_s: float = 0.0
     slept_s: float = 0.0
+    feedback: bool = False
+    wakeup_s: float = 0.0
 
     def sleep(self, seconds: float) -> None:
-        """Sleep ``seconds`` and count it."""
+        """Sleep ``seconds`` (with ``feedback``: for as long as that, late wake-up included) and count it."""
+        ask = max(0.0, seconds - self.wakeup_s) if self.feedback else seconds
         start = time.perf_counter()
-        time.sleep(seconds)
+        time.sleep(ask)
+        slept = time.perf_counter() - start
+        if self.feedback:  # a sleep of 0 updates too, or one long stall would leave every ask at 0
+            self.wakeup_s += FEEDBACK_GAIN * (slept - ask - self.wakeup_s)
         self.requested_s += seconds
-        self.slept_s += time.perf_counter() - start
+        self.slept_s += slept
 
     @property
     def overshoot(self) -> float:

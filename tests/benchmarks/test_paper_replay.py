@@ -26,8 +26,10 @@ from lightning_dynmo.balancing.hardware import Hardware
 
 def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_path):
     out = tmp_path / "paper_replay.md"
-    report = main(["--quick", "--out", str(out)])
+    report = main(["--quick", "--sleep-feedback", "--out", str(out)])
     assert out.read_text() == report + "\n"
+    assert "every sleep asks for less by its process's wake-up delay" in report
+    assert re.search(r"Sleeps lasted x\d\.\d{3} what they asked for", report)
     assert "half of a block backward sleeps in its weight pass" in report
     assert "### synthetic, 2 x ZBVZeroBubble (4 stages, 4 mb) (8 layers)" in report
     runs = ("uniform", "params", "head-aware static", "search's best fixed", "DynMo", BACKGROUND)
