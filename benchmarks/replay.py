@@ -229,7 +229,7 @@ def profile_against_replayed(job: ReplayJob, dynmo: DynMoCallback) -> dict[str, 
     replay = job.trace_replay()
     step = dynmo.rebalances[-1].step - 1
     row = job.true_trace().rows[replay.row(step)]
-    if replay.row(step - (dynmo.profiling.steps or 1) + 1) != replay.row(step):  # resolved: never None
+    if replay.row(step - dynmo.profiling.steps + 1) != replay.row(step):
         return None  # the window straddled two rows
     last = hardware.last_stage_extra
     return {
