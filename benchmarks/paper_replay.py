@@ -48,6 +48,7 @@ The report goes to ``benchmarks/results/paper_replay-<date>.md``; an existing fi
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -231,6 +232,7 @@ def replay_case(
         ]
         rows[name]["profile"] = [run["profile"] for run in runs[name] if run["profile"] is not None]
     overshoot = statistics.median(statistics.fmean(run["overshoot"]) for job in runs.values() for run in job)
+    cores = statistics.median(run["cores"] for job in runs.values() for run in job)
     return {
         "rows": rows,
         "static": versus_static,
@@ -238,6 +240,7 @@ def replay_case(
         "shape": shape,
         "steps": base.steps,
         "overshoot": overshoot,
+        "cores": cores,
     }
 
 
@@ -320,7 +323,9 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
         "",
         f"Best fixed in hindsight (measured, held out per round): {', '.join(s.ideal)}. Sleeps lasted "
         f"x{result['overshoot']:.3f} what they asked for (the mean over a job's ranks, the median over its "
-        "jobs).",
+        f"jobs). The ranks kept {result['cores']:.2f} of this machine's {os.cpu_count()} cores busy (their "
+        "CPU seconds per timed step, summed over ranks, over the step: the median over its jobs; sleeps "
+        "use none, so what is busy is the pipeline's own work, and near all cores the sleeps wake late).",
         "",
     ]
     for v in VARIANTS:

@@ -58,9 +58,11 @@ import torch
 
 from benchmarks._lib import paired
 from benchmarks._lib.common import (
+    CpuOfEveryRank,
     SleepsOfEveryRank,
     StepTimer,
     benchmark_trainer,
+    cores_busy,
     launch,
     results_path,
     write_report,
@@ -183,8 +185,8 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
     SLEEPS.feedback = job.sleep_feedback
     timer, m = StepTimer(), job.microbatches
     dynmo = DynMoCallback(**job.dynmo) if job.dynmo is not None else None
-    sleeps = SleepsOfEveryRank()
-    callbacks = [timer, job.trace_replay(), sleeps, *([dynmo] if dynmo else [])]
+    sleeps, cpu = SleepsOfEveryRank(), CpuOfEveryRank()
+    callbacks = [timer, cpu, job.trace_replay(), sleeps, *([dynmo] if dynmo else [])]
     strategy = DynMoStrategy(num_microbatches=m, schedule=job.schedule, placement=job.placement)
     trainer = benchmark_trainer(strategy, callbacks, job.steps, devices=job.ranks)
     model = replay_model(job.trace.num_layers, job.compute, job.split_backward)
@@ -210,6 +212,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "stages": strategy.placement.num_stages,
         "placements": [(r.step, r.new) for r in dynmo.rebalances if r.applied] if dynmo else [],
         "overshoot": sleeps.overshoot,  # every rank's slept / requested
+        "cores": cores_busy(cpu.cpu_s, timer.step_s[job.warmup :], job.warmup),  # CPU the ranks kept busy
         "profile": profile_against_replayed(job, dynmo) if dynmo else None,
     }
 

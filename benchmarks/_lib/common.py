@@ -220,6 +220,41 @@ class StepTimer(pl.Callback):
             self.step_s.append(time.perf_counter() - self._t0)
 
 
+class CpuOfEveryRank(pl.Callback):
+    """Every rank's CPU seconds per training step (its process, all threads: gloo's included), by global
+    rank, gathered at the end of training (the group is still up).
+
+    Emulated costs sleep, so a replay's ranks should leave the cores idle: the sum over ranks of their CPU
+    seconds per step, over the step's wall time, says how many cores the emulation itself kept busy.
+    """
+
+    def __init__(self) -> None:
+        self.cpu_s: list[list[float]] = []
+        self._mine: list[float] = []
+        self._t0: float | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._t0 = time.process_time()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self._t0 is not None:
+            self._mine.append(time.process_time() - self._t0)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._mine)
+        self.cpu_s = [[float(s) for s in rank] for rank in gathered]
+
+
+def cores_busy(cpu_s: Sequence[Sequence[float]], step_s: Sequence[float], skip: int = 0) -> float:
+    """How many cores ``cpu_s`` (per rank, per step) kept busy over steps of ``step_s`` wall seconds: the
+    sum over ranks of their mean CPU seconds per step from step ``skip`` on, over the mean step."""
+    if not step_s or sum(step_s) <= 0 or not cpu_s or any(len(rank) <= skip for rank in cpu_s):
+        raise ValueError(f"cores_busy needs timed steps and CPU records (got {step_s!r}, {cpu_s!r}).")
+    wall = sum(step_s) / len(step_s)
+    return sum(sum(rank[skip:]) / len(rank[skip:]) for rank in cpu_s) / wall
+
+
 class SleepsOfEveryRank(pl.Callback):
     """At the end of training, every rank's emulated-sleep overshoot (slept over requested,
     :data:`lightning_dynmo.demos.cost.SLEEPS`), by global rank (the group is still up)."""

@@ -30,6 +30,7 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
     assert out.read_text() == report + "\n"
     assert "every sleep asks for less by its process's wake-up delay" in report
     assert re.search(r"Sleeps lasted x\d\.\d{3} what they asked for", report)
+    assert re.search(r"The ranks kept \d+\.\d\d of this machine's \d+ cores busy", report)
     assert "half of a block backward sleeps in its weight pass" in report
     assert "### synthetic, 2 x ZBVZeroBubble (4 stages, 4 mb) (8 layers)" in report
     runs = ("uniform", "params", "head-aware static", "search's best fixed", "DynMo", BACKGROUND)
