@@ -212,7 +212,7 @@ def run_replay(job: ReplayJob) -> dict[str, Any]:
         "stages": strategy.placement.num_stages,
         "placements": [(r.step, r.new) for r in dynmo.rebalances if r.applied] if dynmo else [],
         "overshoot": sleeps.overshoot,  # every rank's slept / requested
-        "cores": cores_busy(cpu.cpu_s, timer.step_s[job.warmup :], job.warmup),  # CPU the ranks kept busy
+        "cores": cores_busy(cpu.cpu_s, timer.step_s, job.warmup),  # CPU the ranks kept busy
         "profile": profile_against_replayed(job, dynmo) if dynmo else None,
     }
 

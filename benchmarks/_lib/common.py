@@ -248,7 +248,8 @@ class CpuOfEveryRank(pl.Callback):
 
 def cores_busy(cpu_s: Sequence[Sequence[float]], step_s: Sequence[float], skip: int = 0) -> float:
     """How many cores ``cpu_s`` (per rank, per step) kept busy over steps of ``step_s`` wall seconds: the
-    sum over ranks of their mean CPU seconds per step from step ``skip`` on, over the mean step."""
+    sum over ranks of their mean CPU seconds per step, over the mean step, both from step ``skip`` on."""
+    step_s = step_s[skip:]
     if not step_s or sum(step_s) <= 0 or not cpu_s or any(len(rank) <= skip for rank in cpu_s):
         raise ValueError(f"cores_busy needs timed steps and CPU records (got {step_s!r}, {cpu_s!r}).")
     wall = sum(step_s) / len(step_s)
