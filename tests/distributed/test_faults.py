@@ -39,7 +39,6 @@ import lightning_dynmo.callback.dynmo_callback
 from lightning_dynmo.callback import DynMoCallback, ProfilingConfig
 from lightning_dynmo.pipeline.checkpoint.sharded import export_full_checkpoint
 from lightning_dynmo.pipeline.faults.guard import CommunicationError
-from lightning_dynmo.pipeline.placement.groups import DEFAULT_CONTROL_TIMEOUT
 from tests.distributed.fitting import Run, make_strategy
 from tests.distributed.harness import run_distributed
 
@@ -159,6 +158,7 @@ def misbehaving_worker(
     culprit: int,
     tmp_path: Path,
     timeout: timedelta | None = timedelta(seconds=_TIMEOUT_S),
+    control_timeout: timedelta | None = None,
 ) -> dict[str, Any]:
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["NODE_RANK"] = "0"
@@ -181,8 +181,11 @@ def misbehaving_worker(
         callbacks.append(
             DynMoCallback(every_n_steps=_AT_BATCH, profiling=ProfilingConfig(warmup_steps=0, steps=1))
         )
-    # timeout=None: the strategy's defaults (the process groups' 30 minutes, the control timeout).
-    strategy = make_strategy(run, **({} if timeout is None else {"timeout": timeout}))
+    # timeout=None: the process groups' default (30 minutes); control_timeout=None: DynMo's default.
+    overrides: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if control_timeout is not None:
+        overrides["control_timeout"] = control_timeout
+    strategy = make_strategy(run, **overrides)
     trainer = pl.Trainer(devices=world_size, strategy=strategy, callbacks=callbacks, **kwargs)
     error: BaseException | None = None
     try:
@@ -239,19 +242,24 @@ def test_a_collective_called_on_one_rank_fails_on_both_naming_both_calls(
         _reraise(rank1)
 
 
-@pytest.mark.slow
-def test_with_default_timeouts_apply_placement_on_one_rank_fails_on_both_within_the_control_timeout(
+def test_with_the_groups_default_timeout_apply_placement_on_one_rank_fails_on_both_within_the_control_timeout(
     tmp_path: Path,
 ) -> None:
-    # The process groups keep their default 30-minute timeout; only DynMo's control timeout bounds the wait.
-    bound_s = DEFAULT_CONTROL_TIMEOUT.total_seconds()
+    # The process groups keep their default 30-minute timeout; only DynMo's control timeout bounds the
+    # wait. It is 8 s here, not its default (DEFAULT_CONTROL_TIMEOUT, which tests/unit/pipeline/
+    # test_stall_watch.py checks the strategy resolves to), so that the test waits seconds, not minutes.
+    bound_s = 8.0
     start = time.monotonic()
     rank0, rank1 = run_distributed(
-        misbehaving_worker, 2, tmp_path, timeout_s=bound_s + 120, args=("apply_placement", 0, tmp_path, None)
+        misbehaving_worker,
+        2,
+        tmp_path,
+        timeout_s=bound_s + 120,
+        args=("apply_placement", 0, tmp_path, None, timedelta(seconds=bound_s)),
     )
     elapsed = time.monotonic() - start
     # Far below the groups' 30 minutes; the slack is two ranks starting and importing on a loaded 2-core VM.
-    assert elapsed < bound_s + 100, f"the ranks took {elapsed:.1f} s to stop"
+    assert elapsed < bound_s + 60, f"the ranks took {elapsed:.1f} s to stop"
     with pytest.raises(
         CommunicationError,
         match=r"^DynMo: rank 0 \(stage 0\) failed in apply_placement \(the check that every rank applies the "

@@ -182,9 +182,11 @@ def test_a_slow_worker_is_measured_and_given_fewer_blocks(tmp_path: Any) -> None
     results = _run(tmp_path, "slow_worker", profiling=profiling)
     hardware = results[0]["hardware"]
     assert hardware.worker_slowdown == pytest.approx([1.0, 3.0], rel=0.15)
-    costs = results[0]["costs"]  # on the reference worker: every block costs the same wherever it ran
-    block_s = [c.time_s for c in costs]
-    assert max(block_s) < 1.3 * min(block_s)
+    # On the reference worker every block costs the same wherever it ran; unscaled, a block timed on the
+    # slow rank would cost 3 times one timed on the fast rank (both ran blocks in the window). Under a
+    # busy CPU one block's real compute grew by 35% beside its sleep, so the bound is 2x, not 1.3x.
+    block_s = [c.time_s for c in results[0]["costs"]]
+    assert max(block_s) < 2.0 * min(block_s), block_s
     for r in results:
         assert r["placement"] == "0-6|7-7"  # the schedule's step, not the heaviest stage (docstring)
 

@@ -199,28 +199,33 @@ def test_every_step_does_not_decide_again_after_a_move_that_shares_the_load_as_p
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Four heavy blocks then four light ones (3:1): the uniform split loads rank 0 three times rank 1, and
-    # the best split of whole blocks, 0-2|3-7, still leaves 27:21 (a headroom of 11%, over min_gain). Once
+    # the best split of whole blocks, 0-2|3-7, still leaves 54:42 (a headroom of 11%, over min_gain). Once
     # it runs, the measured shares are the ones the move predicted, so no window opens again; without
     # the prediction (the negative control) the step after the move profiles and decides once more.
-    run = Run(num_layers=8, steps=8)
-    kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.05}
-    rest = (None, run, 0, [9.0] * 4 + [3.0] * 4)  # no restore, the run, no pruning event, the sleeps
+    # min_gain is low and the sleeps long because under load the fitted cost per action absorbs the
+    # machine's contention: with 9:3 ms blocks and a busy CPU the move was predicted only 4.5% faster.
+    run = Run(num_layers=8, steps=6)
+    kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.01}
+    rest = (None, run, 0, [18.0] * 4 + [6.0] * 4)  # no restore, the run, no pruning event, the sleeps
 
     def fit(name: str) -> list[dict[str, Any]]:
         (tmp_path / name).mkdir()
         return run_distributed(fit_with_callback, 2, tmp_path / name, timeout_s=150, args=(kwargs, *rest))
 
-    predicted = fit("predicted")
-    for r in predicted:
-        decided = [(rec["step"], rec["applied"], rec["new"]) for rec in r["rebalances"]]
-        assert r["placement"] == "0-2|3-7" and decided[0][1:] == (True, "0-2|3-7"), decided
+    def described(r: dict[str, Any]) -> list[tuple[Any, ...]]:
+        fields = ("step", "applied", "new", "predicted_gain", "per_op_s")
+        return [tuple(x[k] for k in fields) for x in r["rebalances"]]
+
+    for r in fit("predicted"):
+        decided = described(r)
+        assert r["placement"] == "0-2|3-7" and decided[0][1:3] == (True, "0-2|3-7"), decided
         assert len(decided) == 1, decided
     original = window_module.ProfilingWindow.decided
     monkeypatch.setattr(  # patched before the ranks fork
         window_module.ProfilingWindow, "decided", lambda self, applied, expected=None: original(self, applied)
     )
     for r in fit("unpredicted"):
-        decided = [(rec["step"], rec["applied"]) for rec in r["rebalances"]]
+        decided = described(r)
         assert r["placement"] == "0-2|3-7" and len(decided) >= 2 and not decided[1][1], decided
 
 

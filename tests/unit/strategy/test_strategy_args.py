@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+from datetime import timedelta
+
 import lightning.pytorch as pl
 import pytest
 
 from lightning_dynmo.balancing import Placement
+from lightning_dynmo.pipeline.placement.groups import DEFAULT_CONTROL_TIMEOUT, control_timeout_of
 from lightning_dynmo.strategy import DynMoStrategy
 
 
@@ -73,3 +77,12 @@ def test_data_parallel_sharding_fails_early() -> None:
         ValueError, match=r"world_size=2 with pipeline_size=2 runs 1 replica.*pipeline_size of at most"
     ):
         pl.Trainer(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def test_by_default_the_control_timeout_bounds_dynmos_agreements_not_the_groups_half_hour() -> None:
+    # tests/distributed/test_faults.py shows a short control timeout ending a stalled agreement while the
+    # groups keep their 30 minutes; these defaults make DEFAULT_CONTROL_TIMEOUT that bound out of the box.
+    parameters = inspect.signature(DynMoStrategy).parameters
+    timeout, control = parameters["timeout"].default, parameters["control_timeout"].default
+    assert timeout == timedelta(minutes=30) and control == DEFAULT_CONTROL_TIMEOUT
+    assert control_timeout_of(timeout, control) == DEFAULT_CONTROL_TIMEOUT
