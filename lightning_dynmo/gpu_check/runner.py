@@ -74,7 +74,7 @@ def run_part(part: Part, sizes: Sizes, device: str, workdir: Path, timeout_s: fl
 
 def _single_process(part: Part) -> bool:
     """Whether ``part`` runs in one process (no launcher, no peer it starts itself)."""
-    return part.kind == "costs" or (part.kind == "train" and part.options.get("devices") == 1)
+    return part.kind in ("costs", "stalls") or (part.kind == "train" and part.options.get("devices") == 1)
 
 
 def _run_forked(spec: Path, result: Path, log: Path, timeout_s: float) -> int | None:
