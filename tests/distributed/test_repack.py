@@ -43,8 +43,8 @@ class ReleaseWatcher(pl.Callback):
         self.events.append(event)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if batch_idx != self.wait_at or not self.events:
-            return
+        if batch_idx != self.wait_at or not self.events or trainer.strategy.is_released:
+            return  # a rank released at this very batch would wait for its own marker, written after fit
         deadline = time.monotonic() + _WAIT_FOR_RELEASED_S
         pending = set(self.events[-1].released_ranks)
         while pending and time.monotonic() < deadline:
