@@ -2,8 +2,9 @@
 
 One stage holding a whole small GPT (embedding, ``--layers`` dense blocks, head and loss: the
 calibration's sizes, width 128, 64 tokens, 2 rows a micro-batch), ``--microbatches`` micro-batches a
-step under 1F1B, one process, one torch thread, world size 1 (gloo). Each job is its own process;
-jobs run in rotated interleaved rounds (:func:`benchmarks._lib.harness.rotated`):
+step under 1F1B, one process, one torch thread, world size 1 (gloo). Each job is its own process (a
+fresh interpreter; ``--quick`` forks them); jobs run in rotated interleaved rounds
+(:func:`benchmarks._lib.harness.rotated`):
 
 - ``bare``: torch's own ``PipelineStage`` + ``Schedule1F1B`` over a plain module calling the model's
   embedding, blocks, head and loss; the step is ``schedule.step`` (its gradients scaled by torch);
@@ -52,6 +53,7 @@ Real compute.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -462,15 +464,26 @@ def per_action_us(run: dict[str, Any], key: str, sizes: Sizes) -> float:
     return 1e6 * statistics.median(run[key][sizes.skip :]) / actions
 
 
-def measure(sizes: Sizes, rounds: int, jobs: Sequence[str] = JOBS) -> dict[str, list[dict[str, Any]]]:
-    """Every job once per round, in rotated order; the reports per job."""
+def measure(
+    sizes: Sizes, rounds: int, jobs: Sequence[str] = JOBS, forked: bool = False
+) -> dict[str, list[dict[str, Any]]]:
+    """Every job once per round, in rotated order; the reports per job.
+
+    ``forked``: each job in a forked child of this process (the quick run: not figures), not a fresh
+    interpreter (:func:`benchmarks._lib.common.run_forked`).
+    """
+    from benchmarks._lib.common import run_forked
     from benchmarks._lib.harness import rotated
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for r in range(rounds):
         for name in rotated(list(jobs), r):
             print(f"[action_cost] round {r + 1}/{rounds}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(launch_job(name, sizes, timeout_s=900))
+            if forked:
+                report = run_forked(functools.partial(run_job, name, sizes), f"job {name}", timeout_s=900)
+            else:
+                report = launch_job(name, sizes, timeout_s=900)
+            runs[name].append(report)
     return runs
 
 
@@ -756,7 +769,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = "eager" if args.quick else args.compile_backend
     checks = check_jobs(backend)
     jobs = [*checks.values()] if args.check_only else [*JOBS, *checks.values()]
-    runs = measure(sizes, rounds, jobs)
+    runs = measure(sizes, rounds, jobs, forked=args.quick)
     sections = [
         harness.header("The runtime's CPU cost per pipeline action", "action_cost", argv, [harness.REAL]),
         f"Stage ({'quick' if args.quick else args.shape}): one stage holding the whole GPT ({sizes.layers} "

@@ -3,8 +3,8 @@
 A Llama-shaped ``HuggingFaceCausalLM`` (random init from a config: no download) at SmolLM2-135M's shape
 (30 layers, width 576, vocabulary 49,152, tied head) and at TinyLlama-1.1B's (22 layers, width 2048,
 vocabulary 32,000), batches of 16 x 1024 tokens in 4 micro-batches, bf16-mixed, ``--steps`` steps; each
-mode its own process, modes in rotated interleaved rounds (``--rounds``, 2 by default), every job reading
-the same seeded batches (``use_distributed_sampler=False``):
+mode its own process (a fresh interpreter; ``--dry-run`` forks them), modes in rotated interleaved rounds
+(``--rounds``, 2 by default), every job reading the same seeded batches (``use_distributed_sampler=False``):
 
 - ``plain``: ``Trainer(strategy="auto")`` and the adapter's own ``training_step`` with ``microbatches=4``;
 - ``dynmo``: ``DynMoStrategy(num_microbatches=4)``, one stage, no callback;
@@ -29,6 +29,7 @@ Real compute on the GPU; the dry run's numbers are not figures.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -266,9 +267,20 @@ def launch_job(mode: str, shape: Shape, device: str, timeout_s: float) -> dict[s
         return report
 
 
-def measure(shape: Shape, rounds: int, device: str, timeout_s: float) -> dict[str, list[dict[str, Any]]]:
-    """Every mode of ``shape`` once per round, in rotated order."""
+def measure(
+    shape: Shape, rounds: int, device: str, timeout_s: float, forked: bool = False
+) -> dict[str, list[dict[str, Any]]]:
+    """Every mode of ``shape`` once per round, in rotated order.
+
+    ``forked``: each job in a forked child of this process (the CPU dry run: not figures), not a fresh
+    interpreter (:func:`benchmarks._lib.common.run_forked`); never on a GPU (a forked CUDA context is
+    unusable).
+    """
+    from benchmarks._lib.common import run_forked
     from benchmarks._lib.harness import rotated
+
+    if forked and device != "cpu":
+        raise ValueError(f"forked jobs run on the CPU only, not on device={device!r}")
 
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in shape.modes}
     for r in range(rounds):
@@ -276,7 +288,11 @@ def measure(shape: Shape, rounds: int, device: str, timeout_s: float) -> dict[st
             print(
                 f"[gpu_overhead] {shape.name} round {r + 1}/{rounds}: {mode} ...", file=sys.stderr, flush=True
             )
-            runs[mode].append(launch_job(mode, shape, device, timeout_s))
+            if forked:
+                job = functools.partial(run_job, mode, shape, device)
+                runs[mode].append(run_forked(job, f"{shape.name} {mode}", timeout_s))
+            else:
+                runs[mode].append(launch_job(mode, shape, device, timeout_s))
     return runs
 
 
@@ -388,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     ]
     for shape in shapes:
-        runs = measure(shape, rounds, device, args.job_timeout)
+        runs = measure(shape, rounds, device, args.job_timeout, forked=args.dry_run)
         lines, ratios = table(shape, runs)
         medians = {
             m: statistics.median(1e3 * statistics.median(r["step_s"][shape.skip :]) for r in rs)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.gpu_overhead import MODES, main
+from benchmarks._lib.common import run_forked
+from benchmarks.gpu_overhead import DRY, MODES, launch_job, main, run_job
 
-pytestmark = pytest.mark.slow  # each job is its own Python process
+pytestmark = pytest.mark.slow  # jobs run in processes of their own
 
 
 def test_dry_run_runs_every_mode_on_the_same_batches(tmp_path: Path) -> None:
@@ -24,6 +26,14 @@ def test_dry_run_runs_every_mode_on_the_same_batches(tmp_path: Path) -> None:
     # Plain Lightning, DynMo and both compiled runs do the same work: the first step's loss agrees.
     assert len({loss for _, _, loss in rows}) == 1, rows
     assert "- DynMo + compile / plain + compile:" in report
+
+
+def test_a_job_in_a_fresh_interpreter_reports_what_the_forked_one_does() -> None:
+    # The GPU run launches every job as `python -m benchmarks.gpu_overhead --job ...`; the dry run forks.
+    fresh = launch_job("plain", DRY, "cpu", timeout_s=300)
+    forked = run_forked(functools.partial(run_job, "plain", DRY, "cpu"), "plain", timeout_s=300)
+    assert fresh.keys() == forked.keys() and len(fresh["step_s"]) == len(forked["step_s"]) > 0
+    assert fresh["losses"] == forked["losses"]  # the same seed and batches in both
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
