@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -13,7 +12,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -69,41 +67,21 @@ def run_forked(job: Callable[[], dict[str, Any]], name: str, timeout_s: float) -
     For smoke runs on CPU (``--quick``, ``--dry-run``): the child starts with this process's torch and
     lightning already imported, which a fresh interpreter spends most of a tiny job on. It also starts
     with this process's state, so a run whose figures count launches every job in a fresh interpreter.
+    The fork is the GPU check's (:func:`lightning_dynmo.gpu_check.runner.fork_call`).
 
     Raises:
         RuntimeError: if the job raised, died or ran past ``timeout_s`` (killed); its output's tail.
     """
+    from lightning_dynmo.gpu_check.runner import fork_call
+
     with tempfile.TemporaryDirectory() as tmp:
         result, log = Path(tmp) / "report.json", Path(tmp) / "job.log"
-        sys.stdout.flush()  # else the child would write this process's pending output into its log
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: its own session and log, the job, then exit without the parent's cleanup
-            code = 1
-            try:
-                os.setsid()
-                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                # Python's streams too: a caller (pytest) may have replaced them with its own.
-                with open(1, "w", buffering=1, closefd=False) as out, open(2, "w", closefd=False) as err:
-                    sys.stdout, sys.stderr = out, err
-                    try:
-                        result.write_text(json.dumps(job()))
-                        code = 0
-                    except BaseException:
-                        traceback.print_exc()
-            finally:
-                os._exit(code)
-        deadline, status = time.monotonic() + timeout_s, None
-        while status is None and time.monotonic() < deadline:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            status = os.waitstatus_to_exitcode(raw) if done else None
-            time.sleep(0.05 if status is None else 0.0)
-        if status is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+
+        def call() -> int:
+            result.write_text(json.dumps(job()))
+            return 0
+
+        status = fork_call(call, log, timeout_s)
         if status != 0:
             why = f"ran past {timeout_s:g} s (killed)" if status is None else f"failed (exit {status})"
             tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""

@@ -18,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,20 +83,37 @@ def _run_forked(spec: Path, result: Path, log: Path, timeout_s: float) -> int | 
     """Run the worker in a forked child of its own session; its exit code, ``None`` if it timed out."""
     from lightning_dynmo.gpu_check import worker  # torch and lightning: only when forking
 
+    return fork_call(lambda: worker.main([str(spec), str(result)]), log, timeout_s)
+
+
+def fork_call(call: Callable[[], int], log: Path, timeout_s: float) -> int | None:
+    """Run ``call`` in a forked child of its own session, its output written to ``log``.
+
+    The child starts with this process's imports (torch and lightning: seconds a fresh interpreter
+    spends) and its state; on a GPU, never (a forked CUDA context is unusable).
+
+    Returns:
+        The child's exit code: what ``call`` returned, 1 if it raised (its traceback in ``log``);
+        ``None`` if it ran past ``timeout_s`` (then it was killed with every process of its session).
+    """
     sys.stdout.flush()  # else the child would write this process's pending output into its log
     sys.stderr.flush()
     pid = os.fork()
-    if pid == 0:  # the child: its own session and log, the worker, then exit without the parent's cleanup
+    if pid == 0:  # the child: its own session and log, the call, then exit without the parent's cleanup
         code = 1
         try:
             os.setsid()
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
-            code = worker.main([str(spec), str(result)])
+            # Python's streams too: a caller (pytest) may have replaced them with its own.
+            with open(1, "w", buffering=1, closefd=False) as out, open(2, "w", closefd=False) as err:
+                sys.stdout, sys.stderr = out, err
+                try:
+                    code = call()
+                except BaseException:
+                    traceback.print_exc()
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
             os._exit(code)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
