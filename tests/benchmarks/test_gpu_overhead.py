@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks._lib.common import run_forked
-from benchmarks.gpu_overhead import DRY, MODES, launch_job, main, run_job
+from benchmarks.gpu_overhead import DRY, MODES, launch_job, main, measure, run_job
 
 pytestmark = pytest.mark.slow  # jobs run in processes of their own
 
@@ -34,6 +34,11 @@ def test_a_job_in_a_fresh_interpreter_reports_what_the_forked_one_does() -> None
     forked = run_forked(functools.partial(run_job, "plain", DRY, "cpu"), "plain", timeout_s=300)
     assert fresh.keys() == forked.keys() and len(fresh["step_s"]) == len(forked["step_s"]) > 0
     assert fresh["losses"] == forked["losses"]  # the same seed and batches in both
+
+
+def test_jobs_are_forked_on_the_cpu_only() -> None:
+    with pytest.raises(ValueError, match=r"forked jobs run on the CPU only, not on device='cuda'"):
+        measure(DRY, 1, "cuda", timeout_s=10, forked=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
