@@ -129,9 +129,20 @@ class StageLoadAverage:
             headroom(values)  # validates
             self._marked = values
 
+    def stale(self) -> None:
+        """Forget the averaged loads but keep the mark: the model changed (a dynamism event), so the loads
+        are measured afresh, and :attr:`drift` then says whether the change moved the stages' shares away
+        from where the last decision left them."""
+        self._loads = None
+
     def mark(self) -> None:
         """Remember the averaged loads as they are now (a decision on them kept the placement)."""
         self._marked = self.loads
+
+    @property
+    def marked(self) -> bool:
+        """Whether a decision left a mark that :attr:`drift` compares with (cleared by :meth:`restart`)."""
+        return self._marked is not None
 
     @property
     def loads(self) -> list[float] | None:

@@ -64,7 +64,7 @@ from lightning_dynmo.callback.control_plane import (
 from lightning_dynmo.callback.decision import DecisionRunner
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
 from lightning_dynmo.callback.measure import CostMeter
-from lightning_dynmo.callback.window import ProfilingWindow
+from lightning_dynmo.callback.window import WAIT, ProfilingWindow
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.profiling import ProfileResult, StageBusyTimer
@@ -94,7 +94,10 @@ class DynMoCallback(Callback):
             ``partition``/``diffusion``, off for ``static``.
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
         skip_balanced: With ``every_step`` (and without ``repack``), skip a step's profiling window and
-            decision when it cannot change the placement. By ``time``: while the measured per-stage busy
+            decision when it cannot change the placement; by ``time`` also a dynamism event's, once a
+            decision has been taken, when the first step after the event leaves every stage's share of
+            the busy time within ``SKIP_DRIFT`` of where that decision left it (the window then opens
+            one step after the event at the earliest). By ``time``: while the measured per-stage busy
             times, averaged with the ``profiling.cost_smoothing`` weight, leave less than ``min_gain`` to
             gain (no placement of the same stages beats ``1 - mean / max`` of the stage loads,
             :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
@@ -263,7 +266,7 @@ class DynMoCallback(Callback):
 
     @property
     def skipped_windows(self) -> int:
-        """Every-step windows skipped by ``skip_balanced`` (this run)."""
+        """Windows (every-step and event) skipped by ``skip_balanced`` (this run)."""
         return self._window.skipped
 
     @property
@@ -339,12 +342,12 @@ class DynMoCallback(Callback):
             self._last_checked_step = step
             reason = "resume" if self._resume_window else self._trigger.check(step)
             self._resume_window = False
-            if reason == "every_step" and self._window.nothing_to_gain(view.placement.sizes):
+            reason = self._window.admit(reason, view.placement.sizes)
+            if reason == WAIT:
+                self._trigger.notify_event()  # the event is judged on the loads of its next step
                 reason = None
-                self._window.skipped += 1
-                news = self._window.pinned_news(view.placement.sizes)
-                if news and view.global_rank == view.active_ranks[0]:
-                    log.info(news)
+            if self._window.news and view.global_rank == view.active_ranks[0]:
+                log.info(self._window.news)
             if self.trust.stopped and reason not in (None, "resume"):
                 reason = None  # predictions kept missing: no more windows, no more moves
             # Right after a rebalance the trigger has not recorded it yet (that happens once the ranks
@@ -665,7 +668,7 @@ class DynMoCallback(Callback):
         metrics.update({f"dynmo/stage{s}/busy_s": b for s, b in enumerate(stage_busy)})
         metrics["dynmo/active_workers"] = float(len(view.active_ranks))
         metrics["dynmo/overhead_s"] = self.overhead_s
-        if self.triggers.every_step:
+        if self.triggers.every_step or self.triggers.on_events:
             metrics["dynmo/skipped_windows"] = float(self.skipped_windows)
         # Metrics of the decisions and windows since the last written step (the latest value of each).
         metrics.update(self._queued_metrics)

@@ -2,8 +2,9 @@
 
 A window wraps this rank's layers in a :class:`~lightning_dynmo.profiling.LayerProfiler` for
 ``warmup_steps + steps`` steps; its result is what :mod:`.measure` turns into costs. Every-step windows
-reuse recent activation sizes (:meth:`ProfilingWindow.known_activations`) and are skipped while they
-cannot change the placement (:meth:`ProfilingWindow.nothing_to_gain`).
+reuse recent activation sizes (:meth:`ProfilingWindow.known_activations`); every-step windows, and
+event windows once a decision has been taken, are skipped while they cannot change the placement
+(:meth:`ProfilingWindow.admit`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning_dynmo.pipeline import part_modules
 from lightning_dynmo.profiling import LayerProfiler, ProfileResult
 from lightning_dynmo.strategy.view import PipelineView
 
-__all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "ProfilingWindow"]
+__all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "WAIT", "ProfilingWindow"]
 
 #: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
 ACTIVATION_REFRESH_STEPS = 100
@@ -25,6 +26,8 @@ ACTIVATION_REFRESH_STEPS = 100
 #: stage's share of the averaged busy time moves by more than this fraction of the busiest stage's share;
 #: after one that moved layers, while the shares stay that close to the ones it predicted.
 SKIP_DRIFT = 0.05
+#: :meth:`ProfilingWindow.admit`'s answer for an event it judges on the loads of the step after it.
+WAIT = "wait"
 
 
 class ProfilingWindow:
@@ -34,8 +37,8 @@ class ProfilingWindow:
         warmup_steps: Steps profiled but not counted at the start of a window.
         steps: Steps measured per window.
         smoothing: The history weight of the averaged stage loads (the costs' smoothing weight).
-        skip: Whether every-step windows that cannot change the placement are skipped
-            (``skip_balanced``, never with a re-pack).
+        skip: Whether every-step windows, and event windows after a first decision, that cannot change
+            the placement are skipped (``skip_balanced``, never with a re-pack).
         by_params: Whether the balancer weighs parameter counts (they change only with an event).
         min_gain: The smallest predicted gain a new placement needs.
     """
@@ -47,8 +50,9 @@ class ProfilingWindow:
         self.steps = steps
         self._skip, self._by_params, self._min_gain = skip, by_params, min_gain
         self.stage_loads = StageLoadAverage(smoothing)
-        self.skipped = 0  # every-step windows skipped by skip_balanced (this run)
+        self.skipped = 0  # windows skipped by skip_balanced (this run)
         self._pinned_said: int | None = None  # the pinned stage pinned_news last named
+        self.news: str | None = None  # the line to log about what admit skipped at this step
         self._params_settled = False  # by params: the last decision kept the placement, no event since
         self.profiler: LayerProfiler | None = None
         self.reason = ""
@@ -61,6 +65,44 @@ class ProfilingWindow:
     def is_open(self) -> bool:
         """Whether a window is profiling."""
         return self.profiler is not None
+
+    def admit(self, reason: str | None, sizes: Sequence[int]) -> str | None:
+        """Why a window opens at this step: the trigger's ``reason``, ``None`` when ``skip_balanced``
+        skips it (counted in :attr:`skipped`), or :data:`WAIT` for an event judged one step later.
+
+        An every-step window is skipped by :meth:`nothing_to_gain`. So is an event's by time, once a
+        decision has marked the loads: the event's own step may have run the old model, so the first
+        full step after it is measured (:data:`WAIT`: the caller asks again then), and the window opens
+        only if those loads moved away from the mark by :data:`SKIP_DRIFT` or more (and leave
+        ``min_gain`` of headroom, and no pinned end stage is the busiest). An event that leaves the stages'
+        shares where the last decision saw them would lead to the same decision, so its profiling and
+        search are spared. Before any decision an event's window opens at once.
+
+        Args:
+            reason: What the trigger answered for this step.
+            sizes: Layers per stage of the running placement.
+        """
+        self.news = None
+        if reason == "every_step" or (reason == "event" and self._marked_by_time()):
+            if reason == "event" and self.stage_loads.loads is None:
+                return WAIT
+            if self.nothing_to_gain(sizes):
+                self.skipped += 1
+                self.news = self.pinned_news(sizes)
+                if reason == "event" and self.news is None:
+                    drift = self.stage_loads.drift
+                    self.news = (
+                        "DynMo: after the dynamism event no stage's share of the busy time moved by "
+                        f"{SKIP_DRIFT:.0%} of the busiest's from where the last decision left it"
+                        + ("" if drift is None else f" (it moved {drift:.1%})")
+                        + ": the same decision would follow, so the event's window is skipped "
+                        "(skip_balanced=False profiles every event)"
+                    )
+                return None
+        return reason
+
+    def _marked_by_time(self) -> bool:
+        return self._skip and not self._by_params and self.stage_loads.marked
 
     def nothing_to_gain(self, sizes: Sequence[int]) -> bool:
         """Whether this step's every-step window cannot change the placement (``skip_balanced``).
@@ -199,8 +241,9 @@ class ProfilingWindow:
         self._params_settled = False
 
     def observe_loads(self, stage_busy: list[float], event: bool) -> None:
-        """Feed a step's agreed per-stage busy times (an event makes the loads stale instead)."""
+        """Feed a step's agreed per-stage busy times (an event makes the loads stale instead, keeping the
+        last decision's mark to compare the next step's loads with)."""
         if event:
-            self.stage_loads.restart()  # the model changed in this step: its loads are stale
+            self.stage_loads.stale()  # the model changed in this step: its loads may describe the old one
         else:
             self.stage_loads.update(stage_busy)

@@ -132,6 +132,7 @@ def case_worker(rank: int, world_size: int, case: Case, ckpt: Path | None, resum
         "rebalances": rebalances,
         "moved": [r for r in rebalances if r["applied"]],
         "events": [(e.kind, e.layers, e.step) for e in dynmo.events] if dynmo is not None else [],
+        "skipped_windows": dynmo.skipped_windows if dynmo is not None else 0,
         **(fit.outcome(trainer) if fit.outcome is not None else {}),
     }
 
@@ -168,10 +169,15 @@ def fit_reference(fit: Fit) -> dict[str, Any]:
     }
 
 
-def rebalance_on_events() -> DynMoCallback:
-    """DynMoCallback as the freezing and pruning fits use it: a decision one step after each event."""
+def rebalance_on_events(skip_balanced: bool = False) -> DynMoCallback:
+    """DynMoCallback as the freezing and pruning fits use it: a decision one step after each event (every
+    event profiled; with ``skip_balanced`` an event after the first decision is judged on the step after
+    it first)."""
     return DynMoCallback(
-        balancer="partition", cost="time", profiling=ProfilingConfig(warmup_steps=0, steps=1)
+        balancer="partition",
+        cost="time",
+        skip_balanced=skip_balanced,
+        profiling=ProfilingConfig(warmup_steps=0, steps=1),
     )
 
 

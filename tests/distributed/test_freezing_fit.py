@@ -45,6 +45,7 @@ class FreezeRun:
     pipeline_size: int | None = None  # 1: two data-parallel replicas of the whole model
     migrations: tuple[tuple[int, str], ...] = ()
     dynmo: bool = False
+    skip_balanced: bool = False  # DynMoCallback's (with dynmo)
     steps: int = 10
     epochs: int = 1
     strategy_cls: type[DynMoStrategy] = DynMoStrategy
@@ -61,7 +62,7 @@ class FreezeRun:
         model, freezing, snapshots = self.model(), self.callback_cls(self.config), Snapshots()
         callbacks: list[pl.Callback] = [freezing, ForcePlacement(dict(self.migrations)), snapshots]
         if self.dynmo:
-            callbacks.append(rebalance_on_events())
+            callbacks.append(rebalance_on_events(self.skip_balanced))
         strategy = self.strategy_cls(
             schedule=self.schedule,
             num_microbatches=4,
@@ -158,6 +159,28 @@ def test_autofreeze_events_drive_dynmo_and_training_equals_single_process(tmp_pa
     ).reference()
     assert fewer["history"] != ref["history"]
     assert state_diff(results, fewer) > 1e-4
+
+
+def test_with_skip_balanced_a_later_event_waits_one_measured_step_then_decides_or_is_skipped(
+    tmp_path: Path,
+) -> None:
+    run = FreezeRun(config=FreezingConfig(check_every=2), dynmo=True, skip_balanced=True, steps=10)
+    ref = run.reference()
+    results = fit_case(run, tmp_path)
+    assert_equal_to_reference(results, ref, ref["losses"])
+    for res in results:
+        first, *later = sorted({step for kind, _, step in res["events"] if kind == "frozen"})
+        judged = [s for s in later if s + 3 < run.steps]
+        assert judged, f"the run must have an event after the first decision (events at {[first, *later]})"
+        decided = [(r["step"], r["reason"]) for r in res["rebalances"]]
+        # Before any decision an event's window opens at once (profile, decide, apply two steps later).
+        assert decided[0] == (first + 2, "event")
+        # After it, each event's first full step is measured; then its window opens (a decision three
+        # steps after the event) or the stage shares stayed where the decision left them (a skip). The
+        # ranks agree on which (the same decisions above; the skip counts below).
+        assert all(r == "event" and s - 3 in judged for s, r in decided[1:]), decided
+        assert len(decided) - 1 + res["skipped_windows"] == len(judged), (decided, res["skipped_windows"])
+    assert len({res["skipped_windows"] for res in results}) == 1
 
 
 def test_data_parallel_replicas_take_the_same_decisions(tmp_path: Path) -> None:

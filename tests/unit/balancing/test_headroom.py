@@ -87,12 +87,28 @@ def test_the_drift_is_measured_from_the_mark_until_a_restart() -> None:
     assert avg.drift == pytest.approx(0.0)
     avg.update([2.0, 2.0])
     assert avg.drift == pytest.approx(1 / 3)
-    avg.restart()  # a new placement or an event: the mark described the old loads
+    avg.restart()  # a new placement: the mark described the old loads
     avg.update([2.0, 2.0])
     assert avg.drift is None
     avg.mark()
     avg.update([1.0, 1.0, 1.0])  # another stage count: another pipeline
     assert avg.drift is None
+
+
+def test_stale_loads_are_measured_again_against_the_same_mark() -> None:
+    avg = StageLoadAverage(0.5)
+    avg.update([1.0, 3.0])
+    avg.mark()
+    assert avg.marked
+    avg.stale()  # an event: the averaged loads may describe the old model
+    assert avg.loads is None and avg.drift is None and avg.marked
+    avg.update([2.0, 6.2])  # the first step after it, not averaged with the old loads
+    assert avg.loads == [2.0, 6.2]
+    assert avg.drift == pytest.approx(abs(6.2 / 8.2 - 0.75) / 0.75)
+    # Negative control: a restart forgets the mark too.
+    avg.restart()
+    avg.update([2.0, 6.2])
+    assert not avg.marked and avg.drift is None
 
 
 def test_a_restart_can_mark_the_loads_a_decision_predicted() -> None:

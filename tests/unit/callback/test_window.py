@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_dynmo.callback.window import ProfilingWindow
+from lightning_dynmo.callback.window import SKIP_DRIFT, WAIT, ProfilingWindow
 
 
 def _window(skip: bool = True) -> ProfilingWindow:
@@ -54,3 +54,51 @@ def test_after_a_move_windows_are_skipped_while_the_loads_are_shared_as_predicte
     params = ProfilingWindow(warmup_steps=1, steps=1, smoothing=0.5, skip=True, by_params=True, min_gain=0.05)
     params.decided(True, expected=[2.0, 2.0, 3.0])
     assert not params.nothing_to_gain((2, 2, 2))
+
+
+def test_an_event_opens_its_window_at_once_before_any_decision() -> None:
+    window = _window()
+    window.observe_loads([3.0, 3.0, 3.0], event=False)
+    window.observe_loads([3.0, 3.0, 3.0], event=True)
+    assert window.admit("event", (2, 2, 2)) == "event"  # nothing marked: nothing to compare with
+    assert window.skipped == 0 and window.news is None
+
+
+def test_after_a_decision_an_event_that_leaves_the_shares_is_skipped_after_one_measured_step() -> None:
+    window = _window()
+    window.observe_loads([2.0, 2.0, 2.2], event=False)
+    window.decided(False)  # kept: the loads are marked
+    window.observe_loads([2.0, 2.0, 2.2], event=True)  # the event's step: its loads may be the old model's
+    assert window.admit("event", (2, 2, 2)) == WAIT
+    window.observe_loads([1.8, 1.8, 2.0], event=False)  # faster, the shares as marked
+    assert window.admit("event", (2, 2, 2)) is None
+    assert window.skipped == 1
+    assert window.news is not None and "the event's window is skipped" in window.news
+    # The next event moves the shares: its window opens.
+    window.observe_loads([1.8, 1.8, 2.0], event=True)
+    assert window.admit("event", (2, 2, 2)) == WAIT
+    window.observe_loads([1.0, 2.0, 4.0], event=False)
+    assert window.stage_loads.drift is not None and window.stage_loads.drift > SKIP_DRIFT
+    assert window.admit("event", (2, 2, 2)) == "event" and window.skipped == 1 and window.news is None
+
+
+def test_event_windows_are_never_skipped_by_params_or_without_skip_balanced() -> None:
+    for window in (
+        _window(skip=False),
+        ProfilingWindow(warmup_steps=1, steps=1, smoothing=0.5, skip=True, by_params=True, min_gain=0.05),
+    ):
+        window.observe_loads([2.0, 2.0, 2.2], event=False)
+        window.decided(False)
+        window.observe_loads([2.0, 2.0, 2.2], event=True)
+        assert window.admit("event", (2, 2, 2)) == "event"
+        assert window.skipped == 0
+
+
+def test_admit_keeps_the_every_step_rule() -> None:
+    window = _window()
+    assert window.admit("every_step", (2, 2, 2)) is None  # nothing measured yet: wait one step
+    window.observe_loads([1.0, 1.0, 5.0], event=False)
+    assert window.admit("every_step", (2, 3, 1)) is None and window.news is not None  # pinned head
+    assert window.admit("every_step", (2, 2, 2)) == "every_step"  # 53% headroom, no decision yet
+    assert window.admit("period", (2, 3, 1)) == "period" and window.admit(None, (2, 2, 2)) is None
+    assert window.skipped == 2
