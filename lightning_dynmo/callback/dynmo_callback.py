@@ -94,11 +94,9 @@ class DynMoCallback(Callback):
             ``partition``/``diffusion``, off for ``static``.
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
         skip_balanced: With ``every_step`` (and without ``repack``), skip a step's profiling window and
-            decision when it cannot change the placement; by ``time`` also a dynamism event's, once a
-            decision has been taken, when the first step after the event leaves every stage's share of
-            the busy time within ``SKIP_DRIFT`` of where that decision left it (the window then opens
-            one step after the event at the earliest). By ``time``: while the measured per-stage busy
-            times, averaged with the ``profiling.cost_smoothing`` weight, leave less than ``min_gain`` to
+            decision when it cannot change the placement (by ``time``, after a first decision, also an
+            event's, judged on the step after it). By ``time``: while the measured per-stage busy times,
+            averaged with the ``profiling.cost_smoothing`` weight, leave less than ``min_gain`` to
             gain (no placement of the same stages beats ``1 - mean / max`` of the stage loads,
             :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
             dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
@@ -106,10 +104,9 @@ class DynMoCallback(Callback):
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
             placement recovers; the same loads lead to the same decision); after a decision that moved
             layers, while the shares stay that close to the ones it predicted for the new placement;
-            and while the busiest stage
-            is the first or the last holding a single layer (it cannot be lightened; a heavy head does
-            this). By ``time`` a window also waits for one step's loads (at the start, after a move or
-            an event), so these rules can judge it. By ``params``: after a
+            and while the busiest stage is the first or the last holding a single layer (it cannot be
+            lightened; a heavy head does this). By ``time`` a window also waits for one step's loads (at
+            the start, after a move or an event), so these rules can judge it. By ``params``: after a
             decision kept the placement, until the next dynamism event (parameter counts change only
             with one). A skipped step costs only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the

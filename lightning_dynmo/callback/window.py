@@ -83,26 +83,23 @@ class ProfilingWindow:
             sizes: Layers per stage of the running placement.
         """
         self.news = None
-        if reason == "every_step" or (reason == "event" and self._marked_by_time()):
-            if reason == "event" and self.stage_loads.loads is None:
-                return WAIT
-            if self.nothing_to_gain(sizes):
-                self.skipped += 1
-                self.news = self.pinned_news(sizes)
-                if reason == "event" and self.news is None:
-                    drift = self.stage_loads.drift
-                    self.news = (
-                        "DynMo: after the dynamism event no stage's share of the busy time moved by "
-                        f"{SKIP_DRIFT:.0%} of the busiest's from where the last decision left it"
-                        + ("" if drift is None else f" (it moved {drift:.1%})")
-                        + ": the same decision would follow, so the event's window is skipped "
-                        "(skip_balanced=False profiles every event)"
-                    )
-                return None
+        event = reason == "event" and self._skip and not self._by_params and self.stage_loads.marked
+        if event and self.stage_loads.loads is None:
+            return WAIT
+        if (reason == "every_step" or event) and self.nothing_to_gain(sizes):
+            self.skipped += 1
+            self.news = self.pinned_news(sizes) or (self._event_news() if event else None)
+            return None
         return reason
 
-    def _marked_by_time(self) -> bool:
-        return self._skip and not self._by_params and self.stage_loads.marked
+    def _event_news(self) -> str:
+        room, drift = self.stage_loads.headroom, self.stage_loads.drift
+        return (
+            f"DynMo: the step after the dynamism event leaves {room or 0.0:.1%} headroom (min_gain "
+            f"{self._min_gain:.0%}) and moved the stages' shares {drift or 0.0:.1%} from the last decision's "
+            f"(SKIP_DRIFT {SKIP_DRIFT:.0%}): the same decision would follow, so its window is skipped "
+            "(skip_balanced=False profiles every event)"
+        )
 
     def nothing_to_gain(self, sizes: Sequence[int]) -> bool:
         """Whether this step's every-step window cannot change the placement (``skip_balanced``).
