@@ -95,7 +95,12 @@ class CompiledSchedule:
         Raises:
             ValueError: for a stage count other than the lists', a missing, negative or non-finite time.
         """
-        durations = self._durations(stage_times)
+        return self.run(self.durations(stage_times), links)
+
+    def run(
+        self, durations: Sequence[float], links: float | Sequence[LinkTime] = 0.0
+    ) -> tuple[float, tuple[float, ...]]:
+        """:meth:`step` from :meth:`durations` already computed (a search keeps each stage's apart)."""
         link = _link_slots(links, self.num_stages)  # slot -1: its last entry, 0 (same rank)
         end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
         for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
@@ -107,7 +112,7 @@ class CompiledSchedule:
             if ready > start:
                 start = ready
             end[i] = start + durations[slot]
-        return max(end), self._busy(durations)
+        return max(end), self.busy(durations)
 
     def busiest(self, stage_times: Sequence[StageTimes]) -> float:
         """The longest of the ranks' busy times, without the pass: no step is shorter, since a rank runs
@@ -116,29 +121,44 @@ class CompiledSchedule:
         Raises:
             ValueError: as :meth:`step`.
         """
-        return max(self._busy(self._durations(stage_times)), default=0.0)
+        return max(self.busy(self.durations(stage_times)), default=0.0)
 
-    def _busy(self, durations: Sequence[float]) -> tuple[float, ...]:
+    def busy(self, durations: Sequence[float]) -> tuple[float, ...]:
+        """Each rank's busy time: its actions' :meth:`durations` end to end."""
         return tuple(sum(map(durations.__getitem__, slots)) for slots in self._rank_slots)
 
-    def _durations(self, stage_times: Sequence[StageTimes]) -> list[float]:
-        """Per duration slot (4 * stage + kind), one action's seconds; checked."""
+    def durations(self, stage_times: Sequence[StageTimes]) -> list[float]:
+        """Per duration slot (4 * stage + kind), one action's seconds; checked.
+
+        Raises:
+            ValueError: as :meth:`step`.
+        """
         if len(stage_times) != self.num_stages:
             raise ValueError(
                 f"stage_times has {len(stage_times)} entries but the compiled lists run {self.num_stages} "
                 "stages; give one StageTimes per stage."
             )
         durations = [0.0] * (4 * self.num_stages)
-        for stage, (times, kinds) in enumerate(zip(stage_times, self._kinds, strict=True)):
-            for kind in kinds:
-                value = times.duration(kind, stage)
-                if isinstance(value, bool) or not math.isfinite(value) or value < 0:
-                    raise ValueError(
-                        f"stage_times[{stage}] gives {kind} {value!r}; times must be finite numbers of "
-                        "seconds >= 0: fix the measurement."
-                    )
-                durations[4 * stage + _SLOT[kind]] = value
+        for stage, times in enumerate(stage_times):
+            durations[4 * stage : 4 * stage + 4] = self.stage_durations(stage, times)
         return durations
+
+    def stage_durations(self, stage: int, times: StageTimes) -> list[float]:
+        """Stage ``stage``'s four duration slots (one per kind; 0 for a kind it does not run); checked.
+
+        Raises:
+            ValueError: for a missing, negative or non-finite time of a kind the stage runs.
+        """
+        slots = [0.0] * 4
+        for kind in self._kinds[stage]:
+            value = times.duration(kind, stage)
+            if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(
+                    f"stage_times[{stage}] gives {kind} {value!r}; times must be finite numbers of "
+                    "seconds >= 0: fix the measurement."
+                )
+            slots[_SLOT[kind]] = value
+        return slots
 
 
 def _resolved(

@@ -191,36 +191,73 @@ def stage_times(
         stage_workers: The worker of each stage when workers run several stages (``None``: stage ``s``
             on worker ``s``).
     """
-    costs, by, hardware = problem.costs, problem.by, problem.hardware
-    stages = placement.num_stages
-    fwd, bwd = _split(costs, by)
-    first, last = hardware.first_stage_extra, hardware.last_stage_extra
-    extra_f, extra_b = _split([e for e in (first, last) if e is not None], by)
-    slowdown = hardware.stage_slowdown(stages, stage_workers) or [1.0] * stages
-    links = hardware.links(placement.num_layers, stages, by)
-    timed = by == "time"
-    stage_fwd, stage_bwd, send, stage_wgrad, stage_whole, update = [], [], [], [], [], []
-    for s in range(stages):
-        layers = placement.layers_of(s)
-        records = [costs[i] for i in layers]
-        f, b = sum(fwd[i] for i in layers), sum(bwd[i] for i in layers)
-        if s == 0 and first is not None:
-            f, b = f + extra_f[0], b + extra_b[0]
-            records.append(first)
-        if s == stages - 1 and last is not None:
-            f, b = f + extra_f[-1], b + extra_b[-1]
-            records.append(last)
+    coster = StageCoster.build(problem, placement.num_stages, stage_workers)
+    b = placement.boundaries
+    rows = [coster.stage(s, b[s], b[s + 1]) for s in range(placement.num_stages)]
+    fwd, bwd, send, wgrad, whole, update = (tuple(column) for column in zip(*rows, strict=True))
+    return StageCosts(fwd, bwd, send, wgrad, whole, update)
+
+
+#: One stage's costs, as :meth:`StageCoster.stage` returns them: forward, backward, send, weight-gradient
+#: part, whole-backward part and update (the fields of :class:`StageCosts`, for one stage).
+StageRow = tuple[float, float, float, float, float, float]
+
+
+@dataclass(frozen=True)
+class StageCoster:
+    """What a stage of a given pipeline costs, for any run of layers: :func:`stage_times` one stage at a time.
+
+    Built once per problem and pipeline (stage count and workers), so that a search pricing many
+    placements of them reads the records' split, the slowdowns and the links once; a stage's numbers
+    are summed in the same order as :func:`stage_times` does, so they are the same floats.
+    """
+
+    costs: Sequence[LayerCost]
+    fwd: list[float]
+    bwd: list[float]
+    first: LayerCost | None
+    last: LayerCost | None
+    extra_fwd: list[float]
+    extra_bwd: list[float]
+    slowdown: list[float]
+    links: list[list[float]] | None
+    timed: bool
+
+    @classmethod
+    def build(
+        cls, problem: BalanceProblem, num_stages: int, stage_workers: Sequence[int] | None = None
+    ) -> StageCoster:
+        """The coster of ``problem`` over ``num_stages`` stages (workers as :func:`stage_times`'s)."""
+        costs, by, hardware = problem.costs, problem.by, problem.hardware
+        fwd, bwd = _split(costs, by)
+        first, last = hardware.first_stage_extra, hardware.last_stage_extra
+        extra_fwd, extra_bwd = _split([e for e in (first, last) if e is not None], by)
+        slowdown = hardware.stage_slowdown(num_stages, stage_workers) or [1.0] * num_stages
+        links = hardware.links(problem.num_layers, num_stages, by)
+        return cls(costs, fwd, bwd, first, last, extra_fwd, extra_bwd, slowdown, links, by == "time")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.slowdown)
+
+    def stage(self, stage: int, start: int, end: int) -> StageRow:
+        """Stage ``stage`` holding layers ``start .. end - 1``: the :class:`StageCosts` fields of it."""
+        layers = range(start, end)
+        records = [self.costs[i] for i in layers]
+        f, b = sum(self.fwd[i] for i in layers), sum(self.bwd[i] for i in layers)
+        if stage == 0 and self.first is not None:
+            f, b = f + self.extra_fwd[0], b + self.extra_bwd[0]
+            records.append(self.first)
+        if stage == self.num_stages - 1 and self.last is not None:
+            f, b = f + self.extra_fwd[-1], b + self.extra_bwd[-1]
+            records.append(self.last)
+        timed, factor = self.timed, self.slowdown[stage]
         w = sum(c.bwd_weight_time_s for c in records if timed and not _ran_whole(c))
         whole = sum(c.bwd_time_s for c in records if timed and _ran_whole(c))
-        stage_fwd.append(slowdown[s] * f)
-        stage_bwd.append(slowdown[s] * b)
-        stage_wgrad.append(slowdown[s] * w)
-        stage_whole.append(slowdown[s] * whole)
-        update.append(slowdown[s] * sum(c.update_time_s for c in records) if timed else 0.0)
-        send.append(links[s][layers[-1]] if links is not None and s < stages - 1 else 0.0)
-    return StageCosts(
-        tuple(stage_fwd), tuple(stage_bwd), tuple(send), tuple(stage_wgrad), tuple(stage_whole), tuple(update)
-    )
+        update = factor * sum(c.update_time_s for c in records) if timed else 0.0
+        links = self.links
+        send = links[stage][end - 1] if links is not None and stage < self.num_stages - 1 else 0.0
+        return factor * f, factor * b, send, factor * w, factor * whole, update
 
 
 def _ran_whole(cost: LayerCost) -> bool:

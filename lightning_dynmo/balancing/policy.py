@@ -37,7 +37,7 @@ from lightning_dynmo.balancing.partition import partition
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.problem import BalanceProblem, takes_problem
 from lightning_dynmo.balancing.repack import repack
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine, step_at_least
+from lightning_dynmo.balancing.step_prediction import ScheduleOrder, StepPredictor, predict_step, refine
 from lightning_dynmo.balancing.trigger import TriggerConfig
 from lightning_dynmo.balancing.workers import partition_workers, worker_loads
 
@@ -416,13 +416,13 @@ def decide(
         # The search ranks placements by their work alone: the runtime's cost per action is one number
         # fitted to the running placement's step, no measure of where the work should go.
         work = problem.with_hardware(per_op_s=0.0)
-        order, m = schedule, num_microbatches
+        predictor = StepPredictor(work, schedule, num_microbatches, proposed.num_stages, stage_workers)
         refined = refine(
             work,
             proposed,
-            lambda p: evaluate(p, stage_workers, work).step,
+            lambda p: predictor.predict(p).step_s,
             stage_workers=stage_workers,
-            at_least=lambda p, time_s: step_at_least(work, p, order, m, time_s, stage_workers),
+            at_least=predictor.at_least,
         )
         proposed, reason = refined.placement, f"{reason}, refined by {refined.describe()}"
     proposed_workers = (

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
-from lightning_dynmo.balancing.hardware import StageCosts, check_per_op, stage_times
+from lightning_dynmo.balancing.hardware import StageCoster, StageRow, check_per_op
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, Refinement, refine
 from lightning_dynmo.balancing.problem import BalanceProblem
@@ -39,6 +39,7 @@ __all__ = [
     "Refinement",
     "ScheduleOrder",
     "StepPrediction",
+    "StepPredictor",
     "fit_per_op",
     "per_action_s",
     "predict_step",
@@ -164,15 +165,8 @@ def predict_step(
             the problem's :attr:`~lightning_dynmo.balancing.hardware.Hardware.per_op_s` (with
             ``by="time"``; 0 in the ``"params"`` view), a number replaces it.
     """
-    times, compiled, per_stage = _simulation_inputs(
-        problem, placement, order, num_microbatches, stage_workers, per_op_s
-    )
-    step, busy = compiled.step(per_stage)
-    ranks = len(busy)
-    bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
-    step += max(times.update_s, default=0.0)  # the update: once, after the flush, every stage at once
-    loads = tuple(f + b for f, b in zip(times.fwd_s, times.bwd_s, strict=True))
-    return StepPrediction(step, bubble, loads)
+    predictor = StepPredictor(problem, order, num_microbatches, placement.num_stages, stage_workers, per_op_s)
+    return predictor.predict(placement)
 
 
 #: How far above ``time_s`` :func:`step_at_least`'s bound must reach before the simulation is skipped: more
@@ -200,50 +194,95 @@ def step_at_least(
     Args:
         time_s: The step to beat. Other arguments: as :func:`predict_step`.
     """
-    times, compiled, per_stage = _simulation_inputs(
-        problem, placement, order, num_microbatches, stage_workers, per_op_s
-    )
-    update = max(times.update_s, default=0.0)
-    bound = compiled.busiest(per_stage) + update
-    if bound >= time_s + abs(time_s) * _BOUND_MARGIN:
-        return bound
-    return compiled.step(per_stage)[0] + update
+    predictor = StepPredictor(problem, order, num_microbatches, placement.num_stages, stage_workers, per_op_s)
+    return predictor.at_least(placement, time_s)
 
 
-def _simulation_inputs(
-    problem: BalanceProblem,
-    placement: Placement,
-    order: ScheduleOrder,
-    num_microbatches: int,
-    stage_workers: Sequence[int] | None,
-    per_op_s: float | None,
-) -> tuple[StageCosts, CompiledSchedule, list[StageTimes]]:
-    """The stage costs, the compiled action lists and one micro-batch's times per stage."""
-    if per_op_s is None:
-        per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
-    check_per_op(per_op_s)
-    times = stage_times(problem, placement, stage_workers)
-    compiled = _compiled(order.actions(placement.num_stages, num_microbatches), placement.num_stages)
-    rank_of = compiled.rank_of
-    per_stage = []
-    for s, (f, b, send, w, whole) in enumerate(
-        zip(times.fwd_s, times.bwd_s, times.send_s, times.wgrad_s, times.whole_bwd_s, strict=True)
-    ):
-        sends = s + 1 < placement.num_stages and rank_of[s] != rank_of[s + 1]
-        m = num_microbatches
+class StepPredictor:
+    """:func:`predict_step` and :func:`step_at_least` for many placements of one pipeline (a search's).
+
+    Built once per problem, schedule, micro-batch count, stage count and workers. What the simulation
+    needs of a stage (its costs, one micro-batch's action times, their duration slots) depends only on
+    the stage and the run of layers it holds, so it is computed once per such run and reused by every
+    placement that gives the stage the same run; a search's neighbouring placements share all but a few.
+    The arithmetic is :func:`predict_step`'s (which builds one of these per call), so the numbers are too.
+
+    Args:
+        num_stages: The stages of every placement it will be asked about. Other arguments: as
+            :func:`predict_step`.
+
+    Raises:
+        ValueError: as :func:`predict_step`, for bad ``per_op_s``, slowdowns, links or action lists.
+    """
+
+    def __init__(
+        self,
+        problem: BalanceProblem,
+        order: ScheduleOrder,
+        num_microbatches: int,
+        num_stages: int,
+        stage_workers: Sequence[int] | None = None,
+        per_op_s: float | None = None,
+    ) -> None:
+        if per_op_s is None:
+            per_op_s = problem.hardware.per_op_s if problem.by == "time" else 0.0
+        check_per_op(per_op_s)
+        self._coster = StageCoster.build(problem, num_stages, stage_workers)
+        self._compiled = _compiled(order.actions(num_stages, num_microbatches), num_stages)
+        self._order, self._num_microbatches, self._per_op_s = order, num_microbatches, per_op_s
+        self._whole_to_split = problem.whole_to_split
+        self._stages: dict[tuple[int, int, int], tuple[StageRow, list[float]]] = {}
+
+    def predict(self, placement: Placement) -> StepPrediction:
+        """:func:`predict_step` of ``placement``."""
+        rows, durations = self._inputs(placement)
+        step, busy = self._compiled.run(durations)
+        ranks = len(busy)
+        bubble = sum(step - b for b in busy) / (ranks * step) if step > 0 else 0.0
+        step += max((row[5] for row in rows), default=0.0)  # the update: once, after the flush, all at once
+        return StepPrediction(step, bubble, tuple(row[0] + row[1] for row in rows))
+
+    def at_least(self, placement: Placement, time_s: float) -> float:
+        """:func:`step_at_least` of ``placement`` against ``time_s``."""
+        rows, durations = self._inputs(placement)
+        update = max((row[5] for row in rows), default=0.0)
+        bound = max(self._compiled.busy(durations), default=0.0) + update
+        if bound >= time_s + abs(time_s) * _BOUND_MARGIN:
+            return bound
+        return self._compiled.run(durations)[0] + update
+
+    def _inputs(self, placement: Placement) -> tuple[list[StageRow], list[float]]:
+        """Per stage its :class:`StageCoster` row, and the duration slots of all stages."""
+        if placement.num_stages != self._coster.num_stages:
+            raise ValueError(
+                f"placement={placement} has {placement.num_stages} stages but this predictor was built for "
+                f"{self._coster.num_stages}; build one per stage count."
+            )
+        b = placement.boundaries
+        rows, durations = [], []
+        for s in range(placement.num_stages):
+            key = (s, b[s], b[s + 1])
+            known = self._stages.get(key)
+            if known is None:
+                known = self._stages[key] = self._stage(*key)
+            rows.append(known[0])
+            durations += known[1]
+        return rows, durations
+
+    def _stage(self, stage: int, start: int, end: int) -> tuple[StageRow, list[float]]:
+        """Stage ``stage`` holding layers ``start .. end - 1``: its costs and its duration slots."""
+        row = self._coster.stage(stage, start, end)
+        f, b, send, w, whole, _ = row
+        rank_of, m, per_op_s = self._compiled.rank_of, self._num_microbatches, self._per_op_s
+        sends = stage + 1 < len(rank_of) and rank_of[stage] != rank_of[stage + 1]
         fwd = f / m + (send if sends else 0.0) + per_op_s
         igrad, wgrad = _split_backward(
-            s, max(0.0, b - whole) / m, w / m, whole / m, order, problem.whole_to_split
+            stage, max(0.0, b - whole) / m, w / m, whole / m, self._order, self._whole_to_split
         )
-        per_stage.append(
-            StageTimes(
-                fwd,
-                b / m + per_op_s,
-                input_grad_s=igrad + per_op_s,
-                weight_grad_s=wgrad + per_op_s,
-            )
+        times = StageTimes(
+            fwd, b / m + per_op_s, input_grad_s=igrad + per_op_s, weight_grad_s=wgrad + per_op_s
         )
-    return times, compiled, per_stage
+        return row, self._compiled.stage_durations(stage, times)
 
 
 #: Compiled action lists by the identity of the lists (kept alive beside them, so an id is never reused

@@ -20,6 +20,7 @@ again from every neighbour of the optimum found (within ``KICK_WORK``). The test
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -196,12 +197,15 @@ class _Search:
         self.ids = model.ids
         self.owner = model.owner
         self.caps = [caps[w] for w in self.ids]
+        # Without a finite cap no placement overflows: the descent then leaves memory out of its moves.
+        self.capped = any(math.isfinite(c) for c in self.caps)
         # Strict improvement below this is float noise, not progress (it keeps the descent finite).
         self.eps = 1e-12 * max(model.prefix_load[-1] * max(model.factor), 1.0)
 
-    def _score(self, loads: list[float], memory: list[float]) -> tuple[float, float, float]:
-        over = sum(max(0.0, m - c) for m, c in zip(memory, self.caps, strict=True))
-        return over, max(loads), sum(v * v for v in loads)
+    def _score(self, loads: list[float], memory: list[float] | None) -> tuple[float, float, float]:
+        """``memory`` ``None``: nothing is capped, nothing overflows."""
+        over = 0.0 if memory is None else sum(max(0.0, m - c) for m, c in zip(memory, self.caps, strict=True))
+        return over, max(loads), sum(map(operator.mul, loads, loads))
 
     def overflow(self, b: Sequence[int]) -> tuple[float, int]:
         """Largest bytes over capacity (<= 0 when everything fits) and the worker where it happens."""
@@ -215,25 +219,28 @@ class _Search:
     def descend(self, b: list[int]) -> list[int]:
         """Steepest descent over the moves of :meth:`_moves`; returns a local optimum."""
         b = list(b)
-        loads, memory = self.model.totals(b)
+        loads, totals = self.model.totals(b)
+        memory = totals if self.capped else None
         current = self._score(loads, memory)
         pl, pm, owner = self.model.prefix_load, self.model.prefix_memory, self.owner
         factor, comm = self.model.factor, self.model.comm
         while True:
-            best: tuple[list[tuple[int, int]], list[float], list[float]] | None = None
+            best: tuple[list[tuple[int, int]], list[float], list[float] | None] | None = None
             best_score = current
             for changes in self._moves(b):
-                new_loads, new_memory = loads[:], memory[:]
+                new_loads, new_memory = loads[:], None if memory is None else memory[:]
                 for i, y in changes:
                     x = b[i]
-                    dl, dm = pl[y] - pl[x], pm[y] - pm[x]
+                    dl = pl[y] - pl[x]
                     gain = factor[owner[i - 1]] * dl
                     if comm is not None:  # stage i - 1 now ends before layer y instead of x
                         gain += comm[i - 1][y - 1] - comm[i - 1][x - 1]
                     new_loads[owner[i - 1]] += gain
                     new_loads[owner[i]] -= factor[owner[i]] * dl
-                    new_memory[owner[i - 1]] += dm
-                    new_memory[owner[i]] -= dm
+                    if new_memory is not None:
+                        dm = pm[y] - pm[x]
+                        new_memory[owner[i - 1]] += dm
+                        new_memory[owner[i]] -= dm
                 score = self._score(new_loads, new_memory)
                 if _better(score, best_score, self.eps):
                     best, best_score = (changes, new_loads, new_memory), score

@@ -9,6 +9,9 @@
 - The busiest rank's time never exceeds the compiled step; a search that skips the candidates it bounds
   above the step to beat returns exactly what the full search does, with fewer simulations (a bound that
   lies, the negative control, stops it short).
+- One :class:`StepPredictor` asked every placement of a pipeline (each stage's inputs reused across them)
+  answers each exactly as a prediction of that placement alone; a predictor built for other workers, the
+  negative control, does not.
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ import pytest
 from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
 from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
-from lightning_dynmo.balancing.step_prediction import ScheduleOrder, predict_step, refine, step_at_least
+from lightning_dynmo.balancing.step_prediction import (
+    ScheduleOrder,
+    StepPredictor,
+    predict_step,
+    refine,
+    step_at_least,
+)
 from tests.unit.balancing.brute import all_placements
 
 
@@ -303,3 +312,44 @@ def test_skipping_what_cannot_beat_the_best_changes_nothing_but_the_simulations_
         at_least=lambda p, time_s: time_s,
     )
     assert stuck.step_s > plain.step_s
+
+
+def priced_problem(layers: int) -> BalanceProblem:
+    """Every input a stage's prediction reads: both pinned parts, weight passes measured on some layers,
+    updates, per-link send times, worker slowdowns and a cost per action."""
+    draw = random.Random(11)
+    costs = [
+        LayerCost(
+            fwd_time_s=draw.uniform(0.5, 2),
+            bwd_time_s=(b := draw.uniform(1, 4)),
+            bwd_weight_time_s=draw.choice((0.0, 0.4 * b)),
+            update_time_s=draw.uniform(0, 0.3),
+        )
+        for _ in range(layers)
+    ]
+    links = [[draw.uniform(0, 0.2) for _ in range(layers)] for _ in range(5)]
+    hardware = Hardware(
+        first_stage_extra=LayerCost(0.7, 1.0, bwd_weight_time_s=1.0),  # run whole, as torch's first stage
+        last_stage_extra=LayerCost(3.0, 2.0, update_time_s=0.5),
+        comm_time_s=links,
+        worker_slowdown=[1.0, 1.3, 0.9],
+        per_op_s=0.05,
+    )
+    return BalanceProblem(costs, hardware=hardware)
+
+
+def test_one_predictor_asked_every_placement_answers_each_as_a_prediction_of_it_alone() -> None:
+    problem, stages, m, workers = priced_problem(11), 6, 4, [0, 1, 2, 2, 1, 0]
+    placements = list(all_placements(11, stages))
+    random.Random(3).shuffle(placements)  # neighbours apart: reused inputs come from any earlier one
+    predictor = StepPredictor(problem, V_ORDER, m, stages, workers)
+    for p in placements:
+        alone = predict_step(problem, p, V_ORDER, m, workers)
+        assert predictor.predict(p) == alone
+        for time_s in (0.5 * alone.step_s, alone.step_s, 2.0 * alone.step_s):
+            assert predictor.at_least(p, time_s) == step_at_least(problem, p, V_ORDER, m, time_s, workers)
+    # Negative control: built for other workers (slowdowns), the same comparison fails.
+    other = StepPredictor(problem, V_ORDER, m, stages, [2, 1, 0, 0, 1, 2])
+    assert any(other.predict(p) != predict_step(problem, p, V_ORDER, m, workers) for p in placements)
+    with pytest.raises(ValueError, match="has 2 stages but this predictor was built for 6"):
+        predictor.predict(Placement.from_string("0-4|5-10"))

@@ -245,3 +245,21 @@ def test_bad_worker_slowdown_is_rejected(slowdown, match):
         partition_workers(
             BalanceProblem(_costs([1, 2, 3, 4]), hardware=Hardware(worker_slowdown=slowdown)), [0, 1, 0, 1]
         )
+
+
+def test_a_cap_nothing_reaches_searches_as_no_cap_and_a_binding_cap_moves_the_result():
+    # Without a finite cap the descent leaves memory out of its moves; a cap that no placement reaches
+    # scores every move with it and must take the same path to the same placement.
+    draw = random.Random(5)
+    workers = [min(s, 11 - s) for s in range(12)]  # a V: 6 workers, two stages each
+    costs = [LayerCost(fwd_time_s=draw.uniform(0.2, 3.0), memory_bytes=10) for _ in range(40)]
+    free = partition_workers(BalanceProblem(costs), workers)
+    unreached = partition_workers(
+        BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=10**9)), workers
+    )
+    assert unreached == free
+    # Negative control: a cap the free placement breaks gives another placement (the check can fail).
+    cap = max(free.worker_memory_bytes.values()) - 10
+    binding = partition_workers(BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=cap)), workers)
+    assert binding.placement != free.placement
+    assert max(binding.worker_memory_bytes.values()) <= cap
