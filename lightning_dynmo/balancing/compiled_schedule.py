@@ -4,7 +4,10 @@ Read in this order: :meth:`CompiledSchedule.build` (checks the lists as
 :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` does and fixes the order to evaluate
 them in), then :meth:`CompiledSchedule.step` (one pass: the step and each rank's busy time) and
 :meth:`CompiledSchedule.busiest` (the busiest rank's time alone: a lower bound of the step, without the
-pass, which a search uses to skip the placements that cannot beat its best).
+pass, which a search uses to skip the placements that cannot beat its best). Both are
+:meth:`~CompiledSchedule.durations` (one action's seconds per stage and kind, checked) followed by
+:meth:`~CompiledSchedule.run` or :meth:`~CompiledSchedule.busy`; a search that keeps each stage's
+durations (:meth:`~CompiledSchedule.stage_durations`) calls those on them directly.
 
 Why: :func:`~lightning_dynmo.balancing.schedule_model.simulate_step` checks its input, records every
 action's timeline and traces the critical path on every call; a placement search predicts the same action
