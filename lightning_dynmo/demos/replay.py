@@ -189,14 +189,14 @@ class TraceReplay(Callback):
 
     def _set(self, cost: Any, record: LayerCost, overhead: LayerCost | None) -> None:
         m = self.num_microbatches
-        fwd_s, bwd_s, wgrad_s = record.fwd_time_s / m, record.bwd_time_s / m, 0.0
-        if getattr(cost, "anchor", None) is not None:  # a split backward: its weight part sleeps apart
-            wgrad_s = record.bwd_weight_time_s / m
-            bwd_s -= wgrad_s
+        fwd_s, bwd_s = record.fwd_time_s / m, record.bwd_time_s / m
+        split = getattr(cost, "anchor", None) is not None  # a split backward: its weight part sleeps apart
+        wgrad_s = record.bwd_weight_time_s / m if split else 0.0
+        bwd_s -= wgrad_s
         if overhead is not None:
             fwd_s, bwd_s = max(0.0, fwd_s - overhead.fwd_time_s), max(0.0, bwd_s - overhead.bwd_time_s)
         cost.fwd_ms, cost.bwd_ms = 1e3 * fwd_s, 1e3 * bwd_s
-        if wgrad_s > 0.0:
+        if split:  # every row sets it: a row whose layer has no weight pass (frozen, exited) sleeps none
             cost.wgrad_ms = 1e3 * wgrad_s
 
     @override

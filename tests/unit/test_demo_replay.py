@@ -159,3 +159,25 @@ def test_replay_splits_a_records_backward_between_the_passes_of_a_split_block():
         SimpleNamespace(global_step=0), plain, None, 0
     )
     assert (plain.layers["1"].cost.bwd_ms, plain.layers["1"].cost.wgrad_ms) == pytest.approx((4.0, 0.0))
+
+
+def test_a_row_without_a_weight_pass_stops_the_weight_sleep_of_the_row_before():
+    # Freezing and early exit: a layer's weight time falls to 0 from one row to the next. The block must
+    # sleep none in its weight pass then, not what the row before asked (the replay once kept it).
+    model = DemoGPT(num_layers=3, split_backward=True)
+    stats = StatisticTrace("freezing", "trainable", "fraction", (0, 1), ((1.0, 1.0, 1.0), (1.0, 0.0, 1.0)))
+    trace = CostTrace.build(stats, CostCurve.proportional(0.008, 0.016))
+    rows = tuple(
+        dataclasses.replace(
+            r, layers=tuple(dataclasses.replace(c, bwd_weight_time_s=c.bwd_time_s / 2) for c in r.layers)
+        )
+        for r in trace.rows
+    )
+    assert rows[0].layers[1].bwd_weight_time_s > 0 and rows[1].layers[1].bwd_weight_time_s == 0
+    replay = TraceReplay(dataclasses.replace(trace, rows=rows), num_microbatches=4)
+    replay.on_train_batch_start(SimpleNamespace(global_step=0), model, None, 0)
+    cost = model.layers["1"].cost
+    assert cost.wgrad_ms == pytest.approx(2.0)  # row 0: half of 16 ms over 4 micro-batches
+    replay.on_train_batch_start(SimpleNamespace(global_step=1), model, None, 1)
+    assert (cost.bwd_ms, cost.wgrad_ms) == (0.0, 0.0)
+    assert model.layers["0"].cost.wgrad_ms == pytest.approx(2.0)  # a layer still trained keeps its own
