@@ -196,7 +196,7 @@ class TraceReplay(Callback):
         if overhead is not None:
             fwd_s, bwd_s = max(0.0, fwd_s - overhead.fwd_time_s), max(0.0, bwd_s - overhead.bwd_time_s)
         cost.fwd_ms, cost.bwd_ms = 1e3 * fwd_s, 1e3 * bwd_s
-        if split:  # every row sets it: a row whose layer has no weight pass (frozen, exited) sleeps none
+        if split:  # every row sets it: a row whose layer has no weight pass (a frozen one) sleeps none
             cost.wgrad_ms = 1e3 * wgrad_s
 
     @override
