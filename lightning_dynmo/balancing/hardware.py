@@ -210,6 +210,18 @@ class StageCoster:
     Built once per problem and pipeline (stage count and workers), so that a search pricing many
     placements of them reads the records' split, the slowdowns and the links once; a stage's numbers
     are summed in the same order as :func:`stage_times` does, so they are the same floats.
+
+    Attributes:
+        costs: The problem's records, one per layer.
+        fwd: Per layer, its forward weight in the problem's view (seconds, or a third of its parameters).
+        bwd: Per layer, its backward weight likewise.
+        first: The first stage's pinned parts, if any.
+        last: The last stage's pinned parts, if any.
+        extra_fwd: The pinned parts' forward weights (first, then last, those given).
+        extra_bwd: Their backward weights likewise.
+        slowdown: Per stage, its worker's slowdown.
+        links: Per stage boundary, per layer, the send time (``None``: free links, or not the time view).
+        timed: Whether the view is ``"time"`` (weight passes and updates count only then).
     """
 
     costs: Sequence[LayerCost]
@@ -238,6 +250,7 @@ class StageCoster:
 
     @property
     def num_stages(self) -> int:
+        """The stages of the pipeline it was built for."""
         return len(self.slowdown)
 
     def stage(self, stage: int, start: int, end: int) -> StageRow:
