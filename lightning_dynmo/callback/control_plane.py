@@ -1,8 +1,9 @@
 """The callback's exchanges between ranks, a fixed number of collectives whatever the number of ranks.
 
 Read in this order: :func:`exchange_rows` (the per-step row of numbers every rank shares; on gloo a gather
-and a broadcast, not gloo's ring), :func:`pack_events` and :func:`exchange_events` (what every rank saw,
-one more row exchange on the steps that had an event), :func:`broadcast_object` (the decision),
+and a broadcast, not gloo's ring), :class:`EventInbox` (a rank's events until that row, and whether one came
+while its stages computed), :func:`pack_events` and :func:`exchange_events` (what every rank saw, one more
+row exchange on the steps that had an event), :func:`broadcast_object` (the decision),
 :class:`PositionIndex` and :func:`busy_per_position` (the per-step rows reduced per pipeline position with
 tensor ops, no Python loop over ranks; :meth:`PositionIndex.means` skips the reduction when there is
 nothing to reduce), then :func:`keep_recent` (the event and rebalance histories a checkpoint keeps, capped).
@@ -22,8 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_dynmo.events import DynamismEvent
+
 __all__ = [
     "MAX_HISTORY",
+    "EventInbox",
     "PositionIndex",
     "broadcast_object",
     "busy_per_position",
@@ -59,6 +63,41 @@ def exchange_rows(
     gathered = [torch.empty_like(row) for _ in active_ranks]
     dist.all_gather(gathered, row, group=group)
     return torch.stack(gathered).cpu()
+
+
+class EventInbox:
+    """This rank's dynamism events since its last per-step exchange, and whether one came mid-step.
+
+    An event that came before this rank's stages computed anything in a step (from a batch-start hook, or
+    after the previous step's exchange) changed the model that step runs: the step's loads show it. One
+    that came once they had computed (at the optimizer step, at the batch end) shows from the next step.
+    The per-step row carries which, so that when no rank had one mid-step the event is judged on its own
+    step's loads, a step sooner (:meth:`~lightning_dynmo.callback.window.ProfilingWindow.observe_loads`).
+
+    Attributes:
+        events: The events not yet exchanged, oldest first.
+        mid_step: Whether one of them came while this rank's stages were computing.
+        computing: Whether this rank's stages have run in the current step
+            (:attr:`~lightning_dynmo.profiling.StageBusyTimer.ran`); ``None`` (before training starts):
+            every event counts as mid-step.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[DynamismEvent] = []
+        self.mid_step = False
+        self.computing: Callable[[], bool] | None = None
+
+    def add(self, event: DynamismEvent) -> None:
+        """Keep ``event`` (the bus's subscriber) and note whether the stages were computing."""
+        self.events.append(event)
+        self.mid_step = self.mid_step or self.computing is None or self.computing()
+
+    def take(self) -> tuple[bytes, bool]:
+        """The events packed for :func:`exchange_events` and whether one came mid-step; empties the inbox."""
+        packed, mid_step = pack_events([e.to_dict() for e in self.events]), self.mid_step
+        self.events.clear()
+        self.mid_step = False
+        return packed, mid_step
 
 
 def pack_events(events: Sequence[Mapping[str, Any]]) -> bytes:

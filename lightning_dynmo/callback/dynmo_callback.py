@@ -55,12 +55,7 @@ from lightning_dynmo.callback.config import (
     refuse_moved_keywords,
     switched,
 )
-from lightning_dynmo.callback.control_plane import (
-    PositionIndex,
-    exchange_events,
-    exchange_rows,
-    pack_events,
-)
+from lightning_dynmo.callback.control_plane import EventInbox, PositionIndex, exchange_events, exchange_rows
 from lightning_dynmo.callback.decision import DecisionRunner
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
 from lightning_dynmo.callback.measure import CostMeter
@@ -75,8 +70,9 @@ from lightning_dynmo.strategy.view import PipelineView
 log = logging.getLogger(__name__)
 
 # Columns of the per-step rows (control_plane.exchange_rows); _EVENTS: the byte length of the new events.
-# _READY: the deciding rank has a background decision's outcome to broadcast.
-_EVENTS, _BUSY, _STEP, _COST, _SIGTERM, _READY = range(6)
+# _READY: the deciding rank has a background decision's outcome to broadcast. _MID_STEP: one of the rank's
+# events came while its stages computed (control_plane.EventInbox).
+_EVENTS, _BUSY, _STEP, _COST, _SIGTERM, _READY, _MID_STEP = range(7)
 
 
 class DynMoCallback(Callback):
@@ -106,7 +102,9 @@ class DynMoCallback(Callback):
             layers, while the shares stay that close to the ones it predicted for the new placement;
             and while the busiest stage is the first or the last holding a single layer (it cannot be
             lightened; a heavy head does this). By ``time`` a window also waits for one step's loads (at
-            the start, after a move or an event), so these rules can judge it. By ``params``: after a
+            the start, after a move, after an event that came while the stages computed; one published
+            before they computed, as the dynamism callbacks publish at a step's first batch, is judged on
+            its own step), so these rules can judge it. By ``params``: after a
             decision kept the placement, until the next dynamism event (parameter counts change only
             with one). A skipped step costs only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the
@@ -227,7 +225,7 @@ class DynMoCallback(Callback):
         self._resume_window = False  # resumed on another pipeline: profile and rebalance at once
         # Per-run state.
         self._unsubscribe: Callable[[], None] | None = None
-        self._new_events: list[DynamismEvent] = []
+        self._inbox = EventInbox()
         self._pending: RebalanceDecision | None = None
         self._pending_overhead = WindowOverhead()  # what the pending decision's window cost
         self._pending_per_op_s = 0.0  # the runtime's cost per action its predictions included
@@ -289,7 +287,7 @@ class DynMoCallback(Callback):
                 "(or strategy='dynmo')."
             )
         if self._unsubscribe is None:
-            self._unsubscribe = self._bus.subscribe(self._new_events.append)
+            self._unsubscribe = self._bus.subscribe(self._inbox.add)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -298,7 +296,8 @@ class DynMoCallback(Callback):
         self._resolve_memory_capacity(view.root_device)
         layouts = view.repack_layouts()
         self.balance.check_pipeline(view.num_stages, None if layouts is None else list(layouts))
-        self._busy = StageBusyTimer(StepClock(view.root_device))
+        self._busy = busy = StageBusyTimer(StepClock(view.root_device))
+        self._inbox.computing = lambda: busy.ran
         if view.global_rank == view.active_ranks[0]:
             self._decisions.warm()  # the deciding rank's helper process, if any, starts while training does
         saved = self._restored_placement
@@ -580,12 +579,11 @@ class DynMoCallback(Callback):
         # The strategy's SIGTERM flag rides along: the next batch start then needs no collective of its own.
         busy = -1.0 if busy_s is None else busy_s
         sigterm = 0.0 if view.sigterm is None else view.sigterm.flag
-        events = pack_events([e.to_dict() for e in self._new_events])  # their length rides in the row
-        self._new_events.clear()
+        events, mid_step = self._inbox.take()  # their length rides in the row
         # Alone, the row never leaves the host (on a GPU, no copy to the device and back, no synchronise).
         alone = len(view.active_ranks) == 1
         mine = torch.tensor(
-            [float(len(events)), busy, step_s, self._cost_to_share, sigterm, float(self._decisions.ready())],
+            [len(events), busy, step_s, self._cost_to_share, sigterm, self._decisions.ready(), mid_step],
             dtype=torch.float64,
             device=torch.device("cpu") if alone else view.root_device,
         )
@@ -609,7 +607,7 @@ class DynMoCallback(Callback):
         if lows[_BUSY] >= 0:
             self._positions = self._positions or PositionIndex(view.pipeline_rank_of)
             stage_busy = self._positions.means(rows[:, _BUSY], view.active_ranks, view.pipeline_size)
-            self._window.observe_loads(stage_busy, event)
+            self._window.observe_loads(stage_busy, event, shown=event and tops[_MID_STEP] == 0)
             quiet = not self._window.is_open and self._pending is None and not self._decisions.in_flight
             if self.triggers.auto is not None and quiet:
                 self._trigger.observe(stage_busy)  # a window's steps carry hooks and end in a rebalance

@@ -71,10 +71,11 @@ class ProfilingWindow:
         skips it (counted in :attr:`skipped`), or :data:`WAIT` for an event judged one step later.
 
         An every-step window is skipped by :meth:`nothing_to_gain`. So is an event's by time, once a
-        decision has marked the loads: the event's own step may have run the old model, so the first
-        full step after it is measured (:data:`WAIT`: the caller asks again then), and the window opens
-        only if those loads moved away from the mark by :data:`SKIP_DRIFT` or more (and leave
-        ``min_gain`` of headroom, and no pinned end stage is the busiest). An event that leaves the stages'
+        decision has marked the loads, judged on the first step that ran the changed model: the event's
+        own when every event came before its rank's stages computed (a batch-start hook), else the next
+        (:data:`WAIT`: the caller asks again then). The window opens only if those loads moved away from
+        the mark by :data:`SKIP_DRIFT` or more (and leave ``min_gain`` of headroom, and no pinned end
+        stage is the busiest). An event that leaves the stages'
         shares where the last decision saw them would lead to the same decision, so its profiling and
         search are spared. Before any decision an event's window opens at once.
 
@@ -237,10 +238,15 @@ class ProfilingWindow:
         """Some rank had a dynamism event: it may change what the balancer reads."""
         self._params_settled = False
 
-    def observe_loads(self, stage_busy: list[float], event: bool) -> None:
-        """Feed a step's agreed per-stage busy times (an event makes the loads stale instead, keeping the
-        last decision's mark to compare the next step's loads with)."""
+    def observe_loads(self, stage_busy: list[float], event: bool, shown: bool = False) -> None:
+        """Feed a step's agreed per-stage busy times.
+
+        An event restarts the averaged loads, keeping the last decision's mark to compare them with: from
+        this step's loads when they show the change (``shown``: every event came before its rank's stages
+        computed, :class:`~lightning_dynmo.callback.control_plane.EventInbox`), else from the next step's.
+        """
         if event:
-            self.stage_loads.stale()  # the model changed in this step: its loads may describe the old one
-        else:
-            self.stage_loads.update(stage_busy)
+            self.stage_loads.stale()
+            if not shown:
+                return  # the model changed while this step ran: its loads may describe the old one
+        self.stage_loads.update(stage_busy)

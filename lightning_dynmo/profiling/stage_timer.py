@@ -79,6 +79,12 @@ class StageBusyTimer:
         self._saved.clear()
         self._stages = ()
 
+    @property
+    def ran(self) -> bool:
+        """Whether a watched stage has run a chunk method in this step so far (since :meth:`begin_step`;
+        ``False`` between :meth:`end_step` and the next :meth:`begin_step`)."""
+        return bool(self._intervals)
+
     def begin_step(self) -> None:
         """Start counting a step."""
         self._intervals.clear()
@@ -102,6 +108,7 @@ class StageBusyTimer:
             return sum(self._clock.elapsed_s(a, b) for a, b in previous)
         self._pending = None
         if not self._valid:
+            self._intervals.clear()
             return None
         self._clock.synchronize()
         busy = sum(self._clock.elapsed_s(a, b) for a, b in self._intervals)

@@ -161,7 +161,7 @@ def test_autofreeze_events_drive_dynmo_and_training_equals_single_process(tmp_pa
     assert state_diff(results, fewer) > 1e-4
 
 
-def test_with_skip_balanced_a_later_event_waits_one_measured_step_then_decides_or_is_skipped(
+def test_with_skip_balanced_a_later_event_is_judged_on_its_own_step_then_decides_or_is_skipped(
     tmp_path: Path,
 ) -> None:
     run = FreezeRun(config=FreezingConfig(check_every=2), dynmo=True, skip_balanced=True, steps=10)
@@ -170,15 +170,17 @@ def test_with_skip_balanced_a_later_event_waits_one_measured_step_then_decides_o
     assert_equal_to_reference(results, ref, ref["losses"])
     for res in results:
         first, *later = sorted({step for kind, _, step in res["events"] if kind == "frozen"})
-        judged = [s for s in later if s + 3 < run.steps]
+        judged = [s for s in later if s + 2 < run.steps]
         assert judged, f"the run must have an event after the first decision (events at {[first, *later]})"
         decided = [(r["step"], r["reason"]) for r in res["rebalances"]]
         # Before any decision an event's window opens at once (profile, decide, apply two steps later).
         assert decided[0] == (first + 2, "event")
-        # After it, each event's first full step is measured; then its window opens (a decision three
-        # steps after the event) or the stage shares stayed where the decision left them (a skip). The
-        # ranks agree on which (the same decisions above; the skip counts below).
-        assert all(r == "event" and s - 3 in judged for s, r in decided[1:]), decided
+        # After it, the event's own step is judged (FreezingCallback freezes and publishes at the step's
+        # first batch, before the stages compute: the step ran the changed model); then its window opens
+        # (a decision two steps after the event, three when it came mid-step) or the stage shares stayed
+        # where the decision left them (a skip). The ranks agree on which (the same decisions above; the
+        # skip counts below).
+        assert all(r == "event" and s - 2 in judged for s, r in decided[1:]), decided
         assert len(decided) - 1 + res["skipped_windows"] == len(judged), (decided, res["skipped_windows"])
     assert len({res["skipped_windows"] for res in results}) == 1
 

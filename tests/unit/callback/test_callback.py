@@ -170,7 +170,7 @@ def test_events_are_collected_from_the_injected_bus_until_teardown():
     trainer = SimpleNamespace(strategy=DynMoStrategy())
     callback.setup(trainer, None, "fit")  # type: ignore[arg-type]
     bus.publish(DynamismEvent("frozen", (0,)))
-    assert callback._new_events == [DynamismEvent("frozen", (0,))]
+    assert callback._inbox.events == [DynamismEvent("frozen", (0,))]
     callback.teardown(trainer, None, "fit")  # type: ignore[arg-type]
     assert bus.num_subscribers == 0
 

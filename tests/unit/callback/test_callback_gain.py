@@ -8,6 +8,7 @@ dynamism events and rebalances.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -133,7 +134,7 @@ def test_measured_gain_is_against_the_steps_right_before_the_rebalance(forget_th
         callback._gain.cost_changed = lambda: None  # type: ignore[method-assign]  # the bug as it was
     for step in range(4):
         if step == 3:
-            callback._new_events.append(DynamismEvent("custom", (1,), step, "early exit"))
+            callback._inbox.add(DynamismEvent("custom", (1,), step, "early exit"))
         _step(callback, trainer, layer, clock, 1.0)
     assert not callback._window.is_open and callback._trigger._pending_event
     for seconds in (3.0, 0.9, 0.9, 0.9):  # the window: warm-up, then three measured steps
@@ -210,3 +211,49 @@ def test_after_misses_a_move_needs_the_shortfall_on_top_of_min_gain(monkeypatch:
     callback.trust.observe(0.10, 0.03)  # two misses: shortfalls 0.09 and 0.07
     callback._decision_call(view, costs, Hardware(), 20, None)[0]()  # type: ignore[arg-type]
     assert seen == [pytest.approx(0.02), pytest.approx(0.02 + 0.08)]
+
+
+class KeptDecision(ScriptedDecision):
+    """The scripted decision keeps the placement: the loads it saw are marked for the skip rule."""
+
+    def _close_window(self, trainer: Any, view: Any, batch: Any) -> None:
+        super()._close_window(trainer, view, batch)
+        assert self._pending is not None
+        self._pending = dataclasses.replace(self._pending, apply=False)
+
+
+@pytest.mark.parametrize("mid_step", [False, True])
+def test_an_event_before_the_stages_compute_is_judged_a_step_sooner(mid_step: bool) -> None:
+    # One stage (nothing to gain: every judged event is skipped). After a decision that kept the placement,
+    # an event published before the stage computes (a batch-start hook) is judged at the next step's start;
+    # one published once it computed (at the optimizer step) a step later, on a step that ran the change.
+    clock = FakeClock()
+    callback, trainer, layer = _setup(clock)
+    callback.__class__ = KeptDecision
+    compute = lambda: layer(torch.randn(2, 4)).sum().backward()  # noqa: E731
+    stage = SimpleNamespace(forward_one_chunk=compute, submod=nn.Module())
+    trainer.strategy.pipeline_stages = [stage]
+    callback._inbox.computing = lambda: callback._busy.ran
+
+    def step(event: bool) -> None:
+        callback.on_train_batch_start(trainer, None, None, trainer.global_step)  # type: ignore[arg-type]
+        if event and not mid_step:
+            callback._inbox.add(DynamismEvent("frozen", (0,), trainer.global_step))
+        stage.forward_one_chunk()
+        if event and mid_step:
+            callback._inbox.add(DynamismEvent("frozen", (0,), trainer.global_step))
+        clock.now += 1.0
+        callback.on_train_batch_end(trainer, None, None, None, trainer.global_step)  # type: ignore[arg-type]
+        trainer.global_step += 1
+
+    step(event=True)  # the first event: its window opens at once (1 warm-up + 3 steps), nothing to judge
+    for _ in range(5):
+        step(event=False)
+    assert [r.applied for r in callback.rebalances] == [False] and callback._window.stage_loads.marked
+    step(event=True)
+    skipped_at = []
+    for _ in range(3):
+        step(event=False)
+        skipped_at.append(callback.skipped_windows)
+    assert skipped_at == ([0, 1, 1] if mid_step else [1, 1, 1])
+    assert not callback._window.is_open and len(callback.rebalances) == 1

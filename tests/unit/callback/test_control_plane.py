@@ -7,12 +7,14 @@ import torch
 
 from lightning_dynmo.callback.control_plane import (
     MAX_HISTORY,
+    EventInbox,
     PositionIndex,
     busy_per_position,
     exchange_events,
     keep_recent,
     pack_events,
 )
+from lightning_dynmo.events import DynamismEvent
 
 
 def _loop_means(busy: list[float], positions: list[int], size: int) -> list[float]:
@@ -86,6 +88,23 @@ def test_exchange_events_without_a_group_keeps_distinct_events_in_order() -> Non
 def test_exchange_events_refuses_sizes_that_do_not_match_the_ranks() -> None:
     with pytest.raises(ValueError, match=r"sizes has 1 entries for 2 active ranks"):
         exchange_events(b"", [0], [0, 1], None)
+
+
+def test_the_inbox_says_whether_an_event_came_while_the_stages_computed() -> None:
+    inbox, computing = EventInbox(), [False]
+    inbox.add(DynamismEvent("frozen", (0,)))
+    assert inbox.mid_step  # before training starts nothing says when the stages compute
+    assert inbox.take()[1] and inbox.events == [] and not inbox.mid_step
+    inbox.computing = lambda: computing[0]
+    inbox.add(DynamismEvent("pruned", (1,)))  # a batch-start hook: the stages have not run yet
+    packed, mid_step = inbox.take()
+    assert not mid_step
+    assert exchange_events(packed, [len(packed)], [0], None) == [DynamismEvent("pruned", (1,)).to_dict()]
+    inbox.add(DynamismEvent("pruned", (2,)))
+    computing[0] = True
+    inbox.add(DynamismEvent("routing", (3,)))  # at the optimizer step: one mid-step event marks them all
+    assert inbox.take()[1]
+    assert inbox.take() == (b"", False)
 
 
 def test_keep_recent_drops_the_oldest() -> None:

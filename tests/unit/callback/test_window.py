@@ -83,6 +83,22 @@ def test_after_a_decision_an_event_that_leaves_the_shares_is_skipped_after_one_m
     assert window.admit("event", (2, 2, 2)) == "event" and window.skipped == 1 and window.news is None
 
 
+def test_an_event_its_own_step_ran_is_judged_on_that_steps_loads() -> None:
+    window = _window()
+    window.observe_loads([2.0, 2.0, 2.2], event=False)
+    window.decided(False)
+    window.observe_loads([1.8, 1.8, 2.0], event=True, shown=True)  # the step ran the changed model
+    assert window.admit("event", (2, 2, 2)) is None and window.skipped == 1  # the shares stayed: no wait
+    window.observe_loads([1.0, 2.0, 4.0], event=True, shown=True)  # this one moved them: opens at once
+    assert window.admit("event", (2, 2, 2)) == "event" and window.skipped == 1
+    # Negative control: the same loads from a step the event came in the middle of are not judged.
+    late = _window()
+    late.observe_loads([2.0, 2.0, 2.2], event=False)
+    late.decided(False)
+    late.observe_loads([1.0, 2.0, 4.0], event=True, shown=False)
+    assert late.admit("event", (2, 2, 2)) == WAIT
+
+
 def test_event_windows_are_never_skipped_by_params_or_without_skip_balanced() -> None:
     for window in (
         _window(skip=False),

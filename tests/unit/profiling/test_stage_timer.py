@@ -50,6 +50,24 @@ def test_busy_time_excludes_waiting():
     assert timer.end_step() == 6.0
 
 
+def test_ran_says_whether_the_stages_computed_in_this_step_yet():
+    clock = FakeClock()
+    stage = FakeStage(clock, fwd_s=1.0, bwd_s=2.0)
+    timer = StageBusyTimer(clock)
+    timer.watch([stage])
+    timer.begin_step()
+    assert not timer.ran  # a batch-start hook runs here, before any chunk
+    stage.forward_one_chunk(0)
+    assert timer.ran
+    stage.backward_one_chunk(0)
+    timer.end_step()
+    assert not timer.ran  # between one step's end and the next step's first chunk
+    timer.begin_step()
+    timer.watch([FakeStage(clock, 1.0, 1.0)])  # rebuilt: this step is dropped, and says nothing ran after
+    stage.forward_one_chunk(1)  # the old stage has its own methods back: not timed
+    assert not timer.ran and timer.end_step() is None and not timer.ran
+
+
 def test_rebuilt_stages_are_followed_and_a_half_watched_step_is_dropped():
     clock = FakeClock()
     old, new = FakeStage(clock, 1.0, 1.0), FakeStage(clock, 3.0, 3.0)
