@@ -287,7 +287,12 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
     split one). The profile times both kinds at once: alike layers (equal, non-zero parameter counts)
     measured on the first stage and elsewhere. A split record counts only with its weight-gradient part
     timed: a frozen layer of the same size has none (its backward is the input gradient alone), and
-    beside trainable ones it would read as a cheaper backward. Per group of alike layers holding both
+    beside trainable ones it would read as a cheaper backward. A whole record counts only if its backward
+    is at least the input-gradient pass alone of the group's split records (the median of theirs): a
+    whole pass that does less cannot have done a weight gradient, so its layer is frozen (or skips its
+    work) and is not alike either; counted, a frozen layer at the front of the first stage beside one
+    trainable layer made a trainable layer's whole backward read 0.05x its split one, and the step model
+    then put trainable layers on the first stage as if nearly free. Per group of alike layers holding both
     kinds, the median backward / forward of the whole ones over that of the split ones; the median over
     such groups.
 
@@ -297,15 +302,20 @@ def whole_backward_ratio(costs: Sequence[LayerCost]) -> float:
         compare: a schedule that does not split backward, a first stage without such a layer,
         parameter-free layers).
     """
-    groups: dict[int, tuple[list[float], list[float]]] = {}
+    groups: dict[int, tuple[list[float], list[float], list[float]]] = {}
     for c in costs:
         if c.num_params > 0 and c.fwd_time_s > 0 and c.bwd_time_s > 0:
-            whole, split = groups.setdefault(c.num_params, ([], []))
+            whole, split, input_part = groups.setdefault(c.num_params, ([], [], []))
             if _ran_whole(c):
                 whole.append(c.bwd_time_s / c.fwd_time_s)
             elif c.bwd_weight_time_s > 0:  # no weight pass timed: a frozen layer, not alike
                 split.append(c.bwd_time_s / c.fwd_time_s)
-    ratios = [median(whole) / median(split) for whole, split in groups.values() if whole and split]
+                input_part.append((c.bwd_time_s - c.bwd_weight_time_s) / c.fwd_time_s)
+    ratios = []
+    for whole, split, input_part in groups.values():
+        did_weights = [w for w in whole if split and w >= median(input_part)]
+        if did_weights:
+            ratios.append(median(did_weights) / median(split))
     return min(1.0, median(ratios)) if ratios else 1.0
 
 

@@ -63,6 +63,17 @@ def test_without_alike_layers_measured_both_ways_the_ratio_is_one():
     assert whole_backward_ratio([_cost(1, 3, 3, 10), _cost(1, 2, 1, 10)]) == 1.0  # 1.5 measured: noise
 
 
+def test_a_whole_backward_shorter_than_the_input_gradient_alone_does_not_count():
+    # The first stage: one trainable block measured whole (bwd/fwd 2) behind two frozen ones whose whole
+    # backward is a sliver (0.05); elsewhere trainable blocks split 2.5 with an input part of 1.5.
+    first = [_cost(1, 0.05, 0.05, 10), _cost(1, 0.05, 0.05, 10), _cost(1, 2, 2, 10)]
+    elsewhere = [_cost(1, 2.5, 1, 10)] * 3
+    assert whole_backward_ratio([*first, *elsewhere]) == pytest.approx(0.8)
+    # (Counted, the frozen ones' median would set it: 0.05 / 2.5 = 0.02, as before this rule.)
+    # Only frozen ones measured whole: nothing alike to compare, the ratio stays 1.
+    assert whole_backward_ratio([*first[:2], *elsewhere]) == 1.0
+
+
 def test_frozen_layers_of_the_same_size_do_not_count_as_split_ones():
     # Trainable blocks: whole bwd/fwd 2 (first stage), split 2.5 (weight part timed): 0.8. Frozen blocks
     # of the same size elsewhere run no weight pass (bwd/fwd 1, weight part 0).
