@@ -159,7 +159,7 @@ class _Harness:
         self.callback = DynMoCallback(
             balancer="partition", event_bus=self.bus, profiling=ProfilingConfig(measure_comm=False)
         )
-        self.callback._unsubscribe = self.bus.subscribe(self.callback._new_events.append)
+        self.callback._unsubscribe = self.bus.subscribe(self.callback._inbox.add)
         self.sigterm = SigtermAgreement(forward=None)
         active = tuple(range(world))
         view = PipelineView(

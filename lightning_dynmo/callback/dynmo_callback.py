@@ -59,7 +59,7 @@ from lightning_dynmo.callback.control_plane import EventInbox, PositionIndex, ex
 from lightning_dynmo.callback.decision import DecisionRunner
 from lightning_dynmo.callback.history import DecisionRecord, RebalanceHistory, WindowOverhead
 from lightning_dynmo.callback.measure import CostMeter
-from lightning_dynmo.callback.window import WAIT, ProfilingWindow
+from lightning_dynmo.callback.window import ProfilingWindow, window_reason
 from lightning_dynmo.events import DynamismEvent, EventBus, default_bus
 from lightning_dynmo.pipeline import schedule_order
 from lightning_dynmo.profiling import ProfileResult, StageBusyTimer
@@ -336,12 +336,9 @@ class DynMoCallback(Callback):
         step = trainer.global_step
         if not self._window.is_open and not self._decisions.in_flight and step != self._last_checked_step:
             self._last_checked_step = step
-            reason = "resume" if self._resume_window else self._trigger.check(step)
+            sizes, resume = view.placement.sizes, self._resume_window
+            reason = window_reason(self._window, self._trigger, step, sizes, resume)
             self._resume_window = False
-            reason = self._window.admit(reason, view.placement.sizes)
-            if reason == WAIT:
-                self._trigger.notify_event()  # the event is judged on the loads of its next step
-                reason = None
             if self._window.news and view.global_rank == view.active_ranks[0]:
                 log.info(self._window.news)
             if self.trust.stopped and reason not in (None, "resume"):

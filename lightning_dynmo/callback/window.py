@@ -14,11 +14,12 @@ from typing import Any
 
 from lightning_dynmo.balancing.gain import StepPhase
 from lightning_dynmo.balancing.headroom import StageLoadAverage, pinned_bottleneck
+from lightning_dynmo.balancing.trigger import RebalanceTrigger
 from lightning_dynmo.pipeline import part_modules
 from lightning_dynmo.profiling import LayerProfiler, ProfileResult
 from lightning_dynmo.strategy.view import PipelineView
 
-__all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "WAIT", "ProfilingWindow"]
+__all__ = ["ACTIVATION_REFRESH_STEPS", "SKIP_DRIFT", "WAIT", "ProfilingWindow", "window_reason"]
 
 #: Every-step windows reuse a layer's activation sizes measured on this rank at most this many steps ago.
 ACTIVATION_REFRESH_STEPS = 100
@@ -250,3 +251,34 @@ class ProfilingWindow:
             if not shown:
                 return  # the model changed while this step ran: its loads may describe the old one
         self.stage_loads.update(stage_busy)
+
+
+def window_reason(
+    window: ProfilingWindow, trigger: RebalanceTrigger, step: int, sizes: Sequence[int], resume: bool
+) -> str | None:
+    """Why a window opens at ``step``, or ``None``: the trigger's reason as :meth:`ProfilingWindow.admit`
+    judges it (``resume``: the run resumed on another pipeline, a window at once).
+
+    An event that ``admit`` skips, or defers to the loads of its next step (:data:`WAIT`: the trigger is
+    re-armed), leaves a reason of lower priority due at this step its window: a period of
+    ``every_n_steps`` opens as it would have without the event. The skip's news is kept.
+
+    Args:
+        window: The rank's profiling windows (closed).
+        trigger: The rank's trigger, asked once, or twice after such an event.
+        step: The global step starting.
+        sizes: Layers per stage of the running placement.
+        resume: Whether to open a window for a resume.
+    """
+    reason = "resume" if resume else trigger.check(step)
+    admitted = window.admit(reason, sizes)
+    if reason != "event" or admitted not in (None, WAIT):
+        return admitted
+    news, other = window.news, trigger.check(step)  # the event is taken: what else is due now
+    if admitted == WAIT:
+        trigger.notify_event()  # judged on the loads of the step after this one
+    if other is None:
+        return None
+    admitted = window.admit(other, sizes)
+    window.news = window.news or news
+    return admitted

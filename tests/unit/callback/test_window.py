@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from lightning_dynmo.callback.window import SKIP_DRIFT, WAIT, ProfilingWindow
+from lightning_dynmo.balancing.trigger import RebalanceTrigger, TriggerConfig
+from lightning_dynmo.callback.window import SKIP_DRIFT, WAIT, ProfilingWindow, window_reason
 
 
 def _window(skip: bool = True) -> ProfilingWindow:
@@ -119,3 +120,24 @@ def test_admit_keeps_the_every_step_rule() -> None:
     assert window.admit("every_step", (2, 2, 2)) == "every_step"  # 53% headroom, no decision yet
     assert window.admit("period", (2, 3, 1)) == "period" and window.admit(None, (2, 2, 2)) is None
     assert window.skipped == 2
+
+
+def test_an_event_skipped_or_deferred_leaves_a_due_period_its_window() -> None:
+    def judged(shown: bool) -> tuple[ProfilingWindow, RebalanceTrigger]:
+        window, trigger = _window(), RebalanceTrigger(TriggerConfig(every_n_steps=3, on_events=True))
+        window.observe_loads([2.0, 2.0, 2.2], event=False)
+        window.decided(False)
+        window.observe_loads([1.8, 1.8, 2.0], event=True, shown=shown)  # the shares stay where marked
+        trigger.notify_event()
+        return window, trigger
+
+    window, trigger = judged(shown=True)  # skipped at once
+    assert window_reason(window, trigger, 3, (2, 2, 2), resume=False) == "period"
+    assert window.skipped == 1 and "window is skipped" in (window.news or "")
+    window, trigger = judged(shown=False)  # deferred a step, and still pending
+    assert window_reason(window, trigger, 3, (2, 2, 2), resume=False) == "period"
+    assert trigger.check(4) == "event"
+    # Off a period step the skipped event opens nothing; a resume opens at once.
+    window, trigger = judged(shown=True)
+    assert window_reason(window, trigger, 4, (2, 2, 2), resume=False) is None and window.skipped == 1
+    assert window_reason(window, trigger, 4, (2, 2, 2), resume=True) == "resume"
