@@ -15,13 +15,20 @@ lists hundreds of times with only the stage times changed. Which actions its loo
 only on which results exist, never on how long anything took, so that order is found once; a step is then
 one pass in it, each action starting at the latest of its rank's previous action and its dependencies
 (plus the link where they run on another rank). Same arithmetic in the same order, so the same numbers.
+
+A search runs that pass hundreds of times per decision, so after :data:`GENERATE_AFTER` runs of a loop over
+the plan the pass becomes Python source generated for these lists (:func:`_runner_source`: one line per
+action, each end time a local variable), about 3x faster; compiling it costs about as much as that many
+loop runs, so a pass used once never pays for it. Lists of more than :data:`GENERATED_MAX_ACTIONS`
+actions keep the loop. Both make the same comparisons and additions in the same order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_dynmo.balancing.schedule_model import (
     KINDS,
@@ -35,6 +42,12 @@ from lightning_dynmo.balancing.schedule_model import (
 )
 
 _SLOT = {kind: i for i, kind in enumerate(KINDS)}
+
+#: Runs of the loop after which a pass switches to its generated source (compiling that source costs
+#: about as long as this many loop runs: about 23 us against 0.12 us per action here).
+GENERATE_AFTER = 200
+#: Lists of up to this many actions may run generated source (:func:`_runner_source`); longer ones the loop.
+GENERATED_MAX_ACTIONS = 20_000
 
 
 #: One action in evaluation order: its duration slot (4 * stage + kind), the index of its rank's previous
@@ -59,6 +72,7 @@ class CompiledSchedule:
     _plan: tuple[_Step, ...]
     _rank_slots: tuple[tuple[int, ...], ...]  # per rank, its actions' duration slots in its order
     _kinds: tuple[tuple[str, ...], ...]  # per stage, the kinds its actions use
+    _pass: _Pass = field(compare=False, repr=False)  # the step's pass over _plan
 
     @classmethod
     def build(cls, actions: Sequence[Sequence[Action]], num_stages: int) -> CompiledSchedule:
@@ -84,7 +98,8 @@ class CompiledSchedule:
         kinds = tuple(tuple(sorted({k for s, k, _ in index if s == stage})) for stage in range(num_stages))
         rank_of = tuple(owner.get(s, -1) for s in range(num_stages))
         slots = tuple(tuple(4 * s + _SLOT[k] for s, k, _ in acts) for acts in lists)
-        return cls(num_stages, len(lists), rank_of, tuple(steps), slots, kinds)
+        plan = tuple(steps)
+        return cls(num_stages, len(lists), rank_of, plan, slots, kinds, _Pass(plan, num_stages))
 
     def step(
         self, stage_times: Sequence[StageTimes], links: float | Sequence[LinkTime] = 0.0
@@ -104,18 +119,11 @@ class CompiledSchedule:
         self, durations: Sequence[float], links: float | Sequence[LinkTime] = 0.0
     ) -> tuple[float, tuple[float, ...]]:
         """:meth:`step` from :meth:`durations` already computed (a search keeps each stage's apart)."""
-        link = _link_slots(links, self.num_stages)  # slot -1: its last entry, 0 (same rank)
-        end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
-        for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
-            start = end[previous]
-            ready = end[dep1] + link[link1]
-            if ready > start:
-                start = ready
-            ready = end[dep2] + link[link2]
-            if ready > start:
-                start = ready
-            end[i] = start + durations[slot]
-        return max(end), self.busy(durations)
+        return self.end(durations, links), self.busy(durations)
+
+    def end(self, durations: Sequence[float], links: float | Sequence[LinkTime] = 0.0) -> float:
+        """The step alone (:meth:`run`'s first value)."""
+        return self._pass(durations, _link_slots(links, self.num_stages))
 
     def busiest(self, stage_times: Sequence[StageTimes]) -> float:
         """The longest of the ranks' busy times, without the pass: no step is shorter, since a rank runs
@@ -179,6 +187,73 @@ def _resolved(
             slot = boundary if found[1] == "F" else num_stages - 1 + boundary
         out.append((index[found], slot))
     return tuple(out)
+
+
+class _Pass:
+    """The step's pass over a plan: a loop over it for the first :data:`GENERATE_AFTER` runs, then its
+    generated source (lists of up to :data:`GENERATED_MAX_ACTIONS` actions)."""
+
+    def __init__(self, plan: tuple[_Step, ...], num_stages: int) -> None:
+        self._plan, self._num_stages = plan, num_stages
+        self._runs = 0
+        self._generated: Callable[[Sequence[float], Sequence[float]], float] | None = None
+
+    def __call__(self, durations: Sequence[float], link: Sequence[float]) -> float:
+        """The step from the duration slots and ``link`` (:func:`_link_slots`'s list)."""
+        if self._generated is not None:
+            return self._generated(durations, link)
+        self._runs += 1
+        if self._runs > GENERATE_AFTER and len(self._plan) <= GENERATED_MAX_ACTIONS:
+            namespace: dict[str, Any] = {}
+            source = _runner_source(self._plan, self._num_stages)
+            exec(compile(source, "<compiled schedule>", "exec"), namespace)  # source of our own: no input
+            self._generated = namespace["run"]
+            return self(durations, link)
+        return self.loop(durations, link)
+
+    def loop(self, durations: Sequence[float], link: Sequence[float]) -> float:
+        """The step by a loop over the plan."""
+        end = [0.0] * (len(self._plan) + 1)  # index -1: the sentinel 0 (no such action)
+        for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(self._plan):
+            start = end[previous]
+            ready = end[dep1] + link[link1]
+            if ready > start:
+                start = ready
+            ready = end[dep2] + link[link2]
+            if ready > start:
+                start = ready
+            end[i] = start + durations[slot]
+        return max(end)
+
+
+def _runner_source(plan: Sequence[_Step], num_stages: int) -> str:
+    """Python source of ``run(durations, links)``: :meth:`_Pass.loop` over ``plan`` unrolled, one action a
+    line (or four), each end time a local ``e<index>``.
+
+    A dependency on no action (index -1, the loop's sentinel 0 s) is left out, since no start is below 0;
+    so is a link slot -1 (0 s: ``x + 0.0 == x``). The step is the latest end among each rank's last
+    actions: an action never ends before its rank's previous one (durations are >= 0)."""
+    slots = ", ".join(f"d{i}" for i in range(4 * num_stages))
+    links = ", ".join(f"l{i}" for i in range(2 * (num_stages - 1)))
+    lines = ["def run(durations, links):", f"    {slots}, = durations"]
+    if links:
+        lines.append(f"    {links}, _ = links")
+    followed: set[int] = set()
+    for i, (slot, previous, dep1, link1, dep2, link2) in enumerate(plan):
+        followed.add(previous)
+        deps = ((dep1, link1), (dep2, link2))
+        ready = [f"e{d}" + (f" + l{k}" if k >= 0 else "") for d, k in deps if d >= 0]
+        start = f"e{previous}" if previous >= 0 else "0.0"
+        if not ready:
+            lines.append(f"    e{i} = {start} + d{slot}")
+            continue
+        lines.append(f"    s = {start}")
+        for term in ready:
+            lines += [f"    r = {term}", "    if r > s:", "        s = r"]
+        lines.append(f"    e{i} = s + d{slot}")
+    lasts = [f"e{i}" for i in range(len(plan)) if i not in followed]
+    lines.append(f"    return max(0.0, {', '.join(lasts)})" if lasts else "    return 0.0")
+    return "\n".join(lines) + "\n"
 
 
 def _link_slots(links: float | Sequence[LinkTime], num_stages: int) -> list[float]:

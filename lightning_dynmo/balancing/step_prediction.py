@@ -249,7 +249,7 @@ class StepPredictor:
         bound = max(self._compiled.busy(durations), default=0.0) + update
         if bound >= time_s + abs(time_s) * _BOUND_MARGIN:
             return bound
-        return self._compiled.run(durations)[0] + update
+        return self._compiled.end(durations) + update
 
     def _inputs(self, placement: Placement) -> tuple[list[StageRow], list[float]]:
         """Per stage its :class:`StageCoster` row, and the duration slots of all stages."""

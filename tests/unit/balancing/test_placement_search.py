@@ -1,7 +1,9 @@
 """The placement search by the schedule's step, and the compiled step it scores placements with.
 
 - The compiled step equals :func:`simulate_step` (its reference) on hand-written action lists, V-shaped
-  and split-backward ones included, with random times and links; bad lists fail alike.
+  and split-backward ones included, with random times and links, by its loop and by its generated pass
+  (which takes over after ``GENERATE_AFTER`` runs, up to ``GENERATED_MAX_ACTIONS`` actions); bad lists
+  fail alike. Negative control: the generated source of a plan missing one dependency gives other steps.
 - The local search (forced by a budget below the number of placements) never returns a placement slower
   than the proposal, and on small cases equals the brute-force optimum over every placement (enumerated
   here); the min-max partition it starts from is strictly slower on a constructed case (the negative
@@ -19,10 +21,18 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
+from lightning_dynmo.balancing import (
+    BalanceProblem,
+    Hardware,
+    LayerCost,
+    Placement,
+    compiled_schedule,
+    partition,
+)
 from lightning_dynmo.balancing.compiled_schedule import CompiledSchedule
 from lightning_dynmo.balancing.schedule_model import Action, LinkTime, StageTimes, simulate_step
 from lightning_dynmo.balancing.step_prediction import (
@@ -74,8 +84,12 @@ def random_times(draw: random.Random, stages: int) -> list[StageTimes]:
     ]
 
 
+@pytest.mark.parametrize("generate_after", [0, 10**9], ids=["generated pass", "loop"])
 @pytest.mark.parametrize("lists", [one_f_one_b, v_split], ids=["1F1B", "V split"])
-def test_the_compiled_step_equals_simulate_step(lists: Callable[[int, int], list[list[Action]]]) -> None:
+def test_the_compiled_step_equals_simulate_step(
+    lists: Callable[[int, int], list[list[Action]]], generate_after: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compiled_schedule, "GENERATE_AFTER", generate_after)
     draw = random.Random(7)
     for stages, m in ((2, 1), (4, 3), (6, 5), (8, 4)):
         actions = lists(stages, m)
@@ -88,6 +102,42 @@ def test_the_compiled_step_equals_simulate_step(lists: Callable[[int, int], list
                 step, busy = compiled.step(times, link)
                 assert step == reference.step_time_s
                 assert busy == reference.rank_busy_s
+
+
+def test_the_pass_is_generated_after_its_runs_and_keeps_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_schedule, "GENERATE_AFTER", 3)
+    monkeypatch.setattr(compiled_schedule, "GENERATED_MAX_ACTIONS", 72)  # v_split(6, 4): 72 actions
+    draw = random.Random(3)
+    short, long = v_split(6, 4), v_split(8, 4)
+    compiled, loop_only = CompiledSchedule.build(short, 6), CompiledSchedule.build(long, 8)
+    for run in range(6):
+        link = draw.uniform(0, 1)
+        times = random_times(draw, 8)
+        assert compiled.step(times[:6], link)[0] == simulate_step(short, times[:6], link).step_time_s
+        assert loop_only.step(times, link)[0] == simulate_step(long, times, link).step_time_s
+        assert (compiled._pass._generated is not None) == (run >= 3)
+    assert loop_only._pass._generated is None  # more actions than GENERATED_MAX_ACTIONS: the loop only
+
+
+def test_a_generated_pass_missing_a_dependency_gives_another_step() -> None:
+    """The negative control of the equivalence above: the same source built from a plan with one
+    cross-rank dependency dropped no longer equals simulate_step."""
+    draw, actions = random.Random(5), one_f_one_b(4, 3)
+    compiled = CompiledSchedule.build(actions, 4)
+    plan = list(compiled._plan)
+    i = next(i for i, step in enumerate(plan) if step[2] >= 0 and step[3] >= 0)
+    plan[i] = (plan[i][0], plan[i][1], -1, -1, plan[i][4], plan[i][5])
+    namespace: dict[str, Any] = {}
+    exec(compile(compiled_schedule._runner_source(plan, 4), "<test>", "exec"), namespace)
+    differs = 0
+    for _ in range(10):
+        times = random_times(draw, 4)
+        link = compiled_schedule._link_slots(0.5, 4)
+        durations = compiled.durations(times)
+        exact = namespace["run"](durations, compiled_schedule._link_slots(0.5, 4))
+        differs += exact != simulate_step(actions, times, 0.5).step_time_s
+        assert compiled._pass.loop(durations, link) == simulate_step(actions, times, 0.5).step_time_s
+    assert differs > 0
 
 
 def test_the_compiled_step_rejects_what_simulate_step_rejects() -> None:
