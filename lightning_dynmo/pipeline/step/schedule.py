@@ -5,8 +5,8 @@ layout), :func:`build_pipeline` (everything one rank needs for a placement: one
 :class:`~lightning_dynmo.pipeline.step.stage.StageModule` per stage, torch ``PipelineStage`` objects and a
 schedule) and :func:`run_schedule_step` (one forward + backward over all micro-batches).
 
-Building is cheap (about a millisecond), so after a migration or a batch-shape change the whole
-pipeline is rebuilt instead of being patched in place.
+Building is cheap (about a millisecond once the schedule's lowering is known: :mod:`.lowering`), so after
+a migration or a batch-shape change the whole pipeline is rebuilt instead of being patched in place.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from lightning_dynmo.pipeline.placement.layout import StageStyle, stages_of_pipe
 from lightning_dynmo.pipeline.step.aux_loss import AuxLossRecord, collect_aux_losses
 from lightning_dynmo.pipeline.step.boundaries import BoundaryRecorder, StageTensors
 from lightning_dynmo.pipeline.step.gradless import guard_gradless_inputs
+from lightning_dynmo.pipeline.step.lowering import with_cached_lowering
 from lightning_dynmo.pipeline.step.stage import PipelineLoss, StageModule, guard_shape_inference
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,8 @@ def build_pipeline(
     try:
         if schedule.stages_per_rank == 1:
             built = schedule.cls(stages[0], **kwargs)  # type: ignore[arg-type]
-        else:
-            built = schedule.cls(stages, **kwargs)  # type: ignore[arg-type]
+        else:  # a rebuild after a migration lowers the same lists: looked up (.lowering)
+            built = with_cached_lowering(schedule.cls)(stages, **kwargs)
     except ValueError as err:
         raise ValueError(
             f"num_microbatches={num_microbatches} is rejected by schedule {schedule.name!r} with "
