@@ -223,7 +223,7 @@ class _Search:
         memory = totals if self.capped else None
         current = self._score(loads, memory)
         pl, pm, owner = self.model.prefix_load, self.model.prefix_memory, self.owner
-        factor, comm = self.model.factor, self.model.comm
+        factor, comm, eps = self.model.factor, self.model.comm, self.eps
         while True:
             best: tuple[list[tuple[int, int]], list[float], list[float] | None] | None = None
             best_score = current
@@ -241,8 +241,10 @@ class _Search:
                         dm = pm[y] - pm[x]
                         new_memory[owner[i - 1]] += dm
                         new_memory[owner[i]] -= dm
+                if new_memory is None and max(new_loads) > best_score[1] + eps:
+                    continue  # nothing overflows and the heaviest worker got heavier: _better says no
                 score = self._score(new_loads, new_memory)
-                if _better(score, best_score, self.eps):
+                if _better(score, best_score, eps):
                     best, best_score = (changes, new_loads, new_memory), score
             if best is None:
                 return b
