@@ -2,6 +2,8 @@
 
 - :mod:`.stage`: the module one stage runs and how the stage interface reaches its blocks.
 - :mod:`.schedule`: build this rank's stages and one torch schedule, and run a step.
+- :mod:`.lowering`: torch's multi-stage schedules with their compute + comms lowering looked up, so a
+  migration's rebuild does not lower the same lists again.
 - :mod:`.boundaries`: what crosses each layer boundary, recorded once, so a migration's new stages skip
   torch's metadata pass.
 - :mod:`.actions`: each rank's ordered compute actions under a schedule, read from torch's schedules.
