@@ -6,8 +6,8 @@ lowers its compute actions to the compute + communication lists its runtime exec
 pipeline: under ZBVZeroBubble with 32 micro-batches, 12.9 ms of CPU at 8 ranks and 25.8 ms at 16 on our
 2-core CPU VM (1.1 and 2.2 ms when looked up), about half the CPU a migration's rebuild cost a rank in
 the 8-rank replay (the layers' transfer is a few ms). A migration keeps the stage count and the
-micro-batches, so the lists to lower are the same; so do the ranks of one process (tests, the replay's
-stand-ins): each lowers every rank's lists.
+micro-batches, so the lists to lower are the same (and each rank lowers every rank's lists, so ranks that
+share a process, as in the tests, share one lowering).
 
 :func:`with_cached_lowering` gives a subclass of torch's class whose lowering is looked up by everything
 that pass reads (the compute lists, the stage and micro-batch counts, ``defer_pp_recv``) and otherwise
