@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_dynmo.balancing._checks import MemoryCapacity, PerWorker, check_num_stages
 from lightning_dynmo.balancing.costs import layer_weights
@@ -222,36 +223,87 @@ class _Search:
         loads, totals = self.model.totals(b)
         memory = totals if self.capped else None
         current = self._score(loads, memory)
-        pl, pm, owner = self.model.prefix_load, self.model.prefix_memory, self.owner
-        factor, comm, eps = self.model.factor, self.model.comm, self.eps
+        eps = self.eps
         while True:
-            best: tuple[list[tuple[int, int]], list[float], list[float] | None] | None = None
+            best: tuple[Any, list[float], list[float] | None] | None = None
             best_score = current
-            for changes in self._moves(b):
-                new_loads, new_memory = loads[:], None if memory is None else memory[:]
-                for i, y in changes:
-                    x = b[i]
-                    dl = pl[y] - pl[x]
-                    gain = factor[owner[i - 1]] * dl
-                    if comm is not None:  # stage i - 1 now ends before layer y instead of x
-                        gain += comm[i - 1][y - 1] - comm[i - 1][x - 1]
-                    new_loads[owner[i - 1]] += gain
-                    new_loads[owner[i]] -= factor[owner[i]] * dl
-                    if new_memory is not None:
-                        dm = pm[y] - pm[x]
-                        new_memory[owner[i - 1]] += dm
-                        new_memory[owner[i]] -= dm
+            for move, new_loads, new_memory in self._scored_moves(b, loads, memory):
                 if new_memory is None and max(new_loads) > best_score[1] + eps:
                     continue  # nothing overflows and the heaviest worker got heavier: _better says no
                 score = self._score(new_loads, new_memory)
-                if _better(score, best_score, eps):
-                    best, best_score = (changes, new_loads, new_memory), score
+                if _better(score, best_score, eps):  # copied: a chain's sums go on changing
+                    kept_memory = None if new_memory is None else new_memory[:]
+                    best, best_score = (move, new_loads[:], kept_memory), score
             if best is None:
                 return b
-            changes, loads, memory = best
-            for i, y in changes:
+            move, loads, memory = best
+            if isinstance(move, tuple):  # a chain: boundaries i .. j, each by d
+                i, j, d = move
+                move = [(k, b[k] + d) for k in range(i, j + 1)]
+            for i, y in move:
                 b[i] = y
             current = best_score
+
+    def _shift(
+        self, b: Sequence[int], i: int, y: int, loads: list[float], memory: list[float] | None
+    ) -> None:
+        """Move boundary ``i`` from ``b[i]`` to ``y`` in the totals ``loads`` and ``memory``, in place."""
+        model, owner = self.model, self.owner
+        pl, factor, comm = model.prefix_load, model.factor, model.comm
+        x = b[i]
+        dl = pl[y] - pl[x]
+        gain = factor[owner[i - 1]] * dl
+        if comm is not None:  # stage i - 1 now ends before layer y instead of x
+            gain += comm[i - 1][y - 1] - comm[i - 1][x - 1]
+        loads[owner[i - 1]] += gain
+        loads[owner[i]] -= factor[owner[i]] * dl
+        if memory is not None:
+            dm = model.prefix_memory[y] - model.prefix_memory[x]
+            memory[owner[i - 1]] += dm
+            memory[owner[i]] -= dm
+
+    def _scored_moves(
+        self, b: list[int], loads: list[float], memory: list[float] | None
+    ) -> Iterator[tuple[Any, list[float], list[float] | None]]:
+        """Every move of :meth:`_moves`, in its order, with the worker totals after it.
+
+        A move is its ``(boundary, position)`` list, or ``(i, j, d)`` for boundaries ``i .. j`` each moved
+        by ``d`` (a chain). A chain's totals extend the chain one boundary shorter by one shift, the same
+        additions in the same order as shifting its boundaries one by one, so scoring every chain costs
+        O(stages^2), not O(stages^3); its totals are lists the next chains go on changing.
+        """
+        num_stages = len(b) - 1
+
+        def fresh() -> tuple[list[float], list[float] | None]:
+            return loads[:], None if memory is None else memory[:]
+
+        for i in range(1, num_stages):
+            for y in range(b[i - 1] + 1, b[i + 1]):
+                if y != b[i]:
+                    new_loads, new_memory = fresh()
+                    self._shift(b, i, y, new_loads, new_memory)
+                    yield [(i, y)], new_loads, new_memory
+        for i in range(1, num_stages):
+            chains: dict[int, tuple[list[float], list[float] | None]] = {}
+            for d in (-1, 1):
+                if b[i - 1] < b[i] + d:  # the chain's first stage keeps a layer
+                    chains[d] = fresh()
+                    self._shift(b, i, b[i] + d, *chains[d])
+            for j in range(i + 1, num_stages):
+                for di in (-1, 1):  # two boundaries by one layer each
+                    for dj in (-1, 1):
+                        yi, yj = b[i] + di, b[j] + dj
+                        right_of_i = yj if j == i + 1 else b[i + 1]
+                        left_of_j = yi if j == i + 1 else b[j - 1]
+                        if b[i - 1] < yi < right_of_i and left_of_j < yj < b[j + 1]:
+                            new_loads, new_memory = fresh()
+                            self._shift(b, i, yi, new_loads, new_memory)
+                            self._shift(b, j, yj, new_loads, new_memory)
+                            yield [(i, yi), (j, yj)], new_loads, new_memory
+                for d, (run_loads, run_memory) in chains.items():  # d = -1 first, as _moves
+                    self._shift(b, j, b[j] + d, run_loads, run_memory)
+                    if j > i + 1 and b[j] + d < b[j + 1]:  # the chain's last stage keeps a layer
+                        yield (i, j, d), run_loads, run_memory
 
     def kick(self, b: list[int], budget: int) -> list[int]:
         """Escape the local optimum: from every neighbour of ``b``, descend again; keep what is better.

@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
-from lightning_dynmo.balancing.workers import partition_workers, worker_loads
+from lightning_dynmo.balancing.workers import (
+    _even,
+    _Model,
+    _Search,
+    _worker_caps,
+    partition_workers,
+    worker_loads,
+)
 
 from .brute import all_placements, assert_valid, direct_loads, problem_of
 
@@ -263,3 +270,58 @@ def test_a_cap_nothing_reaches_searches_as_no_cap_and_a_binding_cap_moves_the_re
     binding = partition_workers(BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=cap)), workers)
     assert binding.placement != free.placement
     assert max(binding.worker_memory_bytes.values()) <= cap
+
+
+def _scored(search, b, capped):
+    """``_Search._scored_moves`` from ``b``, each move as its changes and its totals copied when yielded."""
+    loads, memory = search.model.totals(b)
+    out = []
+    for move, new_loads, new_memory in search._scored_moves(b, loads, memory if capped else None):
+        if isinstance(move, tuple):  # a chain (i, j, d)
+            i, j, d = move
+            move = [(k, b[k] + d) for k in range(i, j + 1)]
+        out.append((move, new_loads[:], None if new_memory is None else new_memory[:]))
+    return out
+
+
+@pytest.mark.parametrize("capped", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_descent_scores_every_move_in_order_with_its_recomputed_totals(layout, capped):
+    """The descent's moves are _moves' moves in _moves' order, each with the totals _Model.totals gives
+    the boundaries after it: chains, scored from running sums, included."""
+    draw, workers = random.Random(11), LAYOUTS[layout]
+    for _ in range(4):
+        n = draw.randint(len(workers) + 3, 14)
+        costs = _costs([draw.uniform(0.1, 5.0) for _ in range(n)], [draw.randint(1, 9) for _ in range(n)])
+        cap = 30 if capped else None
+        model = _Model.build(BalanceProblem(costs, hardware=Hardware(memory_capacity_bytes=cap)), workers)
+        search = _Search(model, _worker_caps(cap, workers))
+        b = list(_even(n, len(workers)))
+        scored = _scored(search, b, capped)
+        assert [move for move, _, _ in scored] == _Search._moves(b)
+        assert any(len(move) > 2 for move, _, _ in scored)  # chains were scored
+        for move, loads, memory in scored:
+            after = list(b)
+            for i, y in move:
+                after[i] = y
+            want_loads, want_memory = model.totals(after)
+            assert loads == pytest.approx(want_loads, rel=1e-12, abs=1e-12)
+            assert memory == (pytest.approx(want_memory, abs=1e-9) if capped else None)
+
+
+def test_a_chain_scored_without_its_middle_boundaries_gives_other_totals():
+    """The negative control of the test above: the totals of a chain's end boundaries alone differ from
+    the chain's, so the comparison there can fail."""
+    costs = _costs([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+    workers = LAYOUTS["loop3"]
+    model = _Model.build(BalanceProblem(costs), workers)
+    search = _Search(model, _worker_caps(None, workers))
+    b = list(_even(8, len(workers)))
+    chains = [(move, loads) for move, loads, _ in _scored(search, b, False) if len(move) > 2]
+    differs = 0
+    for move, loads in chains:
+        ends_only = list(b)
+        for i, y in (move[0], move[-1]):
+            ends_only[i] = y
+        differs += model.totals(ends_only)[0] != pytest.approx(loads, rel=1e-12, abs=1e-12)
+    assert chains and differs > 0
