@@ -290,16 +290,11 @@ class _Search:
                     chains[d] = fresh()
                     self._shift(b, i, b[i] + d, *chains[d])
             for j in range(i + 1, num_stages):
-                for di in (-1, 1):  # two boundaries by one layer each
-                    for dj in (-1, 1):
-                        yi, yj = b[i] + di, b[j] + dj
-                        right_of_i = yj if j == i + 1 else b[i + 1]
-                        left_of_j = yi if j == i + 1 else b[j - 1]
-                        if b[i - 1] < yi < right_of_i and left_of_j < yj < b[j + 1]:
-                            new_loads, new_memory = fresh()
-                            self._shift(b, i, yi, new_loads, new_memory)
-                            self._shift(b, j, yj, new_loads, new_memory)
-                            yield [(i, yi), (j, yj)], new_loads, new_memory
+                for yi, yj in _pair_moves(b, i, j):
+                    new_loads, new_memory = fresh()
+                    self._shift(b, i, yi, new_loads, new_memory)
+                    self._shift(b, j, yj, new_loads, new_memory)
+                    yield [(i, yi), (j, yj)], new_loads, new_memory
                 for d, (run_loads, run_memory) in chains.items():  # d = -1 first, as _moves
                     self._shift(b, j, b[j] + d, run_loads, run_memory)
                     if j > i + 1 and b[j] + d < b[j + 1]:  # the chain's last stage keeps a layer
@@ -338,18 +333,23 @@ class _Search:
             moves.extend([(i, y)] for y in range(b[i - 1] + 1, b[i + 1]) if y != b[i])
         for i in range(1, num_stages):
             for j in range(i + 1, num_stages):
-                for di in (-1, 1):  # two boundaries by one layer each
-                    for dj in (-1, 1):
-                        yi, yj = b[i] + di, b[j] + dj
-                        right_of_i = yj if j == i + 1 else b[i + 1]
-                        left_of_j = yi if j == i + 1 else b[j - 1]
-                        if b[i - 1] < yi < right_of_i and left_of_j < yj < b[j + 1]:
-                            moves.append([(i, yi), (j, yj)])
+                moves.extend([(i, yi), (j, yj)] for yi, yj in _pair_moves(b, i, j))
                 if j > i + 1:  # a run of boundaries by one layer: a layer passed down a chain of stages
                     for d in (-1, 1):
                         if b[i - 1] < b[i] + d and b[j] + d < b[j + 1]:
                             moves.append([(k, b[k] + d) for k in range(i, j + 1)])
         return moves
+
+
+def _pair_moves(b: Sequence[int], i: int, j: int) -> Iterator[tuple[int, int]]:
+    """New positions of boundaries ``i < j`` moved by one layer each, every stage keeping a layer."""
+    for di in (-1, 1):
+        for dj in (-1, 1):
+            yi, yj = b[i] + di, b[j] + dj
+            right_of_i = yj if j == i + 1 else b[i + 1]
+            left_of_j = yi if j == i + 1 else b[j - 1]
+            if b[i - 1] < yi < right_of_i and left_of_j < yj < b[j + 1]:
+                yield yi, yj
 
 
 def _better(a: tuple[float, float, float], b: tuple[float, float, float], eps: float) -> bool:
