@@ -23,7 +23,6 @@ import math
 import operator
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_dynmo.balancing._checks import MemoryCapacity, PerWorker, check_num_stages
 from lightning_dynmo.balancing.costs import layer_weights
@@ -225,7 +224,7 @@ class _Search:
         current = self._score(loads, memory)
         eps = self.eps
         while True:
-            best: tuple[Any, list[float], list[float] | None] | None = None
+            best: tuple[_Move, list[float], list[float] | None] | None = None
             best_score = current
             for move, new_loads, new_memory in self._scored_moves(b, loads, memory):
                 if new_memory is None and max(new_loads) > best_score[1] + eps:
@@ -237,10 +236,7 @@ class _Search:
             if best is None:
                 return b
             move, loads, memory = best
-            if isinstance(move, tuple):  # a chain: boundaries i .. j, each by d
-                i, j, d = move
-                move = [(k, b[k] + d) for k in range(i, j + 1)]
-            for i, y in move:
+            for i, y in _changes(b, move):
                 b[i] = y
             current = best_score
 
@@ -264,7 +260,7 @@ class _Search:
 
     def _scored_moves(
         self, b: list[int], loads: list[float], memory: list[float] | None
-    ) -> Iterator[tuple[Any, list[float], list[float] | None]]:
+    ) -> Iterator[tuple[_Move, list[float], list[float] | None]]:
         """Every move of :meth:`_moves`, in its order, with the worker totals after it.
 
         A move is its ``(boundary, position)`` list, or ``(i, j, d)`` for boundaries ``i .. j`` each moved
@@ -337,8 +333,20 @@ class _Search:
                 if j > i + 1:  # a run of boundaries by one layer: a layer passed down a chain of stages
                     for d in (-1, 1):
                         if b[i - 1] < b[i] + d and b[j] + d < b[j + 1]:
-                            moves.append([(k, b[k] + d) for k in range(i, j + 1)])
+                            moves.append(_changes(b, (i, j, d)))
         return moves
+
+
+#: A boundary move: its ``(boundary, new position)`` changes, or ``(i, j, d)`` (boundaries i .. j, each by d).
+_Move = list[tuple[int, int]] | tuple[int, int, int]
+
+
+def _changes(b: Sequence[int], move: _Move) -> list[tuple[int, int]]:
+    """``move``'s ``(boundary, new position)`` changes from boundaries ``b``."""
+    if isinstance(move, tuple):  # a chain
+        i, j, d = move
+        return [(k, b[k] + d) for k in range(i, j + 1)]
+    return move
 
 
 def _pair_moves(b: Sequence[int], i: int, j: int) -> Iterator[tuple[int, int]]:

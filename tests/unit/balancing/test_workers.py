@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_dynmo.balancing import BalanceProblem, Hardware, LayerCost, Placement, partition
 from lightning_dynmo.balancing.workers import (
+    _changes,
     _even,
     _Model,
     _Search,
@@ -277,10 +278,7 @@ def _scored(search, b, capped):
     loads, memory = search.model.totals(b)
     out = []
     for move, new_loads, new_memory in search._scored_moves(b, loads, memory if capped else None):
-        if isinstance(move, tuple):  # a chain (i, j, d)
-            i, j, d = move
-            move = [(k, b[k] + d) for k in range(i, j + 1)]
-        out.append((move, new_loads[:], None if new_memory is None else new_memory[:]))
+        out.append((_changes(b, move), new_loads[:], None if new_memory is None else new_memory[:]))
     return out
 
 
