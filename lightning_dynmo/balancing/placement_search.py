@@ -17,7 +17,10 @@ scores placements by the predicted step itself (``step_of``):
   the first move that shortens the predicted step is taken, until none does: a move passes one or two
   layers from one stage to another, every stage in between handing on as many (so their layer counts
   stay), between neighbouring stages, between stages on one worker (the two halves of a V), and between
-  any two stages when there are at most :data:`ALL_PAIRS_MAX_STAGES`. Evaluated placements are cached;
+  any two stages when there are at most :data:`ALL_PAIRS_MAX_STAGES`. Beyond that many stages, once
+  both descents have ended, the better one goes on: where none of those moves helps, one layer passed
+  between any two stages is tried, and the first that helps restarts its descent. The wider moves come
+  last, so the search never ends above where the narrower ones alone would. Evaluated placements are cached;
   the search stops at ``budget`` simulations.
 
 Its guarantee is one-sided: the result is never predicted slower than the proposal (which is scored
@@ -45,7 +48,8 @@ from lightning_dynmo.balancing.stage_model import StageModel
 SEARCH_BUDGET = 2048
 
 #: Up to this many stages the local search also passes layers between any two stages (2 x S x (S - 1)
-#: moves: 112 at 8 stages); beyond, between neighbours and stages that share a worker only.
+#: moves: 112 at 8 stages); beyond, between neighbours and stages that share a worker, and one layer
+#: between any two only where those moves find nothing (:meth:`_Pairs.wide`).
 ALL_PAIRS_MAX_STAGES = 8
 
 #: The seeds' last-stage load over their first's (1: equal loads); loads grow geometrically in between.
@@ -169,6 +173,9 @@ def refine(
         seed_s, seed = min(scored, key=lambda x: x[0])
         found.append(_descend(seed, seed_s, score, pairs))
     best, best_s = min(found, key=lambda x: x[1])  # the proposal's descent first: it wins a tie
+    # Wider moves from the better local optimum once both descents ended: what they spend of the budget
+    # cannot cut the narrower descents short, so the search never ends above where those alone would.
+    best, best_s = _descend(best, best_s, score, pairs, widen=True)
     return Refinement(best, best_s, start, exact=False, simulations=len(seen))
 
 
@@ -177,17 +184,37 @@ def _descend(
     step_s: float,
     score: Callable[[Placement, float], float | None],
     pairs: _Pairs,
+    widen: bool = False,
 ) -> tuple[Placement, float]:
-    """Take the first move that shortens the step until none does (or ``score`` runs out of budget)."""
-    improved = True
-    while improved:
-        improved = False
-        for candidate in _transfers(placement, pairs.of(placement)):
-            step = score(candidate, step_s)
-            if step is not None and step < step_s:
-                placement, step_s, improved = candidate, step, True
-                break
-    return placement, step_s
+    """Take the first move that shortens the step until none does (or ``score`` runs out of budget).
+
+    The moves are the pairs :meth:`_Pairs.of` names. With ``widen``, beyond
+    :data:`ALL_PAIRS_MAX_STAGES` stages, where none of them helps, one layer passed between any two
+    stages (:meth:`_Pairs.wide`) is tried, and the first such move that shortens the step restarts the
+    descent: the result is then a local optimum of both kinds of move.
+    """
+    while True:
+        narrow = _transfers(placement, pairs.of(placement))
+        while (shorter := _first_shorter(narrow, step_s, score)) is not None:
+            placement, step_s = shorter
+            narrow = _transfers(placement, pairs.of(placement))
+        if pairs.every or not widen:
+            return placement, step_s
+        wider = _first_shorter(_transfers(placement, pairs.wide(placement), counts=(1,)), step_s, score)
+        if wider is None:
+            return placement, step_s
+        placement, step_s = wider
+
+
+def _first_shorter(
+    candidates: Iterator[Placement], step_s: float, score: Callable[[Placement, float], float | None]
+) -> tuple[Placement, float] | None:
+    """The first candidate predicted shorter than ``step_s``, with its step; ``None`` if none is."""
+    for candidate in candidates:
+        step = score(candidate, step_s)
+        if step is not None and step < step_s:
+            return candidate, step
+    return None
 
 
 @dataclass(frozen=True)
@@ -234,12 +261,20 @@ class _Pairs:
         far = {(heavy, b) for b in range(stages)} | {(a, light) for a in range(stages)}
         return [*self.near, *sorted(p for p in far - set(self.near) if p[0] != p[1])]
 
+    def wide(self, placement: Placement) -> list[tuple[int, int]]:
+        """The pairs :meth:`of` leaves out: with them, every pair of distinct stages."""
+        stages = placement.num_stages
+        named = set(self.of(placement))
+        return [(a, b) for a in range(stages) for b in range(stages) if a != b and (a, b) not in named]
 
-def _transfers(placement: Placement, pairs: Sequence[tuple[int, int]]) -> Iterator[Placement]:
-    """``placement`` with one or two layers passed from stage ``a`` to ``b`` for each pair, stages between
-    handing on as many; none that empties a stage."""
+
+def _transfers(
+    placement: Placement, pairs: Sequence[tuple[int, int]], counts: Sequence[int] = (1, 2)
+) -> Iterator[Placement]:
+    """``placement`` with ``counts`` layers (one or two) passed from stage ``a`` to ``b`` for each pair,
+    stages between handing on as many; none that empties a stage."""
     bounds = placement.boundaries
-    for count in (1, 2):
+    for count in counts:
         for a, b in pairs:
             step = -count if a < b else count
             moved = list(bounds)
