@@ -6,8 +6,10 @@ headroom is below the smallest gain a rebalance must promise (``min_gain``), pro
 running the balancer cannot lead anywhere, and an every-step callback may skip both for that step
 (:class:`~lightning_dynmo.DynMoCallback`'s ``skip_balanced``).
 
-When the busiest stage is the first or the last and holds one layer, no placement of whole layers helps
-at all, whatever the headroom (:func:`pinned_bottleneck`).
+A worker that runs only end stages (the first, the last, or both in a V) holding one layer each cannot
+be lightened by any placement of whole layers (:func:`pinned_workers`): when it is the busiest, nothing
+helps, whatever the headroom (:func:`pinned_bottleneck`); when it is within ``min_gain`` of the busiest,
+no placement gains ``min_gain`` (:func:`pinned_headroom`).
 
 One step's busy times are a noisy sample, so the bound reads a running mean of them
 (:class:`StageLoadAverage`), restarted whenever the loads stop describing the pipeline (a new placement,
@@ -26,7 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["StageLoadAverage", "headroom", "pinned_bottleneck", "share_drift"]
+__all__ = [
+    "StageLoadAverage",
+    "headroom",
+    "pinned_bottleneck",
+    "pinned_headroom",
+    "pinned_workers",
+    "share_drift",
+]
 
 
 def headroom(loads: Sequence[float]) -> float:
@@ -43,25 +52,96 @@ def headroom(loads: Sequence[float]) -> float:
     return 0.0 if peak == 0.0 else 1.0 - sum(values) / len(values) / peak
 
 
-def pinned_bottleneck(loads: Sequence[float], sizes: Sequence[int]) -> int | None:
-    """The first or last stage when it is the busiest and holds a single layer, else ``None``.
+def pinned_workers(sizes: Sequence[int], stage_workers: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The workers no placement of whole layers over the same stages can lighten: those that run only end
+    stages (the first, the last) each holding one layer.
 
     Every contiguous placement over the same stages keeps the first layer (and the embedding) on the
     first stage and the last layer (and the head and loss) on the last: such a stage already holds the
-    least it can, on the same worker, so no placement of whole layers lightens the busiest stage. This
-    holds whatever the workers' speeds, unlike :func:`headroom`'s mean, and whatever the other stages hold.
-    A 49k-vocabulary head does this to a deep pipeline: its stage is the step, and only fewer stages
-    (a re-pack) change anything.
+    least it can, on the same worker. One stage a rank, that is the first or the last rank; two stages a
+    rank in a V (``ZBVZeroBubble``), the first rank runs both end stages; interleaved, no rank runs only
+    end stages.
 
     Args:
-        loads: Per-stage busy seconds, one per pipeline position.
-        sizes: Layers per stage; another count than ``loads`` (several stages per rank) gives ``None``.
+        sizes: Layers per stage.
+        stage_workers: The worker of every stage; ``None``: stage ``s`` on worker ``s``.
+
+    Raises:
+        ValueError: ``stage_workers`` not one worker per stage.
     """
+    workers = range(len(sizes)) if stage_workers is None else stage_workers
+    if len(workers) != len(sizes) or any(w < 0 for w in workers):
+        raise ValueError(
+            f"stage_workers={list(workers)!r} must name one worker >= 0 for each of the {len(sizes)} stages."
+        )
+    ends = (0, len(sizes) - 1)
+    runs: dict[int, list[int]] = {}
+    for stage, worker in enumerate(workers):
+        runs.setdefault(worker, []).append(stage)
+    return tuple(sorted(w for w, stages in runs.items() if all(s in ends and sizes[s] == 1 for s in stages)))
+
+
+def _mapped(loads: Sequence[float], sizes: Sequence[int], stage_workers: Sequence[int] | None) -> bool:
+    """Whether ``loads`` are one per worker of ``stage_workers`` (validated), so pinned workers apply."""
     headroom(loads)  # validates
-    if len(sizes) != len(loads) or len(loads) < 2:
+    if stage_workers is None:
+        return len(sizes) == len(loads)  # else several stages a rank, and no map from loads to stages
+    if len(stage_workers) != len(sizes) or any(not 0 <= w < len(loads) for w in stage_workers):
+        raise ValueError(
+            f"stage_workers={list(stage_workers)!r} must name one worker in [0, {len(loads)}) for each of "
+            f"the {len(sizes)} stages."
+        )
+    return True
+
+
+def pinned_bottleneck(
+    loads: Sequence[float], sizes: Sequence[int], stage_workers: Sequence[int] | None = None
+) -> int | None:
+    """The busiest worker when it is pinned (:func:`pinned_workers`), else ``None``.
+
+    No placement of whole layers lightens it, whatever the workers' speeds (unlike :func:`headroom`'s
+    mean) and whatever the other stages hold. A 49k-vocabulary head does this to a deep pipeline: its
+    stage is the step, and only fewer stages (a re-pack) change anything.
+
+    Args:
+        loads: Busy seconds of each worker (pipeline rank).
+        sizes: Layers per stage.
+        stage_workers: The worker of every stage; ``None``: stage ``s`` on worker ``s`` (then another
+            count of ``loads`` than of ``sizes`` gives ``None``: the loads cannot be mapped to stages).
+
+    Raises:
+        ValueError: ``stage_workers`` not one worker in ``range(len(loads))`` per stage, or a load that
+            :func:`headroom` refuses.
+    """
+    if not _mapped(loads, sizes, stage_workers) or len(loads) < 2:
         return None
-    busiest = max(range(len(loads)), key=lambda s: float(loads[s]))
-    return busiest if busiest in (0, len(loads) - 1) and sizes[busiest] == 1 else None
+    busiest = max(range(len(loads)), key=lambda w: float(loads[w]))
+    return busiest if busiest in pinned_workers(sizes, stage_workers) else None
+
+
+def pinned_headroom(
+    loads: Sequence[float], sizes: Sequence[int], stage_workers: Sequence[int] | None = None
+) -> float:
+    """:func:`headroom` with the pinned workers' loads as a floor: ``1 - max(mean, pinned) / max``.
+
+    No placement brings the busiest worker below the mean load, nor below the load of a worker it cannot
+    lighten (:func:`pinned_workers`). 0 when a pinned worker is the busiest (:func:`pinned_bottleneck`);
+    the plain headroom when no worker is pinned or the loads cannot be mapped to stages.
+
+    Args:
+        loads: Busy seconds of each worker (pipeline rank).
+        sizes: Layers per stage.
+        stage_workers: The worker of every stage; ``None``: stage ``s`` on worker ``s``.
+
+    Raises:
+        ValueError: as :func:`pinned_bottleneck`.
+    """
+    room = headroom(loads)
+    if not _mapped(loads, sizes, stage_workers) or len(loads) < 2:
+        return room
+    floor = max((float(loads[w]) for w in pinned_workers(sizes, stage_workers)), default=0.0)
+    peak = max(float(x) for x in loads)
+    return room if peak == 0.0 else min(room, 1.0 - floor / peak)
 
 
 def share_drift(before: Sequence[float], after: Sequence[float]) -> float:

@@ -100,8 +100,9 @@ class DynMoCallback(Callback):
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
             placement recovers; the same loads lead to the same decision); after a decision that moved
             layers, while the shares stay that close to the ones it predicted for the new placement;
-            and while the busiest stage is the first or the last holding a single layer (it cannot be
-            lightened; a heavy head does this). By ``time`` a window also waits for one step's loads (at
+            and while a rank that runs only end stages holding a single layer each (the first or the
+            last stage; in ZBV's V, both on the first rank) is the busiest or within ``min_gain`` of it
+            (it cannot be lightened, so no placement saves ``min_gain``; a heavy head does this). By ``time`` a window also waits for one step's loads (at
             the start, after a move, after an event that came while the stages computed; one published
             before they computed, as the dynamism callbacks publish at a step's first batch, is judged on
             its own step), so these rules can judge it. By ``params``: after a
@@ -337,7 +338,8 @@ class DynMoCallback(Callback):
         if not self._window.is_open and not self._decisions.in_flight and step != self._last_checked_step:
             self._last_checked_step = step
             sizes, resume = view.placement.sizes, self._resume_window
-            reason = window_reason(self._window, self._trigger, step, sizes, resume)
+            workers = view.stage_workers(view.placement)
+            reason = window_reason(self._window, self._trigger, step, sizes, resume, workers)
             self._resume_window = False
             if self._window.news and view.global_rank == view.active_ranks[0]:
                 log.info(self._window.news)

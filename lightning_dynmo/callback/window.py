@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning_dynmo.balancing.gain import StepPhase
-from lightning_dynmo.balancing.headroom import StageLoadAverage, pinned_bottleneck
+from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, pinned_headroom, pinned_workers
 from lightning_dynmo.balancing.trigger import RebalanceTrigger
 from lightning_dynmo.pipeline import part_modules
 from lightning_dynmo.profiling import LayerProfiler, ProfileResult
@@ -52,7 +52,7 @@ class ProfilingWindow:
         self._skip, self._by_params, self._min_gain = skip, by_params, min_gain
         self.stage_loads = StageLoadAverage(smoothing)
         self.skipped = 0  # windows skipped by skip_balanced (this run)
-        self._pinned_said: int | None = None  # the pinned stage pinned_news last named
+        self._pinned_said: int | None = None  # the pinned rank pinned_news last named
         self.news: str | None = None  # the line to log about what admit skipped at this step
         self._params_settled = False  # by params: the last decision kept the placement, no event since
         self.profiler: LayerProfiler | None = None
@@ -67,7 +67,9 @@ class ProfilingWindow:
         """Whether a window is profiling."""
         return self.profiler is not None
 
-    def admit(self, reason: str | None, sizes: Sequence[int]) -> str | None:
+    def admit(
+        self, reason: str | None, sizes: Sequence[int], workers: Sequence[int] | None = None
+    ) -> str | None:
         """Why a window opens at this step: the trigger's ``reason``, ``None`` when ``skip_balanced``
         skips it (counted in :attr:`skipped`), or :data:`WAIT` for an event judged one step later.
 
@@ -75,22 +77,23 @@ class ProfilingWindow:
         decision has marked the loads, judged on the first step that ran the changed model: the event's
         own when every event came before its rank's stages computed (a batch-start hook), else the next
         (:data:`WAIT`: the caller asks again then). The window opens only if those loads moved away from
-        the mark by :data:`SKIP_DRIFT` or more (and leave ``min_gain`` of headroom, and no pinned end
-        stage is the busiest). An event that leaves the stages'
-        shares where the last decision saw them would lead to the same decision, so its profiling and
+        the mark by :data:`SKIP_DRIFT` or more (and leave ``min_gain`` of headroom, a pinned rank's load
+        counted as a floor: :func:`~lightning_dynmo.balancing.headroom.pinned_headroom`). An event that
+        leaves the stages' shares where the last decision saw them would lead to the same decision, so its profiling and
         search are spared. Before any decision an event's window opens at once.
 
         Args:
             reason: What the trigger answered for this step.
             sizes: Layers per stage of the running placement.
+            workers: The pipeline rank of every stage (``None``: one stage per rank).
         """
         self.news = None
         event = reason == "event" and self._skip and not self._by_params and self.stage_loads.marked
         if event and self.stage_loads.loads is None:
             return WAIT
-        if (reason == "every_step" or event) and self.nothing_to_gain(sizes):
+        if (reason == "every_step" or event) and self.nothing_to_gain(sizes, workers):
             self.skipped += 1
-            self.news = self.pinned_news(sizes) or (self._event_news() if event else None)
+            self.news = self.pinned_news(sizes, workers) or (self._event_news() if event else None)
             return None
         return reason
 
@@ -103,7 +106,7 @@ class ProfilingWindow:
             "(skip_balanced=False profiles every event)"
         )
 
-    def nothing_to_gain(self, sizes: Sequence[int]) -> bool:
+    def nothing_to_gain(self, sizes: Sequence[int], workers: Sequence[int] | None = None) -> bool:
         """Whether this step's every-step window cannot change the placement (``skip_balanced``).
 
         Every rank reads the same all-gathered loads and the same broadcast decisions, so every rank
@@ -111,41 +114,68 @@ class ProfilingWindow:
 
         Args:
             sizes: Layers per stage of the running placement.
+            workers: The pipeline rank of every stage (``None``: one stage per rank).
         """
         if not self._skip:
             return False
         if self._by_params:
             return self._params_settled
-        room = self.stage_loads.headroom
-        if room is None or self.stage_loads.loads is None:
+        loads = self.stage_loads.loads
+        if loads is None:
             return True  # no step measured since the start, a move or an event: judge after one
-        if self._pinned(sizes) is not None:
-            return True  # the busiest stage is an end stage holding one layer: nothing to move off it
+        # No placement brings the busiest rank below the mean, nor below a rank running only end stages
+        # of one layer each: 0 when such a rank is the busiest (nothing to move off it).
+        room = pinned_headroom(loads, sizes, workers)
         drift = self.stage_loads.drift  # set while the last decision kept the placement on these loads
         return room < self._min_gain or (drift is not None and drift < SKIP_DRIFT)
 
-    def _pinned(self, sizes: Sequence[int]) -> int | None:
-        """The end stage that is busiest while holding one layer, by the averaged loads (by time only)."""
+    def _pinned(self, sizes: Sequence[int], workers: Sequence[int] | None) -> int | None:
+        """The rank running only end stages of one layer each that leaves less than ``min_gain`` to gain
+        when the mean alone leaves more, by the averaged loads (by time only); else ``None``."""
         loads = self.stage_loads.loads
-        if not self._skip or self._by_params or loads is None or self.stage_loads.headroom is None:
+        if not self._skip or self._by_params or loads is None or headroom(loads) < self._min_gain:
             return None
-        return pinned_bottleneck(loads, sizes)
+        if pinned_headroom(loads, sizes, workers) >= self._min_gain:
+            return None
+        return max(pinned_workers(sizes, workers), key=lambda w: loads[w])
 
-    def pinned_news(self, sizes: Sequence[int]) -> str | None:
-        """After a skip: one line naming a pinned bottleneck the first time it is seen, else ``None``.
+    def pinned_news(self, sizes: Sequence[int], workers: Sequence[int] | None = None) -> str | None:
+        """After a skip: one line naming the pinned rank that caused it the first time, else ``None``.
 
         Args:
             sizes: Layers per stage of the running placement.
+            workers: The pipeline rank of every stage (``None``: one stage per rank).
         """
-        stage, said = self._pinned(sizes), self._pinned_said
-        self._pinned_said = stage
-        if stage is None or stage == said:
+        rank, said = self._pinned(sizes, workers), self._pinned_said
+        self._pinned_said = rank
+        loads = self.stage_loads.loads
+        if rank is None or rank == said or loads is None:
             return None
-        part = "embedding" if stage == 0 else "head and loss"
+        stages = [rank] if workers is None else [s for s, w in enumerate(workers) if w == rank]
+        parts = " and the ".join("embedding" if s == 0 else "head and loss" for s in stages)
+        busiest = loads[rank] == max(loads)
+        if workers is None:
+            what = (
+                f"stage {rank} {'is the busiest and ' if busiest else ''}holds one layer beside the {parts}"
+            )
+        else:
+            each, runs = (" each", "s") if len(stages) > 1 else ("", "")
+            named = " and ".join(str(s) for s in stages)
+            what = (
+                f"pipeline rank {rank} {'is the busiest and ' if busiest else ''}runs stage{runs} {named} of "
+                f"{len(sizes)}, one layer{each} beside the {parts}"
+            )
+        gap = (
+            ""
+            if busiest
+            else (
+                f", and its load is within {1.0 - loads[rank] / max(loads):.1%} of the busiest rank's "
+                f"(min_gain {self._min_gain:.0%})"
+            )
+        )
         return (
-            f"DynMo: stage {stage} is the busiest and holds one layer beside the {part}: no placement of "
-            f"whole layers over {len(sizes)} stages lightens it, so windows are skipped while it stays so "
-            "(a re-pack onto fewer stages could help: repack=True)"
+            f"DynMo: {what}: no placement of whole layers over {len(sizes)} stages lightens it{gap}, so "
+            "windows are skipped while it stays so (a re-pack onto fewer stages could help: repack=True)"
         )
 
     def open(self, view: PipelineView, optimizer: Any, step: int, reason: str) -> None:
@@ -254,7 +284,12 @@ class ProfilingWindow:
 
 
 def window_reason(
-    window: ProfilingWindow, trigger: RebalanceTrigger, step: int, sizes: Sequence[int], resume: bool
+    window: ProfilingWindow,
+    trigger: RebalanceTrigger,
+    step: int,
+    sizes: Sequence[int],
+    resume: bool,
+    workers: Sequence[int] | None = None,
 ) -> str | None:
     """Why a window opens at ``step``, or ``None``: the trigger's reason as :meth:`ProfilingWindow.admit`
     judges it (``resume``: the run resumed on another pipeline, a window at once).
@@ -269,9 +304,10 @@ def window_reason(
         step: The global step starting.
         sizes: Layers per stage of the running placement.
         resume: Whether to open a window for a resume.
+        workers: The pipeline rank of every stage (``None``: one stage per rank).
     """
     reason = "resume" if resume else trigger.check(step)
-    admitted = window.admit(reason, sizes)
+    admitted = window.admit(reason, sizes, workers)
     if reason != "event" or admitted not in (None, WAIT):
         return admitted
     news, other = window.news, trigger.check(step)  # the event is taken: what else is due now
@@ -279,6 +315,6 @@ def window_reason(
         trigger.notify_event()  # judged on the loads of the step after this one
     if other is None:
         return None
-    admitted = window.admit(other, sizes)
+    admitted = window.admit(other, sizes, workers)
     window.news = window.news or news
     return admitted

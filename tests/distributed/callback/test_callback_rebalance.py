@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, LayerCost, Placement, partition
+from lightning_dynmo.balancing.headroom import headroom
 from lightning_dynmo.balancing.workers import worker_loads
 from lightning_dynmo.callback import AutoConfig, DynMoCallback, ProfilingConfig
 from lightning_dynmo.callback import window as window_module
@@ -162,32 +163,41 @@ def test_every_step_skips_windows_while_the_stages_are_balanced(tmp_path: Any) -
         assert abs(a - b) < TOL
 
 
+@pytest.mark.parametrize(
+    ("schedule", "sleeps", "only"),
+    [("1F1B", [3.0, 9.0], "0-0|1-1"), ("ZBVZeroBubble", [9.0, 1.0, 1.0, 9.0], "0-0|1-1|2-2|3-3")],
+)
 def test_every_step_skips_windows_once_a_decision_kept_an_imbalance_no_placement_fixes(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, schedule: str, sleeps: list[float], only: str
 ) -> None:
-    # Two blocks on two stages, one three times the other: the busy times leave a headroom near 0.5, far
-    # above min_gain, yet the only placement is the current one. The busiest stage is the last and holds
-    # one block, so from the first loads on every window is skipped (the pinned-bottleneck rule).
-    run = Run(num_layers=2, steps=8)
+    # 1F1B: two blocks on two stages, one three times the other. ZBV: four blocks on four stages in a V,
+    # rank 0 running the first and the last (heavy) and rank 1 the two light ones between. The busy times
+    # leave a headroom near 0.5 or more, far above min_gain, yet the only placement is the current one.
+    # The busiest rank runs only end stages of one block each, so from the first loads on every window
+    # is skipped (the pinned-rank rule).
+    run = Run(num_layers=len(sleeps), steps=8, schedule=schedule)
     kwargs = {"balancer": "partition", "cost": "time", "every_step": True, "min_gain": 0.2}
-    rest = (None, run, 0, [3.0, 9.0])  # no restore, the run, no pruning event, the blocks' sleeps
+    rest = (None, run, 0, sleeps)  # no restore, the run, no pruning event, the blocks' sleeps
 
     def fit(name: str) -> list[dict[str, Any]]:
         (tmp_path / name).mkdir()
         return run_distributed(fit_with_callback, 2, tmp_path / name, timeout_s=150, args=(kwargs, *rest))
 
-    for r in fit("pinned"):
-        assert r["placement"] == "0-0|1-1" and not r["events"]
+    pinned = fit("pinned")
+    for r in pinned:
+        assert r["placement"] == only and not r["events"]
         assert len(r["rebalances"]) <= 1, [(rec["step"], rec["why"]) for rec in r["rebalances"]]
         assert r["skipped"] >= run.steps - 2
     # Without the pinned rule (patched before the ranks fork), the drift rule does it: after the first
     # decision kept the placement, the stage shares do not move (no event, equal sleeps every step).
-    monkeypatch.setattr(window_module, "pinned_bottleneck", lambda loads, sizes: None)
+    monkeypatch.setattr(window_module, "pinned_headroom", lambda loads, sizes, workers: headroom(loads))
     lazy = fit("lazy")
-    for r in lazy:
-        assert r["placement"] == "0-0|1-1" and not r["events"]
+    for r, p in zip(lazy, pinned, strict=True):
+        assert r["placement"] == only and not r["events"]
         assert len(r["rebalances"]) <= 2, [(rec["step"], rec["why"]) for rec in r["rebalances"]]
         assert r["skipped"] >= run.steps - 3 and r["skipped"] == lazy[0]["skipped"]
+        # The pinned rule skipped the window the drift rule needs to take its first decision.
+        assert p["skipped"] > r["skipped"]
     # Negative control: with the drift rule off too (SKIP_DRIFT 0), the headroom alone does not skip
     # these steps: every step is profiled and decided again.
     monkeypatch.setattr(window_module, "SKIP_DRIFT", 0.0)

@@ -9,7 +9,14 @@ import pytest
 
 from lightning_dynmo.balancing import BalanceProblem, Placement, partition
 from lightning_dynmo.balancing.costs import LayerCost
-from lightning_dynmo.balancing.headroom import StageLoadAverage, headroom, pinned_bottleneck, share_drift
+from lightning_dynmo.balancing.headroom import (
+    StageLoadAverage,
+    headroom,
+    pinned_bottleneck,
+    pinned_headroom,
+    pinned_workers,
+    share_drift,
+)
 
 
 def test_headroom_is_what_the_best_split_of_the_same_work_could_save() -> None:
@@ -162,6 +169,107 @@ def test_a_pinned_bottleneck_is_never_beaten_by_any_placement_of_whole_layers() 
             best = min(max(_stage_loads(costs, first, last, other)) for other in placements)
             assert best == pytest.approx(max(loads)), (costs, first, last, sizes)
     assert found > 50  # the property was exercised
+
+
+def _v_workers(stages: int) -> list[int]:
+    """Stage ``s``'s rank in a V of ``stages`` stages over ``stages // 2`` ranks (``ZBVZeroBubble``)."""
+    ranks = stages // 2
+    return [s if s < ranks else stages - 1 - s for s in range(stages)]
+
+
+def _worker_loads(stage_loads: list[float], workers: list[int]) -> list[float]:
+    loads = [0.0] * (max(workers) + 1)
+    for w, load in zip(workers, stage_loads, strict=True):
+        loads[w] += load
+    return loads
+
+
+def test_a_pinned_rank_of_a_v_is_never_beaten_by_any_placement_of_whole_layers() -> None:
+    # Two stages a rank in a V: rank 0 runs both end stages. Once each holds one layer and rank 0 is the
+    # busiest, no placement lowers the busiest rank's load, checked against every placement.
+    rng = random.Random(1)
+    found = missed = 0
+    for _ in range(400):
+        stages = rng.choice([4, 6])
+        layers = rng.randint(stages, stages + 4)
+        workers = _v_workers(stages)
+        costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+        first, last = rng.uniform(0, 4), rng.uniform(0, 6)
+        placements = _all_sizes(layers, stages)
+        best = min(max(_worker_loads(_stage_loads(costs, first, last, o), workers)) for o in placements)
+        for sizes in placements:
+            loads = _worker_loads(_stage_loads(costs, first, last, sizes), workers)
+            if pinned_bottleneck(loads, sizes, workers) is None:
+                missed += best < max(loads) - 1e-9
+                continue
+            found += 1
+            assert best == pytest.approx(max(loads)), (costs, first, last, sizes)
+    # The property was exercised, and the rule does not hold everywhere (it is not vacuous).
+    assert found > 50 and missed > 50
+
+
+def test_pinned_headroom_bounds_what_any_placement_saves_off_the_busiest_rank() -> None:
+    # One stage a rank and a V of two a rank: no placement's busiest rank is below the current one by more
+    # than pinned_headroom, checked against every placement; the floor is tight (some placement reaches
+    # it) on many draws, and it is tighter than the mean's bound on many.
+    rng = random.Random(2)
+    tighter = reached = 0
+    for _ in range(300):
+        stages = rng.choice([3, 4, 6])
+        workers = _v_workers(stages) if stages % 2 == 0 and rng.random() < 0.5 else list(range(stages))
+        layers = rng.randint(stages, stages + 4)
+        costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+        first, last = rng.uniform(0, 4), rng.uniform(0, 6)
+        placements = _all_sizes(layers, stages)
+        best = min(max(_worker_loads(_stage_loads(costs, first, last, o), workers)) for o in placements)
+        for sizes in placements:
+            loads = _worker_loads(_stage_loads(costs, first, last, sizes), workers)
+            room = pinned_headroom(loads, sizes, workers)
+            assert best >= max(loads) * (1.0 - room) - 1e-9, (costs, first, last, sizes, workers)
+            assert room <= headroom(loads) + 1e-12
+            tighter += room < headroom(loads) - 1e-9
+            reached += best == pytest.approx(max(loads) * (1.0 - room))
+    assert tighter > 100 and reached > 100
+
+
+def test_pinned_headroom_is_the_gap_to_the_heavier_pinned_rank() -> None:
+    # One stage a rank: the first and the last stage hold one layer each (ranks 0 and 2 pinned).
+    assert pinned_workers((1, 3, 1)) == (0, 2)
+    assert pinned_headroom([4.0, 5.0, 1.0], (1, 3, 1)) == pytest.approx(1 - 4.0 / 5.0)
+    assert pinned_headroom([5.0, 4.0, 1.0], (1, 3, 1)) == 0.0  # the pinned rank is the busiest
+    # A V: rank 0 runs both end stages; interleaved, no rank runs only end stages.
+    v, interleaved, sizes, loads = [0, 1, 2, 2, 1, 0], [0, 1, 2, 0, 1, 2], (1, 2, 2, 2, 2, 1), [4.5, 5.0, 1.0]
+    assert pinned_workers(sizes, v) == (0,)
+    assert pinned_workers(sizes, interleaved) == ()
+    assert pinned_headroom(loads, sizes, v) == pytest.approx(0.1)
+    # Negative controls: the mean's bound when nothing is pinned, or when it is the tighter one; loads
+    # that cannot be mapped to stages (several a rank, no ranks given) keep the plain headroom.
+    assert pinned_headroom(loads, sizes, interleaved) == pytest.approx(headroom(loads))
+    assert pinned_headroom([1.0, 9.0, 2.0], (1, 3, 1)) == pytest.approx(headroom([1.0, 9.0, 2.0]))
+    assert pinned_headroom(loads, sizes) == pytest.approx(headroom(loads))
+    with pytest.raises(ValueError, match="must name one worker"):
+        pinned_headroom([4.5, 5.0], (1, 3, 3, 1), [0, 1, 1])
+    with pytest.raises(ValueError, match="must name one worker"):
+        pinned_workers((1, 3, 3, 1), [0, 1, -1, 0])
+
+
+def test_pinned_bottleneck_of_a_v_needs_both_end_stages_of_one_layer_on_the_busiest_rank() -> None:
+    workers = _v_workers(4)  # [0, 1, 1, 0]
+    assert pinned_bottleneck([5.0, 2.0], (1, 3, 3, 1), workers) == 0
+    # Negative controls: two layers on either end stage could move off rank 0; a busiest middle rank
+    # could shed a layer; per-stage loads cannot be read as per-rank ones without the ranks.
+    assert pinned_bottleneck([5.0, 2.0], (2, 3, 2, 1), workers) is None
+    assert pinned_bottleneck([5.0, 2.0], (1, 3, 2, 2), workers) is None
+    assert pinned_bottleneck([2.0, 5.0], (1, 3, 3, 1), workers) is None
+    assert pinned_bottleneck([5.0, 2.0], (1, 3, 3, 1)) is None
+    # Interleaved (stage s on rank s % 2): no rank runs both end stages, and a rank whose other stage is
+    # a middle one is never pinned.
+    assert pinned_bottleneck([5.0, 2.0], (1, 3, 3, 1), [0, 1, 0, 1]) is None
+    assert pinned_bottleneck([2.0, 5.0], (1, 3, 3, 1), [0, 1, 0, 1]) is None
+    with pytest.raises(ValueError, match="must name one worker"):
+        pinned_bottleneck([5.0, 2.0], (1, 3, 3, 1), [0, 1, 2, 0])
+    with pytest.raises(ValueError, match="must name one worker"):
+        pinned_bottleneck([5.0, 2.0], (1, 3, 3, 1), [0, 1, 0])
 
 
 def test_pinned_bottleneck_names_only_an_end_stage_of_one_layer_that_is_the_busiest() -> None:

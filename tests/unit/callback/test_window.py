@@ -25,6 +25,41 @@ def test_a_busiest_one_layer_end_stage_skips_the_window_from_the_first_loads() -
     assert not off.nothing_to_gain((2, 3, 1))
 
 
+def test_a_busiest_rank_of_a_v_running_both_one_layer_end_stages_skips_the_window() -> None:
+    window = _window()
+    workers = [0, 1, 1, 0]  # ZBVZeroBubble on 2 ranks: rank 0 runs the first and the last stage
+    window.observe_loads([5.0, 2.0], event=False)  # per rank: the embedding and the head on rank 0
+    assert window.nothing_to_gain((1, 3, 3, 1), workers)
+    news = window.pinned_news((1, 3, 3, 1), workers)
+    assert news is not None
+    assert "pipeline rank 0 is the busiest and runs stages 0 and 3 of 4" in news
+    assert "one layer each beside the embedding and the head and loss" in news
+    assert window.admit("every_step", (1, 3, 3, 1), workers) is None and window.news is None  # said once
+    # Negative controls: two layers on its last stage could move off it, so the window opens; the same
+    # sizes read stage by stage (no ranks given) map no load to rank 0's two stages.
+    assert window.admit("every_step", (1, 3, 2, 2), workers) == "every_step"
+    assert not window.nothing_to_gain((1, 3, 3, 1))
+
+
+def test_a_pinned_rank_within_min_gain_of_the_busiest_skips_the_window() -> None:
+    # A V on 3 ranks: rank 0 runs stages 0 and 5, one layer each; rank 1 is the busiest, 2% above it.
+    # No placement brings rank 1 below rank 0's load, so none saves min_gain (5%): nothing to gain,
+    # although the mean leaves 27% of headroom.
+    workers, sizes = [0, 1, 2, 2, 1, 0], (1, 2, 2, 2, 2, 1)
+    window = _window()
+    window.observe_loads([4.9, 5.0, 1.0], event=False)
+    assert window.admit("every_step", sizes, workers) is None
+    assert window.news is not None
+    assert "pipeline rank 0 runs stages 0 and 5 of 6, one layer each beside the embedding" in window.news
+    assert "its load is within 2.0% of the busiest rank's (min_gain 5%)" in window.news
+    # Negative controls: 20% below the busiest it leaves room, and the window opens; so it does when the
+    # first stage holds two layers (rank 0 could shed one).
+    wide = _window()
+    wide.observe_loads([4.0, 5.0, 1.0], event=False)
+    assert wide.admit("every_step", sizes, workers) == "every_step"
+    assert window.admit("every_step", (2, 2, 2, 2, 1, 1), workers) == "every_step"
+
+
 def test_a_window_waits_for_one_step_of_loads_at_the_start_and_after_an_event() -> None:
     window = _window()
     assert window.nothing_to_gain((2, 2, 2))  # nothing measured yet: wait one step
