@@ -21,7 +21,9 @@ placement, the same decision follows as long as the stages' shares of the load s
 :attr:`StageLoadAverage.drift` measures how far they moved since that decision (:func:`share_drift`).
 A decision that moved layers predicted how the new placement shares the load out; while the measured
 shares stay that close to the prediction (:meth:`StageLoadAverage.restart` with ``expected``), a decision
-on them would find the placement it just chose, and the same rule holds.
+on them would find the placement it just chose, and the same rule holds. The prediction carries the
+step model's own error, so once the move's measured gain confirms it, the callback marks the shares the
+move achieved instead (:meth:`StageLoadAverage.mark`).
 """
 
 from __future__ import annotations

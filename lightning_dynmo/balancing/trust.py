@@ -79,6 +79,13 @@ class PredictionTrust:
             return min_gain
         return min_gain + statistics.mean(self._shortfalls)
 
+    def delivered(self, predicted_gain: float, measured_gain: float) -> bool:
+        """Whether a move that promised a gain measured at least ``delivered_share`` of it (not a miss).
+
+        A move that promised no gain (a re-pack onto fewer ranks accepts a slowdown) is not judged: ``False``.
+        """
+        return predicted_gain > 0 and measured_gain >= self.config.delivered_share * predicted_gain
+
     def observe(self, predicted_gain: float, measured_gain: float) -> str | None:
         """Feed one move's predicted and measured gain (fractions); a line to log when trust changes.
 
@@ -86,7 +93,7 @@ class PredictionTrust:
         """
         if predicted_gain <= 0:
             return None
-        if measured_gain >= self.config.delivered_share * predicted_gain:
+        if self.delivered(predicted_gain, measured_gain):
             self._shortfalls.clear()
             return None
         self._shortfalls.append(predicted_gain - measured_gain)

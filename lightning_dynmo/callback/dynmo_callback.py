@@ -99,15 +99,17 @@ class DynMoCallback(Callback):
             of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
             since that decision (whole layers may leave more than ``min_gain`` of headroom that no
             placement recovers; the same loads lead to the same decision); after a decision that moved
-            layers, while the shares stay that close to the ones it predicted for the new placement;
-            and while a rank that runs only end stages holding a single layer each (the first or the
-            last stage; in ZBV's V, both on the first rank) is the busiest or within ``min_gain`` of it
-            (it cannot be lightened, so no placement saves ``min_gain``; a heavy head does this). By ``time`` a window also waits for one step's loads (at
-            the start, after a move, after an event that came while the stages computed; one published
-            before they computed, as the dynamism callbacks publish at a step's first batch, is judged on
-            its own step), so these rules can judge it. By ``params``: after a
-            decision kept the placement, until the next dynamism event (parameter counts change only
-            with one). A skipped step costs only the always-on busy timer.
+            layers, while the shares stay that close to the ones it predicted for the new placement, or,
+            once its measured gain confirmed it (``trust``'s ``delivered_share`` of its prediction), to
+            the shares it achieved; and while a rank that runs only end stages holding a single layer
+            each (the first or the last stage; in ZBV's V, both on the first rank) is the busiest or
+            within ``min_gain`` of it (it cannot be lightened, so no placement saves ``min_gain``; a
+            heavy head does this). By ``time`` a window also waits for one step's loads (at the start,
+            after a move, after an event that came while the stages computed; one published before they
+            computed, as the dynamism callbacks publish at a step's first batch, is judged on its own
+            step), so these rules can judge it. By ``params``: after a decision kept the placement,
+            until the next dynamism event (parameter counts change only with one). A skipped step costs
+            only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the
             measured imbalance of per-stage busy times stays above ``threshold`` for ``patience_steps``
             steps and the predicted saving over ``horizon_steps`` steps exceeds the measured cost of a
@@ -644,6 +646,8 @@ class DynMoCallback(Callback):
                 100 * record.predicted_gain,
             )
         self._queued_metrics["dynmo/measured_gain"] = measured.gain
+        if self.trust.delivered(record.predicted_gain, measured.gain):
+            self._window.move_confirmed()  # the shares it achieved replace the predicted ones as the mark
         verdict = self.trust.observe(record.predicted_gain, measured.gain)  # the same on every rank
         if verdict is not None and trainer.global_rank == view.active_ranks[0]:
             log.info(verdict)

@@ -55,6 +55,7 @@ class ProfilingWindow:
         self._pinned_said: int | None = None  # the pinned rank pinned_news last named
         self.news: str | None = None  # the line to log about what admit skipped at this step
         self._params_settled = False  # by params: the last decision kept the placement, no event since
+        self._confirmed = False  # by time: the last move delivered; mark the loads observed next
         self.profiler: LayerProfiler | None = None
         self.reason = ""
         self.busy_s: list[float] = []  # this rank's busy seconds in the window's measured steps
@@ -79,8 +80,8 @@ class ProfilingWindow:
         (:data:`WAIT`: the caller asks again then). The window opens only if those loads moved away from
         the mark by :data:`SKIP_DRIFT` or more (and leave ``min_gain`` of headroom, a pinned rank's load
         counted as a floor: :func:`~lightning_dynmo.balancing.headroom.pinned_headroom`). An event that
-        leaves the stages' shares where the last decision saw them would lead to the same decision, so its profiling and
-        search are spared. Before any decision an event's window opens at once.
+        leaves the stages' shares where the last decision saw them would lead to the same decision, so
+        its profiling and search are spared. Before any decision an event's window opens at once.
 
         Args:
             reason: What the trigger answered for this step.
@@ -260,10 +261,24 @@ class ProfilingWindow:
                 then holds while the measured loads stay within :data:`SKIP_DRIFT` of it (by time only).
         """
         self._params_settled = not applied  # read only by params
+        self._confirmed = False
         if applied:
             self.stage_loads.restart(None if self._by_params else expected)
         else:
             self.stage_loads.mark()  # by time: skip while the loads stay where this decision saw them
+
+    def move_confirmed(self) -> None:
+        """The last move measured at least the gain it was trusted for (by time): the loads observed next
+        replace its prediction as the mark the skip rule compares with.
+
+        A move's prediction of how the ranks share the load carries the step model's own error (on a
+        deep pipeline a few percent a rank), so the measured shares of a move that did what it promised
+        can still leave the predicted ones by :data:`SKIP_DRIFT`, and a window would open to find the
+        placement it just chose. Once its gain is measured, the shares it achieved are the reference: a
+        window opens when they move. A dynamism event observed with those loads cancels this (the event
+        is judged against the mark as it stands).
+        """
+        self._confirmed = not self._by_params
 
     def event_seen(self) -> None:
         """Some rank had a dynamism event: it may change what the balancer reads."""
@@ -277,10 +292,14 @@ class ProfilingWindow:
         computed, :class:`~lightning_dynmo.callback.control_plane.EventInbox`), else from the next step's.
         """
         if event:
+            self._confirmed = False  # judge the event against the mark as it stands
             self.stage_loads.stale()
             if not shown:
                 return  # the model changed while this step ran: its loads may describe the old one
         self.stage_loads.update(stage_busy)
+        if self._confirmed:
+            self._confirmed = False
+            self.stage_loads.mark()  # the shares the confirmed move achieved
 
 
 def window_reason(

@@ -210,8 +210,10 @@ def test_every_step_does_not_decide_again_after_a_move_that_shares_the_load_as_p
 ) -> None:
     # Four heavy blocks then four light ones (3:1): the uniform split loads rank 0 three times rank 1, and
     # the best split of whole blocks, 0-2|3-7, still leaves 54:42 (a headroom of 11%, over min_gain). Once
-    # it runs, the measured shares are the ones the move predicted, so no window opens again; without
-    # the prediction (the negative control) the step after the move profiles and decides once more.
+    # it runs, the measured shares are the ones the move predicted, so no window opens again. Without the
+    # prediction, the move's measured gain confirms it and the shares it achieved become the mark, so
+    # no window opens either; without both (the negative control) the step after the move profiles and
+    # decides once more.
     # min_gain is low and the sleeps long because under load the fitted cost per action absorbs the
     # machine's contention: with 9:3 ms blocks and a busy CPU the move was predicted only 4.5% faster.
     run = Run(num_layers=8, steps=6)
@@ -234,6 +236,11 @@ def test_every_step_does_not_decide_again_after_a_move_that_shares_the_load_as_p
     monkeypatch.setattr(  # patched before the ranks fork
         window_module.ProfilingWindow, "decided", lambda self, applied, expected=None: original(self, applied)
     )
+    for r in fit("confirmed"):
+        decided = described(r)
+        assert r["placement"] == "0-2|3-7" and len(decided) == 1, decided
+        assert r["rebalances"][0]["measured_gain"] >= 0.5 * r["rebalances"][0]["predicted_gain"]
+    monkeypatch.setattr(window_module.ProfilingWindow, "move_confirmed", lambda self: None)
     for r in fit("unpredicted"):
         decided = described(r)
         assert r["placement"] == "0-2|3-7" and len(decided) >= 2 and not decided[1][1], decided

@@ -14,6 +14,15 @@ def test_a_move_misses_when_it_delivers_less_than_half_its_prediction() -> None:
     assert trust.required_gain(0.02) == 0.02  # one miss does not widen yet
 
 
+def test_delivered_is_what_observe_counts_as_a_hit() -> None:
+    trust = PredictionTrust(TrustConfig(delivered_share=0.8))
+    assert trust.delivered(0.10, 0.081) and trust.delivered(0.10, 0.30)
+    # Negative controls: below the share, and a move that promised no gain (a re-pack), are not delivered.
+    assert not trust.delivered(0.10, 0.079)
+    assert not trust.delivered(0.0, 0.05) and not trust.delivered(-0.02, 0.05)
+    assert trust.observe(0.10, 0.079) is None and trust.misses_in_a_row == 1
+
+
 def test_misses_in_a_row_widen_the_margin_then_stop_and_a_hit_resets() -> None:
     trust = PredictionTrust(TrustConfig(misses_to_widen=2, misses_to_stop=4))
     trust.observe(0.10, 0.0)
