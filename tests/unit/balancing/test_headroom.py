@@ -184,6 +184,21 @@ def _worker_loads(stage_loads: list[float], workers: list[int]) -> list[float]:
     return loads
 
 
+def _draw(
+    rng: random.Random, stages: int, workers: list[int]
+) -> tuple[float, list[tuple[tuple[int, ...], list[float]]]]:
+    """A random problem on ``stages`` stages run by ``workers``: every placement with its ranks' loads,
+    and the lowest busiest-rank load over them."""
+    layers = rng.randint(stages, stages + 4)
+    costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
+    first, last = rng.uniform(0, 4), rng.uniform(0, 6)
+    every = [
+        (sizes, _worker_loads(_stage_loads(costs, first, last, sizes), workers))
+        for sizes in _all_sizes(layers, stages)
+    ]
+    return min(max(loads) for _, loads in every), every
+
+
 def test_a_pinned_rank_of_a_v_is_never_beaten_by_any_placement_of_whole_layers() -> None:
     # Two stages a rank in a V: rank 0 runs both end stages. Once each holds one layer and rank 0 is the
     # busiest, no placement lowers the busiest rank's load, checked against every placement.
@@ -191,19 +206,14 @@ def test_a_pinned_rank_of_a_v_is_never_beaten_by_any_placement_of_whole_layers()
     found = missed = 0
     for _ in range(400):
         stages = rng.choice([4, 6])
-        layers = rng.randint(stages, stages + 4)
         workers = _v_workers(stages)
-        costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
-        first, last = rng.uniform(0, 4), rng.uniform(0, 6)
-        placements = _all_sizes(layers, stages)
-        best = min(max(_worker_loads(_stage_loads(costs, first, last, o), workers)) for o in placements)
-        for sizes in placements:
-            loads = _worker_loads(_stage_loads(costs, first, last, sizes), workers)
+        best, every = _draw(rng, stages, workers)
+        for sizes, loads in every:
             if pinned_bottleneck(loads, sizes, workers) is None:
                 missed += best < max(loads) - 1e-9
                 continue
             found += 1
-            assert best == pytest.approx(max(loads)), (costs, first, last, sizes)
+            assert best == pytest.approx(max(loads)), (loads, sizes)
     # The property was exercised, and the rule does not hold everywhere (it is not vacuous).
     assert found > 50 and missed > 50
 
@@ -217,15 +227,10 @@ def test_pinned_headroom_bounds_what_any_placement_saves_off_the_busiest_rank() 
     for _ in range(300):
         stages = rng.choice([3, 4, 6])
         workers = _v_workers(stages) if stages % 2 == 0 and rng.random() < 0.5 else list(range(stages))
-        layers = rng.randint(stages, stages + 4)
-        costs = [rng.uniform(0.5, 2.0) for _ in range(layers)]
-        first, last = rng.uniform(0, 4), rng.uniform(0, 6)
-        placements = _all_sizes(layers, stages)
-        best = min(max(_worker_loads(_stage_loads(costs, first, last, o), workers)) for o in placements)
-        for sizes in placements:
-            loads = _worker_loads(_stage_loads(costs, first, last, sizes), workers)
+        best, every = _draw(rng, stages, workers)
+        for sizes, loads in every:
             room = pinned_headroom(loads, sizes, workers)
-            assert best >= max(loads) * (1.0 - room) - 1e-9, (costs, first, last, sizes, workers)
+            assert best >= max(loads) * (1.0 - room) - 1e-9, (loads, sizes, workers)
             assert room <= headroom(loads) + 1e-12
             tighter += room < headroom(loads) - 1e-9
             reached += best == pytest.approx(max(loads) * (1.0 - room))
