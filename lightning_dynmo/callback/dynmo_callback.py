@@ -339,9 +339,8 @@ class DynMoCallback(Callback):
         step = trainer.global_step
         if not self._window.is_open and not self._decisions.in_flight and step != self._last_checked_step:
             self._last_checked_step = step
-            sizes, resume = view.placement.sizes, self._resume_window
-            workers = view.stage_workers(view.placement)
-            reason = window_reason(self._window, self._trigger, step, sizes, resume, workers)
+            sizes, workers = view.placement.sizes, view.stage_workers(view.placement)
+            reason = window_reason(self._window, self._trigger, step, sizes, self._resume_window, workers)
             self._resume_window = False
             if self._window.news and view.global_rank == view.active_ranks[0]:
                 log.info(self._window.news)
