@@ -91,23 +91,19 @@ class DynMoCallback(Callback):
         every_step: Rebalance at every step (MoE, MoD), with the profiling window below.
         skip_balanced: With ``every_step`` (and without ``repack``), skip a step's profiling window and
             decision when it cannot change the placement (by ``time``, after a first decision, also an
-            event's, judged on the step after it). By ``time``: while the measured per-stage busy times,
-            averaged with the ``profiling.cost_smoothing`` weight, leave less than ``min_gain`` to
-            gain (no placement of the same stages beats ``1 - mean / max`` of the stage loads,
-            :mod:`lightning_dynmo.balancing.headroom`); the average restarts at each new placement and
-            dynamism event. Also by ``time``, after a decision kept the placement: while no stage's share
-            of the averaged busy time moved by more than ``SKIP_DRIFT`` (5%) of the busiest stage's share
-            since that decision (whole layers may leave more than ``min_gain`` of headroom that no
-            placement recovers; the same loads lead to the same decision); after a decision that moved
-            layers, while the shares stay that close to the ones it predicted for the new placement, or,
-            once its measured gain confirmed it (``trust``'s ``delivered_share`` of its prediction), to
-            the shares it achieved; and while a rank that runs only end stages holding a single layer
-            each (the first or the last stage; in ZBV's V, both on the first rank) is the busiest or
-            within ``min_gain`` of it (it cannot be lightened, so no placement saves ``min_gain``; a
-            heavy head does this). By ``time`` a window also waits for one step's loads (at the start,
-            after a move, after an event that came while the stages computed; one published before they
-            computed, as the dynamism callbacks publish at a step's first batch, is judged on its own
-            step), so these rules can judge it. By ``params``: after a decision kept the placement,
+            event's, judged on the step after it). By ``time``: while the per-stage busy times, averaged
+            with the ``profiling.cost_smoothing`` weight (restarted at each new placement and event),
+            leave less than ``min_gain`` to gain: no placement beats ``1 - mean / max`` of the loads, nor
+            brings the busiest rank below a rank that runs only end stages of one layer each (in ZBV's
+            V, the first rank; :mod:`lightning_dynmo.balancing.headroom`). After a decision kept the
+            placement: while no stage's share of the averaged busy time moved by more than
+            ``SKIP_DRIFT`` (5%) of the busiest stage's share since (whole layers may leave headroom that
+            no placement recovers; the same loads lead to the same decision); after one moved layers,
+            while the shares stay that close to the ones it predicted, or, once its measured gain
+            confirmed it (``trust``'s ``delivered_share``), to the ones it achieved. A window also waits
+            for one step's loads (at the start, after a move, after an event that came while the stages
+            computed; one published before they computed, as the dynamism callbacks publish at a step's
+            first batch, is judged on its own step). By ``params``: after a decision kept the placement,
             until the next dynamism event (parameter counts change only with one). A skipped step costs
             only the always-on busy timer.
         auto: ``True`` or an :class:`~lightning_dynmo.callback.config.AutoConfig`: rebalance when the

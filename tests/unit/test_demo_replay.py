@@ -12,6 +12,7 @@ import torch
 from lightning_dynmo.balancing import LayerCost
 from lightning_dynmo.balancing.trace import CostCurve, CostTrace, StatisticTrace
 from lightning_dynmo.demos import CallOverhead, DemoConfig, DemoGPT, TraceReplay, measure_call_overhead
+from lightning_dynmo.demos import replay as replay_module
 from lightning_dynmo.events import DynamismEvent, default_bus
 
 
@@ -56,15 +57,39 @@ def test_replay_sleeps_the_trace_less_each_calls_overhead_and_states_what_it_rea
     assert runs.rows[0].layers[1].fwd_time_s == pytest.approx(_trace().rows[0].layers[1].fwd_time_s)
 
 
-def test_call_overhead_is_measured_beyond_the_sleep_and_leaves_the_model_as_it_was():
+class _SteppedClock:
+    """``time.perf_counter`` for ``_timed_calls``: every forward lasts ``fwd_s`` and every backward
+    ``bwd_s`` (its reads come in threes: the call's start, the forward's end, the backward's end)."""
+
+    def __init__(self, fwd_s: float, bwd_s: float) -> None:
+        self.steps, self.reads, self.now = (1.0, fwd_s, bwd_s), 0, 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.steps[self.reads % 3]
+        self.reads += 1
+        return self.now
+
+
+def test_call_overhead_is_what_a_call_takes_beyond_its_sleep_and_leaves_the_model_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The calls run for real (blocks and parts sleep 2 ms forward, 4 ms backward); the clock they are
+    # timed with says 2.5 ms and 4.7 ms, so what is beyond the sleeps is 0.5 ms and 0.7 ms, exactly.
+    # (A timing of the real clock would measure this machine's load, not the arithmetic.)
     torch.manual_seed(0)
     model = DemoGPT(num_layers=2)
+    clock = _SteppedClock(0.0025, 0.0047)
+    monkeypatch.setattr(replay_module, "time", clock)
     overhead = measure_call_overhead(model, microbatch_size=1, seq_len=8, repeats=5, sleep_ms=2.0)
-    # A block computes, then sleeps 2 ms forward / 4 ms backward: what is left is well under a sleep.
-    assert 0 < overhead.block.fwd_time_s < 0.05 and 0 < overhead.block.bwd_time_s < 0.05
-    assert overhead.part.fwd_time_s < 0.05
+    for cost in (overhead.block, overhead.part):
+        assert (cost.fwd_time_s, cost.bwd_time_s) == pytest.approx((0.0005, 0.0007))
+    assert clock.reads == 2 * 3 * (3 + 5)  # block and part, each 3 warm-up and 5 timed calls
     assert (model.layers["0"].cost.fwd_ms, model.last_cost.fwd_ms) == (0.0, 0.0)
     assert "a block call costs" in overhead.describe()
+    # Negative control: a call shorter than its sleep reads 0, never a negative overhead.
+    monkeypatch.setattr(replay_module, "time", _SteppedClock(0.001, 0.003))
+    short = measure_call_overhead(model, microbatch_size=1, seq_len=8, repeats=5, sleep_ms=2.0)
+    assert (short.block.fwd_time_s, short.block.bwd_time_s) == (0.0, 0.0)
 
 
 def test_a_held_trace_leads_with_its_first_row_and_announces_each_new_cost_as_an_event():
