@@ -24,7 +24,12 @@ untimed steps on the first (:func:`recipe`):
   for MoE and MoD; otherwise a rebalance at each dynamism event (the replay announces every new row, the
   first included, as the case's callback would), profiling one step;
 - **DynMo, background search**: the same with ``ProfilingConfig(background_decisions=True)`` (the
-  search runs in a helper process on the deciding rank while every rank trains on).
+  search runs in a helper process on the deciding rank while every rank trains on);
+- **head-aware static + callback** (a control, not a candidate): the head-aware split with
+  ``DynMoCallback(balancer="static")`` attached, which times the stages, exchanges its row among the ranks
+  and takes the replay's events every step as DynMo does, and never moves. Head-aware static over it is
+  the callback's own per-step cost; it over DynMo is what DynMo's placements and events cost or saved
+  against a split that carries the same per-step work.
 
 A job's step is the mean of its timed steps (its run time: DynMo's profiled and migrating steps count).
 Beside it, DynMo *between its events* (:func:`between_events`: its timed steps less those that closed
@@ -88,6 +93,9 @@ PART_WEIGHT_SHARE = 1e-9
 FIXED = ("uniform", "params", "head-aware static", "search's best fixed")
 BACKGROUND = "DynMo, background search"
 VARIANTS = ("DynMo", BACKGROUND)
+#: The control: the head-aware split with a callback that measures every step and never moves.
+CONTROL = "head-aware static + callback"
+MEASURE_ONLY = {"balancer": "static"}
 
 
 def split_backward(trace: CostTrace) -> CostTrace:
@@ -182,6 +190,8 @@ def replay_case(
     jobs = {p: replace(base, placement=p) for p in dict.fromkeys(fixed.values())}
     for name, keywords in dynmo_variants(dynmo).items():
         jobs[name] = replace(base, placement=fixed["uniform"], dynmo=keywords, announce=announce)
+    head_split = fixed["head-aware static"]
+    jobs[CONTROL] = replace(base, placement=head_split, dynmo=MEASURE_ONLY, announce=announce)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     slowest_s = 0.0
     for r in range(rounds):
@@ -201,7 +211,8 @@ def replay_case(
             )
             slowest_s = max(slowest_s, time.perf_counter() - started)
     # The mean of the timed steps: a run's time, DynMo's profiled and migrating steps included.
-    job_of = {**fixed, **{name: name for name in VARIANTS}}  # fixed runs that share a placement share a job
+    # Fixed runs that share a placement share a job.
+    job_of = {**fixed, **{name: name for name in (*VARIANTS, CONTROL)}}
     per_round = {name: [statistics.fmean(run["step_s"]) for run in runs[job]] for name, job in job_of.items()}
     dynmo_rounds = {name: per_round[name] for name in VARIANTS}
     candidates = {name: per_round[name] for name in FIXED}
@@ -209,8 +220,10 @@ def replay_case(
     versus_static = paired.compare(statics, dynmo_rounds, candidates, gap=0.05)
     head = {"head-aware static": per_round["head-aware static"]}
     versus_head = paired.compare(head, dynmo_rounds, candidates, 0.05)
+    control = per_round[CONTROL]
+    callback_cost = tuple(h / c for h, c in zip(per_round["head-aware static"], control, strict=True))
     rows = {}
-    for name in (*FIXED, *VARIANTS):
+    for name in (*FIXED, CONTROL, *VARIANTS):
         last = runs[job_of[name]][-1]
         step = statistics.median(per_round[name])
         rows[name] = {
@@ -231,12 +244,14 @@ def replay_case(
             for run in runs[name]
         ]
         rows[name]["profile"] = [run["profile"] for run in runs[name] if run["profile"] is not None]
+        rows[name]["versus control"] = tuple(c / d for c, d in zip(control, per_round[name], strict=True))
     overshoot = statistics.median(statistics.fmean(run["overshoot"]) for job in runs.values() for run in job)
     cores = statistics.median(run["cores"] for job in runs.values() for run in job)
     return {
         "rows": rows,
         "static": versus_static,
         "head": versus_head,
+        "callback cost": callback_cost,
         "shape": shape,
         "steps": base.steps,
         "overshoot": overshoot,
@@ -327,6 +342,10 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
         "CPU seconds per timed step, summed over ranks, over the step: the median over its jobs; sleeps "
         "use none, so what is busy is the pipeline's own work, and near all cores the sleeps wake late).",
         "",
+        f'- **The callback\'s own cost** ({CONTROL}: the split with `DynMoCallback(balancer="static")`, '
+        "which times the stages, exchanges its row and takes the events every step, never moving): "
+        f"head-aware static / {CONTROL} **{statistics.median(result['callback cost']):.3f}x** (per round "
+        f"{_ratios(result['callback cost'])}).",
     ]
     for v in VARIANTS:
         head_gain = h.median_speedup(v)
@@ -344,8 +363,10 @@ def section(case: str, layers: int, result: dict[str, Any]) -> list[str]:
             f"static / {v} "
             f"{statistics.median(rows[v]['between']):.3f}x (per round {_ratios(tuple(rows[v]['between']))}). "
             f"Its placements on the replayed costs (step model, no job): head-aware static / {v} "
-            f"{statistics.median(simulated):.3f}x (per round {_ratios(tuple(simulated))})."
-            f"{_profile_note(rows[v]['profile'])}",
+            f"{statistics.median(simulated):.3f}x (per round {_ratios(tuple(simulated))}). Against the "
+            f"split carrying the same per-step work: {CONTROL} / {v} "
+            f"{statistics.median(rows[v]['versus control']):.3f}x (per round "
+            f"{_ratios(rows[v]['versus control'])}).{_profile_note(rows[v]['profile'])}",
         ]
     return [*lines, ""]
 
@@ -357,8 +378,9 @@ def summary(done: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
         "",
         "| case | shape | DynMo | better static / DynMo | head-aware static / DynMo (rounds: min-max) | "
         "DynMo of best fixed (measured) | idle measured: head-aware -> DynMo | >= 95% of best fixed | "
-        "not slower than head-aware beyond its rounds |",
-        "|---|---|---|---:|---|---:|---|---|---|",
+        "not slower than head-aware beyond its rounds | the callback's own cost (head-aware / + callback) | "
+        "head-aware + callback / DynMo |",
+        "|---|---|---|---:|---|---:|---|---|---|---:|---:|",
     ]
     for case, _, result in done:
         s, h, rows = result["static"], result["head"], result["rows"]
@@ -371,7 +393,9 @@ def summary(done: list[tuple[str, int, dict[str, Any]]]) -> list[str]:
                 f"{s.median_of_ideal(v):.1%} | "
                 f"{rows['head-aware static']['idle'][1]:.0%} -> {rows[v]['idle'][1]:.0%} | "
                 f"{'yes' if s.median_of_ideal(v) >= 0.95 else 'NO'} | "
-                f"{'NO' if h.slower_beyond_noise(v) else 'yes'} |"
+                f"{'NO' if h.slower_beyond_noise(v) else 'yes'} | "
+                f"{statistics.median(result['callback cost']):.3f}x | "
+                f"{statistics.median(rows[v]['versus control']):.3f}x |"
             )
     return [*lines, ""]
 

@@ -12,6 +12,7 @@ import pytest
 from benchmarks._lib.trace_cases import synthetic_trace
 from benchmarks.paper_replay import (
     BACKGROUND,
+    CONTROL,
     between_events,
     main,
     recipe,
@@ -33,9 +34,9 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
     assert re.search(r"The ranks kept \d+\.\d\d of this machine's \d+ cores busy", report)
     assert "half of a block backward sleeps in its weight pass" in report
     assert "### synthetic, 2 x ZBVZeroBubble (4 stages, 4 mb) (8 layers)" in report
-    runs = ("uniform", "params", "head-aware static", "search's best fixed", "DynMo", BACKGROUND)
+    runs = ("uniform", "params", "head-aware static", "search's best fixed", CONTROL, "DynMo", BACKGROUND)
     for run in runs:
-        assert re.search(rf"\| {run} \| [\d.]+ \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
+        assert re.search(rf"\| {re.escape(run)} \| [\d.]+ \| [\d.]+ \| \d+% \| \d+% \| `0-\d", report), run
     for variant in ("DynMo", BACKGROUND):
         assert re.search(rf"head-aware static / {variant}: \*\*[\d.]+x\*\* \(per round [\d.]+\)", report)
     assert re.search(r"Best fixed in hindsight \(measured, held out per round\): [a-z' -]+\.", report)
@@ -48,9 +49,17 @@ def test_quick_paper_replay_reports_every_run_every_round_and_the_verdicts(tmp_p
         r"on the replayed costs \(step model, no job\): head-aware static / [A-Za-z, ]+ [\d.]+x \(per round"
     )
     assert len(re.findall(simulated, report)) == 2
+    # The control: the split with a callback that measures and never moves, against the split and DynMo.
+    control = re.escape(CONTROL)
+    assert re.search(rf"head-aware static / {control} \*\*[\d.]+x\*\* \(per round [\d.]+\)", report)
+    assert len(re.findall(rf"{control} / [A-Za-z, ]+ [\d.]+x \(per round [\d.]+\)", report)) == 2
+    ran = dict(re.findall(r"^\| ([^|]+) \| [\d.]+ \| .* `([\d|-]+)` \|$", report, re.MULTILINE))
+    assert ran[CONTROL] == ran["head-aware static"]  # the same split, never moved
     for variant in ("DynMo", BACKGROUND):  # the summary
         assert re.search(
-            rf"\| synthetic \| 2 x ZBVZeroBubble .* \| {variant} \| .* \| (yes|NO) \| (yes|NO) \|", report
+            rf"\| synthetic \| 2 x ZBVZeroBubble .* \| {variant} \| .* \| (yes|NO) \| (yes|NO) \| [\d.]+x \| "
+            r"[\d.]+x \|",
+            report,
         )
 
 
