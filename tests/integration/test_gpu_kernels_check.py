@@ -49,7 +49,15 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path: Path) -> None
     curves = results["cost_curves"]
     for name in ("sparse_attention", "mod", "early_exit", "dense_and_freezing"):
         assert len(curves[name]["points"]) == 2 and not curves[name]["failed"], name
-    assert set(curves["head_loss_and_embedding"]["timed"]) == {"head_and_loss", "embedding"}
+    head = curves["head_loss_and_embedding"]
+    assert set(head["timed"]) == {
+        "head_and_loss",
+        "embedding",
+        "head_matmul",
+        "head_and_loss_padded_vocab",
+        "head_matmul_padded_vocab",
+    }
+    assert head["padded_vocab_size"] == 128  # the dry run's vocabulary of 64, rounded up to 128
     read = read_cost_curves(path)
     assert set(read) == {"sparse_attention", "mod", "early_exit", "dense_and_freezing"}
     assert read["mod"].statistic == "processed_fraction" and len(read["mod"].points) == 2

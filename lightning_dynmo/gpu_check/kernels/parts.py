@@ -49,6 +49,8 @@ MAX_ACTIVE_FRACTION = 0.30
 STALL_STEPS, STALL_WARMUP = 20, 3
 #: bf16 attention against the float32 reference: the largest error accepted.
 BF16_ATTENTION_TOLERANCE = 2e-2
+#: The head's padded vocabulary is the next multiple of this (Megatron-LM's default divisor).
+VOCAB_MULTIPLE = 128
 
 
 def block_config(shape: Shape, num_layers: int = 1) -> GPTConfig:
@@ -460,8 +462,13 @@ def _early_exit_curve(shape: Shape, timer: Timer, device: str) -> dict[str, Any]
 
 
 def _head_and_embedding(shape: Shape, timer: Timer, device: str) -> dict[str, Any]:
+    """The head + loss and the embedding; beside them the head's matrix product alone, and both again with
+    the vocabulary padded to a multiple of :data:`VOCAB_MULTIPLE` (Megatron-LM's and nanoGPT's habit: an
+    odd width such as GPT-2's 50,257 keeps the GEMM off its aligned tensor-core paths)."""
     torch.manual_seed(0)
+    padded = -(-shape.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     head = _on(nn.Linear(shape.d_model, shape.vocab_size, bias=False), shape, device)
+    head_padded = _on(nn.Linear(shape.d_model, padded, bias=False), shape, device)
     tokens = nn.Embedding(shape.vocab_size, shape.d_model)
     positions = nn.Embedding(shape.seq_len, shape.d_model)
     embed = nn.ModuleList([_on(tokens, shape, device), _on(positions, shape, device)])
@@ -474,15 +481,32 @@ def _head_and_embedding(shape: Shape, timer: Timer, device: str) -> dict[str, An
     grad = torch.randn(*size, shape.d_model, generator=gen, device=device, dtype=shape.torch_dtype)
     place = torch.arange(shape.seq_len, device=device)
 
-    def head_loss() -> None:
-        logits = head(hidden).float()
-        _backward(F.cross_entropy(logits.reshape(-1, shape.vocab_size), ids.reshape(-1)))
+    def head_loss(linear: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            logits = linear(hidden).float()
+            _backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1)))
+
+        return run
+
+    def head_matmul(linear: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            out = linear(hidden)
+            _backward(out, torch.ones_like(out))
+
+        return run
 
     def embedding() -> None:
         (embed[0](ids) + embed[1](place)).backward(grad)
 
-    ran, failed = viable({"head_and_loss": head_loss, "embedding": embedding})
-    return {"timed": timer.compare(ran), "failed": failed}
+    variants = {
+        "head_and_loss": head_loss(head),
+        "embedding": embedding,
+        "head_matmul": head_matmul(head),
+        "head_and_loss_padded_vocab": head_loss(head_padded),
+        "head_matmul_padded_vocab": head_matmul(head_padded),
+    }
+    ran, failed = viable(variants)
+    return {"padded_vocab_size": padded, "timed": timer.compare(ran), "failed": failed}
 
 
 def _backward(out: Tensor, grad: Tensor | None = None) -> None:
