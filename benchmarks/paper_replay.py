@@ -46,6 +46,10 @@ step)``.
     python -m benchmarks.paper_replay                 # 6 cases + dense, 8 and 16 ranks, ZBV, 5 rounds: hours
     python -m benchmarks.paper_replay --quick         # synthetic trace, 2 ranks, 1 round: not figures
 
+With ``--kernels PATH`` (a ``kernels.json`` of ``python -m lightning_dynmo.gpu_check.kernels``) the costs
+come from that GPU check's cost curves instead (:func:`benchmarks.paper_setup.gpu_trace`; ``--clamp-curves``
+and ``--padded-vocab-head`` as in :mod:`benchmarks.paper_setup`), scaled the same way to ``--block-ms``.
+
 The report goes to ``benchmarks/results/paper_replay-<date>.md``; an existing file is kept unless
 ``--force``.
 """
@@ -64,8 +68,9 @@ import torch
 
 from benchmarks._lib import paired
 from benchmarks._lib.common import launch, results_path, write_report
+from benchmarks._lib.gpu_curves import FWD_SHARE, KernelCosts, add_kernel_arguments, kernels_from_args
 from benchmarks._lib.trace_cases import CASES, synthetic_trace, trace_parser
-from benchmarks.paper_setup import Costs, best_placement, cost_trace, mapped, paper_costs
+from benchmarks.paper_setup import Costs, best_placement, cost_trace, gpu_trace, mapped, paper_costs
 from benchmarks.projection import Shape
 from benchmarks.replay import (
     DYNMO,
@@ -119,16 +124,22 @@ def split_backward(trace: CostTrace) -> CostTrace:
 def paper_trace(
     stats: StatisticTrace,
     layers: int,
-    costs: Costs,
+    costs: Costs | KernelCosts,
     block_ms: float,
     split: bool,
     rows: int | None = None,
+    clamp: bool = False,
 ) -> CostTrace:
     """``stats`` on ``layers`` layers at every recorded step (or ``rows`` of them, evenly spaced), at the
-    paper's costs, scaled so a dense block sleeps ``block_ms`` per micro-batch forward (``split``: weight
-    parts stated)."""
+    paper's costs (scaled GPU costs, or a GPU kernel check's curves; ``clamp``: clamp statistics outside
+    a curve), scaled so a dense block sleeps ``block_ms`` per micro-batch forward (``split``: weight parts
+    stated)."""
     kept = mapped(stats, layers, stats.num_rows if rows is None else rows)
-    trace = cost_trace(kept, costs).scaled(block_ms / 1e3 / costs.block[0])
+    if isinstance(costs, KernelCosts):
+        dense_fwd_s = FWD_SHARE * costs.dense_ms * 1e-3
+        trace = gpu_trace(kept, costs, clamp=clamp).scaled(block_ms / 1e3 / dense_fwd_s)
+    else:
+        trace = cost_trace(kept, costs).scaled(block_ms / 1e3 / costs.block[0])
     return split_backward(trace) if split else trace
 
 
@@ -424,7 +435,9 @@ def main(argv: list[str] | None = None) -> str:
         action="store_true",
         help="each rank's sleeps ask for less by their own wake-up delay (SleepAccount.feedback)",
     )
+    add_kernel_arguments(parser, "the costs (then scaled to --block-ms)")
     args = parser.parse_args(argv)
+    kernels = kernels_from_args(parser, args)
     command = "python -m benchmarks.paper_replay" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
@@ -437,7 +450,7 @@ def main(argv: list[str] | None = None) -> str:
         stats = select_traces(args.traces, args.case)
         if not stats:
             raise SystemExit(f"no trace of the cases {args.case} in {args.traces}")
-    costs = paper_costs(args.quick)
+    costs: Costs | KernelCosts = paper_costs(args.quick) if kernels is None else kernels
     probe = Shape(2, args.schedule, args.microbatches)  # does the schedule run weight passes?
     split = any(k == "W" for acts in schedule_actions(args.schedule, probe.stages, 4) for _, k, _ in acts)
     torch.set_num_threads(1)  # before forking the ranks
@@ -470,7 +483,7 @@ def main(argv: list[str] | None = None) -> str:
     todo = len(stats) * len(args.ranks)
     for s in stats:
         how = recipe(s.case, args.phases, args.hold)
-        trace = paper_trace(s, args.layers, costs, args.block_ms, split, how.get("phases"))
+        trace = paper_trace(s, args.layers, costs, args.block_ms, split, how.get("phases"), args.clamp_curves)
         hold = how.get("hold")
         # Every phased case runs phases x hold timed steps (a trace of fewer rows holds its last one).
         steps = args.steps if hold is None else args.warmup + args.phases * hold

@@ -47,6 +47,9 @@ each block at its trace statistic through the case's curve, the head + loss and 
 measured, each total split forward : backward = 1 : 2 (the curves record totals only); the statistic
 mapping, the freezing and the no-curve cases (MoE, pruning) are in :mod:`benchmarks._lib.gpu_curves`.
 A value outside a curve's measured range is refused unless ``--clamp-curves`` (then counted in the label).
+``--padded-vocab-head`` takes the head + loss timed with the vocabulary padded to a multiple of 128, as
+Megatron-LM pads it (GPT-2's odd 50,257 columns keep the head's GEMM off its aligned paths: 13.3 ms
+against 4.5 ms padded on one H200, ``results/gpu/2026-11-30/README.md``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from typing import Any
 
 from benchmarks._lib import independent_search, paired
 from benchmarks._lib.common import results_path, write_report
-from benchmarks._lib.gpu_curves import KernelCosts, gpu_cost_trace, read_kernels
+from benchmarks._lib.gpu_curves import KernelCosts, add_kernel_arguments, gpu_cost_trace, kernels_from_args
 from benchmarks._lib.trace_cases import (
     CASES,
     RESULTS,
@@ -581,26 +584,14 @@ def main(argv: list[str] | None = None) -> str:
         help="measure the head + loss / block ratio on this CPU in ROUNDS rounds, write "
         "results/paper_head-<date>.json (--out: elsewhere) and stop",
     )
-    parser.add_argument(
-        "--kernels",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="take every cost from this GPU kernel check's cost curves (kernels.json) instead",
-    )
-    parser.add_argument(
-        "--clamp-curves",
-        action="store_true",
-        help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
-    )
+    add_kernel_arguments(parser, "every cost, instead,")
     parser.add_argument(
         "--decisions-only",
         action="store_true",
         help="only table (d): time the policy's decision at the largest depth (seconds, not minutes)",
     )
     args = parser.parse_args(argv)
-    if args.clamp_curves and args.kernels is None:
-        parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
+    kernels = kernels_from_args(parser, args)
     command = "python -m benchmarks.paper_setup" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:])
     )
@@ -610,7 +601,6 @@ def main(argv: list[str] | None = None) -> str:
         if getattr(args, key) < 1:
             parser.error(f"--{key}={getattr(args, key)} must be >= 1.")
     out = results_path("paper_setup", args.out, args.force)
-    kernels = read_kernels(args.kernels) if args.kernels is not None else None
     costs = paper_costs(args.quick) if kernels is None else None
     if args.quick:
         stats, shapes, depths, m = [synthetic_trace(6, 3)], QUICK_SHAPES, [8], 4

@@ -67,7 +67,7 @@ from benchmarks._lib.common import (
     results_path,
     write_report,
 )
-from benchmarks._lib.gpu_curves import read_kernels, relative_cost_trace
+from benchmarks._lib.gpu_curves import add_kernel_arguments, kernels_from_args, relative_cost_trace
 from benchmarks._lib.trace_cases import (
     DENSE_FWD,
     cost_trace,
@@ -437,22 +437,9 @@ def main(argv: list[str] | None = None) -> str:
         default="dense",
         help="what a block computes before its sleep ('linear': little, for more ranks than cores)",
     )
-    parser.add_argument(
-        "--kernels",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="costs relative to the dense block from this GPU kernel check's cost curves (kernels.json)",
-    )
-    parser.add_argument(
-        "--clamp-curves",
-        action="store_true",
-        help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
-    )
+    add_kernel_arguments(parser, "costs relative to the dense block")
     args = parser.parse_args(argv)
-    if args.clamp_curves and args.kernels is None:
-        parser.error("--clamp-curves applies to --kernels PATH only; pass --kernels or drop it.")
-    kernels = read_kernels(args.kernels) if args.kernels is not None else None
+    kernels = kernels_from_args(parser, args)
     out = results_path("replay", args.out, args.force)
     stats = select_traces(args.traces, args.case)
     if not stats and not args.quick:

@@ -34,6 +34,7 @@ forward, for :mod:`benchmarks.replay` (which scales a dense block to its own ``-
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -49,8 +50,11 @@ __all__ = [
     "CURVE_OF",
     "DENSE_CURVE",
     "FWD_SHARE",
+    "HEADS",
     "KernelCosts",
+    "add_kernel_arguments",
     "gpu_cost_trace",
+    "kernels_from_args",
     "read_kernels",
     "relative_cost_trace",
 ]
@@ -67,6 +71,9 @@ CURVE_OF: dict[str, tuple[str, str] | None] = {
     "pruning": None,
 }
 DENSE_CURVE = "dense_and_freezing"
+#: The head + loss as measured (GPT-2's 50,257 columns), and with the vocabulary padded to a multiple of
+#: 128 (Megatron-LM's default, the paper's code base): the kernel check times both.
+HEADS = ("head_and_loss", "head_and_loss_padded_vocab")
 #: A measured forward + backward total's forward share (forward : backward = 1 : 2 by multiply-adds).
 FWD_SHARE = 1 / 3
 #: The paper's shape (d_model, sequence, sequences per micro-batch) a JSON is checked against.
@@ -84,6 +91,7 @@ class KernelCosts:
         device: The device the JSON records.
         file: The JSON's path as given.
         shape: The JSON's shape record.
+        head: Which head + loss :attr:`head_ms` is (one of :data:`HEADS`).
     """
 
     curves: dict[str, CostCurve]
@@ -92,6 +100,7 @@ class KernelCosts:
     device: str
     file: str
     shape: dict[str, object]
+    head: str = HEADS[0]
 
     @property
     def dense_ms(self) -> float:
@@ -104,28 +113,42 @@ class KernelCosts:
         paper = all(self.shape.get(k) == v for k, v in PAPER.items())
         shape = ", ".join(f"{k} {self.shape.get(k)}" for k in (*PAPER, "dtype"))
         return (
-            f"projected from GPU cost curves ({self.device}, {self.file}); shape {shape}"
+            f"GPU cost curves ({self.device}, {self.file}); shape {shape}"
             f"{'' if paper else ' (NOT the paper shape: not figures)'}; dense block {self.dense_ms:.3f} ms, "
-            f"head + loss {self.head_ms:.3f} ms, embedding {self.embedding_ms:.3f} ms forward + backward per "
-            "micro-batch, each split forward : backward = 1 : 2 (multiply-adds; the JSON records totals "
-            "only); MoE and pruning: the dense block x their stand-in curves (no GPU curve); freezing: "
-            "a frozen prefix block runs the dense forward only"
+            f"head + loss {self.head_ms:.3f} ms ({self._head_words}), embedding {self.embedding_ms:.3f} ms "
+            "forward + backward per micro-batch, each split forward : backward = 1 : 2 (multiply-adds; "
+            "the JSON records totals only); MoE and pruning: the dense block x their stand-in curves (no "
+            "GPU curve); freezing: a frozen prefix block runs the dense forward only"
         )
 
+    @property
+    def _head_words(self) -> str:
+        if self.head == HEADS[0]:
+            return f"vocabulary {self.shape.get('vocab_size')}"
+        return f"vocabulary padded to a multiple of 128, {self.shape.get('vocab_size')} real"
 
-def read_kernels(path: Path | str) -> KernelCosts:
+
+def read_kernels(path: Path | str, head: str = HEADS[0]) -> KernelCosts:
     """The cost curves and the head + loss and embedding of ``path`` (a ``kernels.json``).
 
+    Args:
+        path: The kernel check's JSON.
+        head: Which head + loss to take (one of :data:`HEADS`; the padded one only in JSONs from
+            ``1c14e37`` on).
+
     Raises:
-        ValueError: no measured cost curves, no dense curve, or no timed head + loss or embedding.
+        ValueError: an unknown ``head``; no measured cost curves, no dense curve, or no timed head + loss
+            or embedding.
     """
+    if head not in HEADS:
+        raise ValueError(f"head={head!r} is not one of {HEADS}.")
     curves = read_cost_curves(path)
     if DENSE_CURVE not in curves:
         raise ValueError(f"{path}: cost_curves has no {DENSE_CURVE!r} curve; rerun the kernel check.")
     report = json.loads(Path(path).read_text())
     parts = report["parts"]["cost_curves"]["result"].get("head_loss_and_embedding", {})
     timed = parts.get("timed", {})
-    for name in ("head_and_loss", "embedding"):
+    for name in (head, "embedding"):
         if name not in timed:
             raise ValueError(
                 f"{path}: cost_curves.head_loss_and_embedding has no timed {name!r} "
@@ -134,11 +157,12 @@ def read_kernels(path: Path | str) -> KernelCosts:
     device = next(iter(curves.values())).device
     return KernelCosts(
         curves,
-        float(timed["head_and_loss"]["median_ms"]),
+        float(timed[head]["median_ms"]),
         float(timed["embedding"]["median_ms"]),
         device,
         str(path),
         dict(report.get("shape", {})),
+        head,
     )
 
 
@@ -232,3 +256,36 @@ def relative_cost_trace(stats: StatisticTrace, kernels: KernelCosts, clamp: bool
     :func:`benchmarks._lib.trace_cases.cost_trace`: what the replay scales to its own block time."""
     unit = FWD_SHARE * kernels.dense_ms * 1e-3
     return gpu_cost_trace(stats, kernels, 1, clamp=clamp).scaled(DENSE_FWD / unit)
+
+
+def add_kernel_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--kernels PATH``, ``--clamp-curves`` and ``--padded-vocab-head``; ``what``: the costs they set."""
+    parser.add_argument(
+        "--kernels",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=f"{what} from this GPU kernel check's cost curves (kernels.json)",
+    )
+    parser.add_argument(
+        "--clamp-curves",
+        action="store_true",
+        help="with --kernels: clamp statistics outside a curve's measured range (default: refuse)",
+    )
+    parser.add_argument(
+        "--padded-vocab-head",
+        action="store_true",
+        help="with --kernels: the head + loss with its vocabulary padded to a multiple of 128 (as "
+        "Megatron-LM pads it) instead of as measured",
+    )
+
+
+def kernels_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> KernelCosts | None:
+    """The kernel check ``--kernels`` names (``None`` without it); a flag that needs it is an error."""
+    if args.kernels is None:
+        for flag in ("clamp_curves", "padded_vocab_head"):
+            if getattr(args, flag):
+                name = "--" + flag.replace("_", "-")
+                parser.error(f"{name} applies to --kernels PATH only; pass --kernels or drop it.")
+        return None
+    return read_kernels(args.kernels, HEADS[1] if args.padded_vocab_head else HEADS[0])

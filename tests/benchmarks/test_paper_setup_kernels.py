@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks._lib.gpu_curves import FWD_SHARE, gpu_cost_trace, read_kernels, relative_cost_trace
+from benchmarks._lib.gpu_curves import FWD_SHARE, HEADS, gpu_cost_trace, read_kernels, relative_cost_trace
 from benchmarks._lib.trace_cases import DENSE_FWD
+from benchmarks.paper_replay import main as paper_replay_main
+from benchmarks.paper_replay import paper_trace
 from benchmarks.paper_setup import main
 from benchmarks.replay import main as replay_main
 from lightning_dynmo.balancing import LayerCost
@@ -124,7 +126,7 @@ def test_quick_mode_with_kernels_writes_its_tables_with_the_gpu_label(tmp_path):
     report = main(["--quick", "--kernels", str(path), "--out", str(out)])
     assert out.read_text() == report + "\n"
     assert report.startswith("# The traces at the paper's setup (projected from GPU cost curves)")
-    assert f"projected from GPU cost curves (NVIDIA H200, {path})" in report
+    assert f"Costs: GPU cost curves (NVIDIA H200, {path})" in report
     assert "forward : backward = 1 : 2" in report and "scaled" not in report.split("\n")[0]
     for table in ("**(a) Mean step", "**(b) Bubble", "**(c) Best fixed, re-derived independently"):
         assert table in report
@@ -166,3 +168,45 @@ def test_the_replay_gets_the_same_costs_in_dense_forward_units(tmp_path, capsys)
     with pytest.raises(SystemExit):
         replay_main(["--quick", "--clamp-curves", "--out", str(tmp_path / "r.md")])
     assert "--clamp-curves applies to --kernels PATH only" in capsys.readouterr().err
+
+
+def test_the_padded_vocabulary_head_is_taken_only_when_asked_and_only_if_measured(tmp_path, capsys):
+    path = _kernels(tmp_path)
+    padded = json.loads(path.read_text())
+    timed = padded["parts"]["cost_curves"]["result"]["head_loss_and_embedding"]["timed"]
+    timed["head_and_loss_padded_vocab"] = {"median_ms": 3.0}
+    padded["shape"]["vocab_size"] = 50257
+    (tmp_path / "padded.json").write_text(json.dumps(padded))
+    as_measured, taken = (
+        read_kernels(tmp_path / "padded.json"),
+        read_kernels(tmp_path / "padded.json", HEADS[1]),
+    )
+    assert (as_measured.head_ms, taken.head_ms) == (9.0, 3.0)
+    assert "head + loss 9.000 ms (vocabulary 50257)" in as_measured.label
+    assert "head + loss 3.000 ms (vocabulary padded to a multiple of 128, 50257 real)" in taken.label
+    row = gpu_cost_trace(_mod((1.0, 0.5)), taken, M).rows[0]
+    assert row.last.fwd_time_s + row.last.bwd_time_s == pytest.approx(3.0e-3 * M)
+    with pytest.raises(ValueError, match=r"has no timed 'head_and_loss_padded_vocab'"):
+        read_kernels(path, HEADS[1])  # a JSON from before the padded head was timed
+    with pytest.raises(ValueError, match=r"head='lm_head' is not one of"):
+        read_kernels(path, "lm_head")
+    for run in (main, paper_replay_main):
+        with pytest.raises(SystemExit):
+            run(["--quick", "--padded-vocab-head", "--out", str(tmp_path / "z.md")])
+        assert "--padded-vocab-head applies to --kernels PATH only" in capsys.readouterr().err
+
+
+def test_the_paper_replay_scales_the_gpu_curves_so_a_dense_block_sleeps_block_ms(tmp_path):
+    kernels = read_kernels(_kernels(tmp_path))
+    stats = _mod((1.0, 0.25, 1.0, 0.75))
+    trace = paper_trace(stats, 4, kernels, block_ms=3.0, split=False)
+    row, scale = trace.rows[0], 3.0 / (FWD_SHARE * 6.0)  # the dense forward (2 ms) sleeps 3 ms
+    assert row.layers[0].fwd_time_s == pytest.approx(3.0e-3 * M)  # per step: block_ms x M micro-batches
+    per_step = gpu_cost_trace(stats, kernels, M).rows[0]
+    for got, want in zip((*row.layers, row.last), (*per_step.layers, per_step.last), strict=True):
+        assert got.fwd_time_s == pytest.approx(want.fwd_time_s * scale)
+        assert got.bwd_time_s == pytest.approx(want.bwd_time_s * scale)
+    with pytest.raises(ValueError, match=r"outside the 'mod' curve's measured range"):
+        paper_trace(_mod((1.0, 0.0)), 2, kernels, block_ms=3.0, split=False)
+    clamped = paper_trace(_mod((1.0, 0.0)), 2, kernels, block_ms=3.0, split=False, clamp=True)
+    assert "1 values clamped" in clamped.curve_label
