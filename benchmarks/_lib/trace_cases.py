@@ -123,8 +123,13 @@ CASES: dict[str, TraceCase] = {
             every_step=True,
         ),
         # Stand-in: time proportional to the linear weights' non-zeros (the measured curve replaces it).
+        # Phases: the pruner announces every pruning stage (``notify_dynamism("pruned")``).
         TraceCase(
-            "pruning", _scaling_share(1 - _score_share(), "linear weights"), 1.0, "3.18x over dense Megatron"
+            "pruning",
+            _scaling_share(1 - _score_share(), "linear weights"),
+            1.0,
+            "3.18x over dense Megatron",
+            phases=True,
         ),
         TraceCase("freezing", _frozen, 1.0, "2.23x over Egeria", "~40% (static)", phases=True),
         TraceCase(

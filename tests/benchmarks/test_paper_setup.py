@@ -10,6 +10,7 @@ import random
 import pytest
 
 from benchmarks._lib import independent_search as ind
+from benchmarks._lib.trace_cases import CASES
 from benchmarks.paper_setup import (
     best_placement,
     dynmo_placements,
@@ -199,4 +200,22 @@ def test_dynmo_is_the_librarys_policy_it_keeps_its_split_under_noise_and_follows
     assert shifted[3] == placements[3] and shifted[-1] != shifted[3]
     assert step_s(_noisy_trace(12, 4).rows[-1], shifted[-1], shape) < step_s(
         _noisy_trace(12, 4).rows[-1], shifted[3], shape
+    )
+
+
+def test_a_phased_case_runs_each_row_at_the_placement_decided_from_its_own_costs():
+    # The pruner announces every pruning stage (notify_dynamism("pruned")), freezing every decision:
+    # DynMo rebalances on the event, so each phase runs balanced for itself.
+    assert CASES["pruning"].phases and CASES["freezing"].phases
+    shape = Shape(4, "1F1B", 8)
+    trace = _noisy_trace(3, persistent_from=1)  # the first four layers three times as costly from row 1
+    phased = dynmo_placements(trace, shape, phases=True)
+    decided_on_row_1 = dynmo_placements(
+        CostTrace("moe", "synthetic", (0,), (trace.rows[1],)), shape, phases=True
+    )[0]
+    assert phased[1] == decided_on_row_1 and phased[1] != phased[0]
+    # Negative control: unphased, row 1 still runs at what row 0's costs decided (one row behind).
+    behind = dynmo_placements(trace, shape, phases=False)
+    assert behind[1] == behind[0] and step_s(trace.rows[1], phased[1], shape) < step_s(
+        trace.rows[1], behind[1], shape
     )
