@@ -23,6 +23,9 @@ case's block forward + backward at measured values of its statistic, the head + 
   + loss, embedding) is split forward : backward = 1 : 2, the multiply-add rule (a backward computes the
   input's and the weights' gradients, each as many multiply-adds as the forward). The JSON has no
   forward-only measurement to take a ratio from (its frozen point still runs the input's gradient).
+- **Head**: the head + loss as measured (GPT-2's 50,257 columns), or with ``head`` =
+  ``"head_and_loss_padded_vocab"`` the same padded to a multiple of 128 (:data:`HEADS`); the early-exit
+  curve's exit heads stay as the kernel check built them (unpadded).
 - **Range**: a value outside a curve's measured range is refused (:class:`ValueError` naming the case,
   the layer, the value and the range), or with ``clamp`` set to the nearest measured end, counted in the
   trace's label.
