@@ -80,10 +80,12 @@ from benchmarks._lib.trace_cases import (
 )
 from benchmarks.projection import Run, Shape, simulate, step_s
 from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, partition, uniform
+from lightning_dynmo.balancing.averaging import HistoryWeight
 from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, refine
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, smooth_costs
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.balancing.workers import partition_workers
+from lightning_dynmo.callback.config import EVERY_STEP_COST_SMOOTHING
 from lightning_dynmo.pipeline.step.actions import schedule_actions
 
 MICROBATCHES = 32
@@ -306,11 +308,6 @@ def best_placement(
     return refine(problem, proposal, step_of, budget=budget, stage_workers=workers).placement
 
 
-#: What the callback's every-step windows default to (:class:`~lightning_dynmo.callback.ProfilingConfig`):
-#: each layer's cost is a moving average, this weight on the history.
-EVERY_STEP_SMOOTHING = 0.8
-
-
 def dynmo_placements(
     trace: CostTrace,
     shape: Shape,
@@ -322,8 +319,10 @@ def dynmo_placements(
     each row the library's own decision (:func:`~lightning_dynmo.balancing.policy.decide` with ``config``:
     the search of :func:`best_placement`, applied only when predicted ``min_gain`` faster), in force from
     the next row, on what the callback would have measured. With ``every_step`` (the recipe of MoE and
-    MoD) that is each layer's moving average of the rows so far
-    (:func:`~lightning_dynmo.balancing.policy.smooth_costs`, weight :data:`EVERY_STEP_SMOOTHING`);
+    MoD) that is each layer's moving average of the rows so far, as the callback keeps it
+    (:func:`~lightning_dynmo.balancing.policy.smooth_costs`, bias-corrected by
+    :class:`~lightning_dynmo.balancing.averaging.HistoryWeight` of the every-step default
+    :data:`~lightning_dynmo.callback.config.EVERY_STEP_COST_SMOOTHING`, one sample a row);
     otherwise the fresh measurement of the row just run. Row 0 runs at the placement decided from its
     own costs (DynMo's first window runs in the warm-up before the first recorded step). With ``phases``
     every row is a phase announced by an event, which opens a fresh window: it runs at the placement
@@ -332,6 +331,7 @@ def dynmo_placements(
     workers = stage_workers(shape) if shape.stages > shape.ranks else None
     placement, out = uniform(trace.num_layers, shape.stages), []
     smoothed: list[LayerCost] | None = None
+    history = HistoryWeight(EVERY_STEP_COST_SMOOTHING if every_step else 0.0)
 
     def decided(costs: StepCosts) -> Placement:
         made = decide(costs.problem(), placement, config, shape.microbatches, shape.order, workers)
@@ -342,8 +342,7 @@ def dynmo_placements(
             placement = decided(row)
         out.append(placement)  # the row runs, then DynMo decides for the next one
         if not phases:
-            weight = EVERY_STEP_SMOOTHING if every_step else 0.0
-            smoothed = smooth_costs(smoothed, row.layers, weight)
+            smoothed = smooth_costs(smoothed, row.layers, history.next())
             placement = decided(dataclasses.replace(row, layers=tuple(smoothed)))
     return out
 

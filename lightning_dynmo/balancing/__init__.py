@@ -30,6 +30,7 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``trust``: how far to trust the step model, from the gains moves delivered against their predictions.
 - ``background``: one pure call at a time in a helper process (the decision's search while training goes on).
 - ``headroom``: what any rebalance could still gain, bounded from measured stage loads.
+- ``averaging``: the weights of a bias-corrected moving average over steps (smoothed costs and loads).
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform

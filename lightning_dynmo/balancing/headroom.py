@@ -12,7 +12,8 @@ helps, whatever the headroom (:func:`pinned_bottleneck`); when it is within ``mi
 no placement gains ``min_gain`` (:func:`pinned_headroom`).
 
 One step's busy times are a noisy sample, so the bound reads a running mean of them
-(:class:`StageLoadAverage`), restarted whenever the loads stop describing the pipeline (a new placement,
+(:class:`StageLoadAverage`, bias-corrected: :class:`~lightning_dynmo.balancing.averaging.HistoryWeight`),
+restarted whenever the loads stop describing the pipeline (a new placement,
 a dynamism event).
 
 The headroom is a bound for a continuum of work; layers are discrete, so a pipeline can keep some
@@ -29,6 +30,8 @@ move achieved instead (:meth:`StageLoadAverage.mark`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from lightning_dynmo.balancing.averaging import HistoryWeight
 
 __all__ = [
     "StageLoadAverage",
@@ -171,6 +174,9 @@ def share_drift(before: Sequence[float], after: Sequence[float]) -> float:
 class StageLoadAverage:
     """Exponential moving average of per-stage busy times, restarted when the pipeline changes.
 
+    Bias-corrected (:class:`~lightning_dynmo.balancing.averaging.HistoryWeight`): the first step after a
+    restart weighs no more than the steps after it.
+
     Args:
         weight: Weight of the history in ``[0, 1)``; 0 keeps only the last step.
 
@@ -184,6 +190,7 @@ class StageLoadAverage:
         self.weight = weight
         self._loads: list[float] | None = None
         self._marked: list[float] | None = None
+        self._history = HistoryWeight(weight)  # one sample a step
 
     def update(self, loads: Sequence[float]) -> None:
         """Feed one step's per-stage busy seconds; a different stage count restarts the average."""
@@ -192,9 +199,11 @@ class StageLoadAverage:
         if self._loads is None or len(self._loads) != len(values):
             if self._loads is not None:
                 self._marked = None  # another pipeline: the mark described the old one
+            self._history.restart()
+            self._history.next()
             self._loads = values
             return
-        w = self.weight
+        w = self._history.next()
         self._loads = [w * old + (1.0 - w) * new for old, new in zip(self._loads, values, strict=True)]
 
     def restart(self, expected: Sequence[float] | None = None) -> None:

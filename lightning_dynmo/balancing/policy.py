@@ -582,7 +582,9 @@ def smooth_costs(
     cost next; a placement fitted to that sample is worse than the current one whenever the noise does not
     persist. Averaging over windows keeps what persists (a drift in routing) and cancels what does not.
     Costs are kept per global layer, so the average stays valid across migrations. Sizes (parameters,
-    memory, activations) are not noisy and are taken from ``measured``.
+    memory, activations) are not noisy and are taken from ``measured``. The callback passes
+    the weight :class:`~lightning_dynmo.balancing.averaging.HistoryWeight` gives its ``cost_smoothing``,
+    so the first window does not outweigh the rest and skipped steps age the history.
 
     Args:
         previous: The smoothed costs of the last window, or ``None`` (then ``measured`` is returned).

@@ -19,6 +19,7 @@ import torch
 from lightning_dynmo.balancing.trigger import AutoConfig  # the auto trigger's settings, defined with it
 
 __all__ = [
+    "EVERY_STEP_COST_SMOOTHING",
     "MOVED_KEYWORDS",
     "AutoConfig",
     "ProfilingConfig",
@@ -26,6 +27,9 @@ __all__ = [
     "refuse_moved_keywords",
     "switched",
 ]
+
+#: ``ProfilingConfig.cost_smoothing`` with ``every_step``: the history's weight per step.
+EVERY_STEP_COST_SMOOTHING = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +43,14 @@ class ProfilingConfig:
             with ``every_step`` (a window per step: profile, decide, migrate, repeat). Every-step windows
             re-meter saved activations only every ``ACTIVATION_REFRESH_STEPS`` steps (and for a layer new
             on the rank); their sizes follow shapes, and the meter costs a hook per tensor.
-        cost_smoothing: Weight of the history in an exponential moving average of each layer's measured
-            times across windows, in ``[0, 1)``. ``None``: 0.8 with ``every_step`` (one step's routing is a
-            noisy sample: act on what persists), 0 otherwise (after an event or a period the fresh
-            measurement is the truth). Windows opened by a dynamism event always start fresh.
+        cost_smoothing: Weight ``w`` of the history in a moving average of each layer's measured times
+            over windows, in ``[0, 1)``: a window's costs weigh ``(1 - w) w ** age``, ``age`` in steps,
+            over the weights' sum (bias-corrected: the first window weighs no more than the ones after
+            it, and the steps of skipped windows age the history; see
+            :class:`~lightning_dynmo.balancing.averaging.HistoryWeight`). ``None``:
+            ``EVERY_STEP_COST_SMOOTHING`` with ``every_step`` (one step's routing is a noisy sample: act
+            on what persists), 0 otherwise (after an event or a period the fresh measurement is the
+            truth). Windows opened by a dynamism event always start fresh.
         measure_comm: Time each stage boundary's activation transfer, link by link, in every window
             (every-step windows reuse the last measurement) and feed it to the balancer: the sending stage
             pays it (single-stage schedules only).
@@ -92,7 +100,7 @@ class ProfilingConfig:
         return ProfilingConfig(
             warmup_steps=(0 if every_step else 1) if self.warmup_steps is None else self.warmup_steps,
             steps=(1 if every_step else 3) if self.steps is None else self.steps,
-            cost_smoothing=(0.8 if every_step else 0.0)
+            cost_smoothing=(EVERY_STEP_COST_SMOOTHING if every_step else 0.0)
             if self.cost_smoothing is None
             else self.cost_smoothing,
             measure_comm=self.measure_comm,

@@ -410,7 +410,9 @@ class DynMoCallback(Callback):
     def _close_window(self, trainer: pl.Trainer, view: PipelineView, batch: Any) -> None:
         result = self._window.close(trainer.global_step)
         start = self._clock()
-        costs, hardware = self._meter.measure(view, result, self._window.reason, _param_dtype(trainer))
+        costs, hardware = self._meter.measure(
+            view, result, self._window.reason, _param_dtype(trainer), trainer.global_step
+        )
         retune = self._retune_options(trainer, view, result, batch) if self._retunes else None
         self._pending_overhead = WindowOverhead(
             profiling_s=result.hook_time_s * (result.num_steps + self._window.warmup_steps),

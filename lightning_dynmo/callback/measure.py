@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dynmo.balancing.averaging import HistoryWeight
 from lightning_dynmo.balancing.costs import LayerCost
 from lightning_dynmo.balancing.hardware import Hardware, scaled, to_reference, worker_slowdown
 from lightning_dynmo.balancing.microbatches import RetuneOptions
@@ -56,11 +57,12 @@ class CostMeter:
         )
         self._metrics = metrics
         self.last_costs: list[LayerCost] | None = None  # on the reference worker (see measure_speed)
+        self._history = HistoryWeight(self.smoothing)  # bias-corrected, aged by the steps between windows
         self.last_hardware: Hardware | None = None  # the parts, speeds and links of the last decision
         self._link_s_per_byte: list[float] | None = None
 
     def measure(
-        self, view: PipelineView, result: ProfileResult, reason: str, dtype: torch.dtype
+        self, view: PipelineView, result: ProfileResult, reason: str, dtype: torch.dtype, step: int
     ) -> tuple[list[LayerCost], Hardware]:
         """Every layer's and part's cost on the reference worker, the worker speeds and the links.
 
@@ -72,6 +74,8 @@ class CostMeter:
             reason: What opened the window: an ``"event"`` window starts fresh (no smoothing), an
                 ``"every_step"`` one reuses the last link measurement.
             dtype: The model's parameter dtype, for the speed probe.
+            step: The global step the window closed at: the averaged costs age by the steps since the
+                last window (:class:`~lightning_dynmo.balancing.averaging.HistoryWeight`).
         """
         placement, schedule = view.placement, view.schedule_name
         stages, microbatches = view.num_stages, view.num_microbatches
@@ -93,11 +97,14 @@ class CostMeter:
             costs = to_reference(costs, placement, workers, slowdown)
             first = None if first is None else scaled(first, 1.0 / slowdown[workers[0]])
             last = None if last is None else scaled(last, 1.0 / slowdown[workers[-1]])
-        fresh = reason == "event"
-        costs = smooth_costs(None if fresh else self.last_costs, costs, self.smoothing)
+        fresh = reason == "event" or self.last_costs is None
+        if fresh:
+            self._history.restart()
+        weight = self._history.next(step)
+        costs = smooth_costs(None if fresh else self.last_costs, costs, weight)
         before = None if fresh else self.last_hardware
-        first = self._smooth_part(None if before is None else before.first_stage_extra, first)
-        last = self._smooth_part(None if before is None else before.last_stage_extra, last)
+        first = _smooth_part(None if before is None else before.first_stage_extra, first, weight)
+        last = _smooth_part(None if before is None else before.last_stage_extra, last, weight)
         comm = self._link_times(view, costs, reason) if self.measure_comm else None
         self._queue_hardware_metrics(slowdown, comm, placement, view.pipeline_size)
         self.last_costs, self.last_hardware = costs, Hardware(first, last, slowdown, comm)
@@ -159,12 +166,6 @@ class CostMeter:
         self._metrics["dynmo/per_op_s"] = per_op_s
         return RetuneOptions(counts=counts, per_op_s=per_op_s)
 
-    def _smooth_part(self, previous: LayerCost | None, measured: LayerCost | None) -> LayerCost | None:
-        """:func:`smooth_costs` for one pinned part (absent on either side: the measurement)."""
-        if previous is None or measured is None:
-            return measured
-        return smooth_costs([previous], [measured], self.smoothing)[0]
-
     def _worker_slowdown(self, view: PipelineView, dtype: torch.dtype) -> list[float] | None:
         """Per pipeline rank, its slowdown against the fastest (``None``: all alike); a collective."""
         seconds = float(self._speed_probe(view.root_device, dtype))
@@ -202,3 +203,10 @@ class CostMeter:
                 self._metrics[f"dynmo/rank{rank}/slowdown"] = factor
         for link, row in enumerate(comm or []):
             self._metrics[f"dynmo/link{link}/send_s"] = row[placement.layers_of(link)[-1]]
+
+
+def _smooth_part(previous: LayerCost | None, measured: LayerCost | None, weight: float) -> LayerCost | None:
+    """:func:`smooth_costs` for one pinned part (absent on either side: the measurement)."""
+    if previous is None or measured is None:
+        return measured
+    return smooth_costs([previous], [measured], weight)[0]

@@ -56,7 +56,7 @@ def test_bad_weight_is_rejected_by_the_callback_and_the_function(weight, match):
 
 
 def test_defaults_follow_the_trigger():
-    assert DynMoCallback(every_step=True).profiling.cost_smoothing == 0.8
+    assert DynMoCallback(every_step=True).profiling.cost_smoothing == 0.5
     assert DynMoCallback(every_n_steps=10).profiling.cost_smoothing == 0.0
 
 
