@@ -314,6 +314,8 @@ def dynmo_placements(
     phases: bool,
     every_step: bool = True,
     config: BalanceConfig | None = None,
+    smoothing: float = EVERY_STEP_COST_SMOOTHING,
+    bias_corrected: bool = True,
 ) -> list[Placement]:
     """DynMo's placement at every row of ``trace`` (every recorded step), from the uniform split: after
     each row the library's own decision (:func:`~lightning_dynmo.balancing.policy.decide` with ``config``:
@@ -322,7 +324,9 @@ def dynmo_placements(
     MoD) that is each layer's moving average of the rows so far, as the callback keeps it
     (:func:`~lightning_dynmo.balancing.policy.smooth_costs`, bias-corrected by
     :class:`~lightning_dynmo.balancing.averaging.HistoryWeight` of the every-step default
-    :data:`~lightning_dynmo.callback.config.EVERY_STEP_COST_SMOOTHING`, one sample a row);
+    :data:`~lightning_dynmo.callback.config.EVERY_STEP_COST_SMOOTHING`, one sample a row; ``smoothing``
+    another weight, ``bias_corrected=False`` the average started from its first row as the callback kept
+    it before :class:`~lightning_dynmo.balancing.averaging.HistoryWeight`);
     otherwise the fresh measurement of the row just run. Row 0 runs at the placement decided from its
     own costs (DynMo's first window runs in the warm-up before the first recorded step). With ``phases``
     every row is a phase announced by an event, which opens a fresh window: it runs at the placement
@@ -331,7 +335,8 @@ def dynmo_placements(
     workers = stage_workers(shape) if shape.stages > shape.ranks else None
     placement, out = uniform(trace.num_layers, shape.stages), []
     smoothed: list[LayerCost] | None = None
-    history = HistoryWeight(EVERY_STEP_COST_SMOOTHING if every_step else 0.0)
+    weight = smoothing if every_step else 0.0
+    history = HistoryWeight(weight)
 
     def decided(costs: StepCosts) -> Placement:
         made = decide(costs.problem(), placement, config, shape.microbatches, shape.order, workers)
@@ -342,7 +347,8 @@ def dynmo_placements(
             placement = decided(row)
         out.append(placement)  # the row runs, then DynMo decides for the next one
         if not phases:
-            smoothed = smooth_costs(smoothed, row.layers, history.next())
+            h = history.next() if bias_corrected or smoothed is None else weight
+            smoothed = smooth_costs(smoothed, row.layers, h)
             placement = decided(dataclasses.replace(row, layers=tuple(smoothed)))
     return out
 

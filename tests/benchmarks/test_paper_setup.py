@@ -3,12 +3,14 @@ can disagree), the depth mapping, the sequence scaling, the errors, and the quic
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
 
 import pytest
 
+from benchmarks import cost_smoothing
 from benchmarks._lib import independent_search as ind
 from benchmarks._lib.trace_cases import CASES
 from benchmarks.paper_setup import (
@@ -219,3 +221,31 @@ def test_a_phased_case_runs_each_row_at_the_placement_decided_from_its_own_costs
     assert behind[1] == behind[0] and step_s(trace.rows[1], phased[1], shape) < step_s(
         trace.rows[1], behind[1], shape
     )
+
+
+def test_the_bias_corrected_average_follows_a_change_the_first_row_would_hold_back():
+    # Row 0 (the start of a run) has its first four layers three times as costly; every later row is
+    # flat. The callback's bias-corrected average gives row 0 a share (1 - w) w ** age over the weights'
+    # sum, which fades: DynMo ends on a split of the flat rows.
+    shape = Shape(4, "1F1B", 8)
+    flat = _noisy_trace(6)
+    first = _noisy_trace(1, persistent_from=0).rows[0]
+    trace = dataclasses.replace(flat, rows=(first, *flat.rows[1:]))
+
+    def later_rows_s(placements: list[Placement]) -> float:
+        return sum(step_s(r, p, shape) for r, p in zip(trace.rows[1:], placements[1:], strict=True))
+
+    corrected = dynmo_placements(trace, shape, phases=False, smoothing=0.8)
+    # Negative control: the average started from row 0 keeps 0.8 ** n of it (41% after four more rows):
+    # it moves once, half way, and stays on a split that still shields the first layers.
+    uncorrected = dynmo_placements(trace, shape, phases=False, smoothing=0.8, bias_corrected=False)
+    assert len(set(map(str, uncorrected[2:]))) == 1 and uncorrected[-1] != corrected[-1]
+    assert later_rows_s(corrected) < 0.95 * later_rows_s(uncorrected)
+    assert step_s(trace.rows[-1], corrected[-1], shape) < 0.9 * step_s(trace.rows[-1], uncorrected[-1], shape)
+
+
+def test_cost_smoothing_quick_mode_reports_every_weight(tmp_path):
+    report = cost_smoothing.main(["--quick", "--out", str(tmp_path / "s.md")])
+    header = "| replay | uniform | head-aware | 0.3 | 0.5 | 0.65 | 0.8 | 0.8, not corrected |"
+    assert header in report and (tmp_path / "s.md").read_text() == report + "\n"
+    assert report.count("| **mean** |") == 1 and "6 steps, a row a step" in report
