@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from benchmarks._lib import independent_search
-from benchmarks._lib.common import results_path, write_report
+from benchmarks._lib.common import command_line, results_path, write_report
 from benchmarks._lib.gpu_curves import add_kernel_arguments, kernels_from_args
 from benchmarks._lib.trace_cases import synthetic_trace, trace_parser
 from benchmarks.paper_replay import paper_trace
@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> str:
     add_kernel_arguments(parser, "the costs")
     args = parser.parse_args(argv)
     kernels = kernels_from_args(parser, args)
-    command = "python -m benchmarks.cost_smoothing" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("cost_smoothing", argv)
     out = results_path("cost_smoothing", args.out, args.force)
     if args.quick:
         stats = synthetic_trace(4, 3)

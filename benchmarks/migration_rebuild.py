@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._lib.common import launch, results_path, write_report
+from benchmarks._lib.common import command_line, launch, results_path, write_report
 from benchmarks._lib.trace_cases import synthetic_trace, trace_parser
 from benchmarks.paper_replay import paper_trace, recipe
 from benchmarks.paper_setup import paper_costs
@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--block-ms", type=float, default=1.5)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.migration_rebuild" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("migration_rebuild", argv)
     out = results_path("migration_rebuild", args.out, args.force)
     if args.quick:
         stats = synthetic_trace(4, 3)

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 
 from benchmarks._lib import paired
-from benchmarks._lib.common import launch, results_path, write_report
+from benchmarks._lib.common import command_line, launch, results_path, write_report
 from benchmarks._lib.gpu_curves import FWD_SHARE, KernelCosts, add_kernel_arguments, kernels_from_args
 from benchmarks._lib.trace_cases import CASES, synthetic_trace, trace_parser
 from benchmarks.paper_setup import Costs, best_placement, cost_trace, gpu_trace, mapped, paper_costs
@@ -438,9 +438,7 @@ def main(argv: list[str] | None = None) -> str:
     add_kernel_arguments(parser, "the costs (then scaled to --block-ms)")
     args = parser.parse_args(argv)
     kernels = kernels_from_args(parser, args)
-    command = "python -m benchmarks.paper_replay" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("paper_replay", argv)
     out = results_path("paper_replay", args.out, args.force)
     if args.quick:
         stats = [synthetic_trace(4, 3)]

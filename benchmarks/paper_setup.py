@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._lib import independent_search, paired
-from benchmarks._lib.common import results_path, write_report
+from benchmarks._lib.common import command_line, results_path, write_report
 from benchmarks._lib.gpu_curves import KernelCosts, add_kernel_arguments, gpu_cost_trace, kernels_from_args
 from benchmarks._lib.trace_cases import (
     CASES,
@@ -597,9 +597,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     args = parser.parse_args(argv)
     kernels = kernels_from_args(parser, args)
-    command = "python -m benchmarks.paper_setup" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("paper_setup", argv)
     if args.measure_head:
         return measure_head(args.measure_head, args.quick, args.out, args.force, command)
     for key in ("budget", "rows"):

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from benchmarks._lib.common import results_path, write_report
+from benchmarks._lib.common import command_line, results_path, write_report
 from benchmarks._lib.trace_cases import (
     CASES,
     cost_trace,
@@ -307,9 +307,7 @@ def main(argv: list[str] | None = None) -> str:
             print(f"[{s.case}] {shape} ...", file=sys.stderr, flush=True)
             projection = project(trace, shape, args.window, args.budget, dense, CASES[s.case].phases)
             results.append((s.case, trace, projection))
-    command = "python -m benchmarks.projection" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("projection", argv)
     lines = [
         "# Projection: recorded traces on 8-24 stages (simulated)",
         "",

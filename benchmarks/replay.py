@@ -62,6 +62,7 @@ from benchmarks._lib.common import (
     SleepsOfEveryRank,
     StepTimer,
     benchmark_trainer,
+    command_line,
     cores_busy,
     launch,
     results_path,
@@ -453,9 +454,7 @@ def main(argv: list[str] | None = None) -> str:
     lines = [
         "# Trace-driven pipelines: recorded costs replayed as sleeps (emulated cost)",
         "",
-        "Command: `python -m benchmarks.replay"
-        + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-        + "`  ",
+        f"Command: `{command_line('replay', argv)}`  ",
         f"Setup: 1F1B, 2 micro-batches per rank, {args.steps} steps ({args.warmup} untimed), {args.rounds} "
         f"round(s); a dense block sleeps {args.block_ms} ms forward per micro-batch (backward 2x); blocks "
         f"compute `{args.block_compute}` before their sleep. Simulated "

@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from benchmarks._lib.common import (
     SleepsOfEveryRank,
     StepTimer,
     benchmark_trainer,
+    command_line,
     launch,
     results_path,
     write_report,
@@ -364,9 +364,7 @@ def main(argv: list[str] | None = None) -> str:
         options, shapes = Options(warmup_steps=3, warm=1, measure=1, rounds=1, scale=1.0), [("1F1B", 2)]
     out = results_path("step_model", args.out, args.force)
     torch.set_num_threads(1)
-    command = "python -m benchmarks.step_model" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:])
-    )
+    command = command_line("step_model", argv)
     lines = ["# The step model against measured steps (emulated cost)", "", f"Command: `{command}`", ""]
     errors: list[float] = []
     for schedule, ranks in shapes:

@@ -32,6 +32,13 @@ T = TypeVar("T")
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How ``python -m benchmarks.<script>`` was called: its arguments (``argv``, else the process's),
+    for the report's ``Command:`` line."""
+    args = argv if argv is not None else sys.argv[1:]
+    return f"python -m benchmarks.{script}" + "".join(f" {a}" for a in args)
+
+
 def write_report(report: str, name: str, out: Path | None = None) -> Path:
     """Print ``report`` and write it to ``out`` (default ``benchmarks/results/<name>-<date>.md``).
 
