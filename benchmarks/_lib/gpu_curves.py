@@ -24,8 +24,10 @@ case's block forward + backward at measured values of its statistic, the head + 
   input's and the weights' gradients, each as many multiply-adds as the forward). The JSON has no
   forward-only measurement to take a ratio from (its frozen point still runs the input's gradient).
 - **Head**: the head + loss as measured (GPT-2's 50,257 columns), or with ``head`` =
-  ``"head_and_loss_padded_vocab"`` the same padded to a multiple of 128 (:data:`HEADS`); the early-exit
-  curve's exit heads stay as the kernel check built them (unpadded).
+  ``"head_and_loss_padded_vocab"`` the same padded to a multiple of 128 (:data:`HEADS`). Early exit's
+  exit heads follow: padded, the ``early_exit_padded_vocab`` curve (:data:`PADDED_CURVE`), in JSONs that
+  have it; an older JSON's early-exit curve has only unpadded exit heads, and the trace's label says
+  which it took.
 - **Range**: a value outside a curve's measured range is refused (:class:`ValueError` naming the case,
   the layer, the value and the range), or with ``clamp`` set to the nearest measured end, counted in the
   trace's label.
@@ -54,6 +56,7 @@ __all__ = [
     "DENSE_CURVE",
     "FWD_SHARE",
     "HEADS",
+    "PADDED_CURVE",
     "KernelCosts",
     "add_kernel_arguments",
     "gpu_cost_trace",
@@ -77,6 +80,9 @@ DENSE_CURVE = "dense_and_freezing"
 #: The head + loss as measured (GPT-2's 50,257 columns), and with the vocabulary padded to a multiple of
 #: 128 (Megatron-LM's default, the paper's code base): the kernel check times both.
 HEADS = ("head_and_loss", "head_and_loss_padded_vocab")
+#: With the padded head, a curve whose blocks hold a vocabulary-wide head of their own -> that curve with
+#: the head padded as well (in JSONs from the kernel check that times it).
+PADDED_CURVE = {"early_exit": "early_exit_padded_vocab"}
 #: A measured forward + backward total's forward share (forward : backward = 1 : 2 by multiply-adds).
 FWD_SHARE = 1 / 3
 #: The paper's shape (d_model, sequence, sequences per micro-batch) a JSON is checked against.
@@ -211,9 +217,17 @@ def gpu_cost_trace(
     if case not in CURVE_OF:
         raise ValueError(f"case {case!r} has no GPU cost-curve mapping; known: {sorted(CURVE_OF)}.")
     target = CURVE_OF[case]
-    curve = None
+    curve, exit_heads = None, ""
     if target is not None:
         name, statistic = target
+        if kernels.head == HEADS[1] and name in PADDED_CURVE:
+            padded = PADDED_CURVE[name] in kernels.curves
+            name = PADDED_CURVE[name] if padded else name
+            exit_heads = (
+                "; exit heads padded as the head"
+                if padded
+                else f"; exit heads unpadded ({kernels.file} has no {PADDED_CURVE[name]!r} curve)"
+            )
         curve = kernels.curves.get(name)
         if curve is None or curve.statistic != statistic:
             found = "missing" if curve is None else f"measured against {curve.statistic!r}"
@@ -249,7 +263,7 @@ def gpu_cost_trace(
         how = f"GPU dense block x the stand-in curve ({standin.label})"
     else:
         how = f"GPU curve {curve.case!r} at {curve.statistic}"
-    label = f"{how}; {clamped} values clamped to the measured range" if clamped else how
+    label = (f"{how}; {clamped} values clamped to the measured range" if clamped else how) + exit_heads
     return CostTrace(stats.case, label, stats.steps, tuple(rows))
 
 
@@ -279,7 +293,8 @@ def add_kernel_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         "--padded-vocab-head",
         action="store_true",
         help="with --kernels: the head + loss with its vocabulary padded to a multiple of 128 (as "
-        "Megatron-LM pads it) instead of as measured",
+        "Megatron-LM pads it) instead of as measured, and early exit's exit heads too where the JSON "
+        "times them",
     )
 
 

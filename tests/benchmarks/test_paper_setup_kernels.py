@@ -196,6 +196,33 @@ def test_the_padded_vocabulary_head_is_taken_only_when_asked_and_only_if_measure
         assert "--padded-vocab-head applies to --kernels PATH only" in capsys.readouterr().err
 
 
+def _early_exit(values: tuple[float, ...]) -> StatisticTrace:
+    return StatisticTrace("early_exit", "active", "fraction", (0,), (values,))
+
+
+def test_early_exits_heads_are_padded_with_the_head_where_the_json_times_them(tmp_path):
+    report = json.loads(_kernels(tmp_path).read_text())
+    result = report["parts"]["cost_curves"]["result"]
+    result["head_loss_and_embedding"]["timed"]["head_and_loss_padded_vocab"] = {"median_ms": 3.0}
+    (tmp_path / "old.json").write_text(json.dumps(report))  # padded head, exit heads unpadded only
+    result["early_exit_padded_vocab"] = _curve("active_fraction", [(0.1, 1.0), (1.0, 2.5)])
+    (tmp_path / "new.json").write_text(json.dumps(report))
+    stats = _early_exit((0.55, 1.0))
+
+    def totals(path: Path, head: str) -> tuple[list[float], str]:
+        trace = gpu_cost_trace(stats, read_kernels(path, head), M)
+        return [round(_total(c) / (1e-3 * M), 9) for c in trace.rows[0].layers], trace.curve_label
+
+    padded, label = totals(tmp_path / "new.json", HEADS[1])
+    assert padded == [1.75, 2.5] and "'early_exit_padded_vocab'" in label and "exit heads padded" in label
+    # Negative controls: the head as measured keeps the unpadded exit heads, and so does an older JSON
+    # with the padded head, which says so.
+    unpadded, label = totals(tmp_path / "new.json", HEADS[0])
+    assert unpadded == [4.0, 6.5] and "exit heads" not in label
+    older, label = totals(tmp_path / "old.json", HEADS[1])
+    assert older == [4.0, 6.5] and "exit heads unpadded" in label and "no 'early_exit_padded_vocab'" in label
+
+
 def test_the_paper_replay_scales_the_gpu_curves_so_a_dense_block_sleeps_block_ms(tmp_path):
     kernels = read_kernels(_kernels(tmp_path))
     stats = _mod((1.0, 0.25, 1.0, 0.75))

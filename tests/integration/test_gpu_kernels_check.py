@@ -5,6 +5,8 @@ recorded, not raised."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +49,10 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path: Path) -> None
                 assert step["mlp_rows"][layer] == ([want] if count else []), (name, step)
     assert set(results["moe"]["router_scale=20.0"]["timed"]) == {"padded", "grouped"}
     curves = results["cost_curves"]
-    for name in ("sparse_attention", "mod", "early_exit", "dense_and_freezing"):
+    for name in ("sparse_attention", "mod", "early_exit", "early_exit_padded_vocab", "dense_and_freezing"):
         assert len(curves[name]["points"]) == 2 and not curves[name]["failed"], name
+    # The exit heads: as wide as the vocabulary (64 in the dry run), and padded as the head is.
+    assert (curves["early_exit"]["vocab_size"], curves["early_exit_padded_vocab"]["vocab_size"]) == (64, 128)
     head = curves["head_loss_and_embedding"]
     assert set(head["timed"]) == {
         "head_and_loss",
@@ -59,7 +63,13 @@ def test_the_dry_run_runs_every_part_and_writes_one_json(tmp_path: Path) -> None
     }
     assert head["padded_vocab_size"] == 128  # the dry run's vocabulary of 64, rounded up to 128
     read = read_cost_curves(path)
-    assert set(read) == {"sparse_attention", "mod", "early_exit", "dense_and_freezing"}
+    assert set(read) == {
+        "sparse_attention",
+        "mod",
+        "early_exit",
+        "early_exit_padded_vocab",
+        "dense_and_freezing",
+    }
     assert read["mod"].statistic == "processed_fraction" and len(read["mod"].points) == 2
 
 
@@ -93,3 +103,15 @@ def test_the_budget_skips_parts_and_a_failing_part_is_recorded(monkeypatch: pyte
     assert report["parts"]["broken"]["ok"] is False
     assert report["parts"]["broken"]["error"] == "RuntimeError: no such kernel"
     assert report["parts"]["late"]["skipped"].endswith("left of the 10 s budget")
+
+
+def test_the_prepared_gpu_session_dry_runs_and_records_the_padded_exit_heads(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", str(root / "benchmarks/gpu_session.sh"), "--dry-run"], cwd=root, env=env, timeout=300
+    )
+    assert done.returncode == 0
+    assert "cost_curves rc=0" in (tmp_path / "env.txt").read_text()
+    curves = read_cost_curves(tmp_path / "cost_curves.json")
+    assert {"early_exit", "early_exit_padded_vocab"} <= set(curves)

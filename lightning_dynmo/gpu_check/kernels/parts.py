@@ -12,6 +12,7 @@ the shape's dtype (bf16 on a GPU: no autocast, so the sparse kernels see the dty
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,11 @@ STALL_STEPS, STALL_WARMUP = 20, 3
 BF16_ATTENTION_TOLERANCE = 2e-2
 #: The head's padded vocabulary is the next multiple of this (Megatron-LM's default divisor).
 VOCAB_MULTIPLE = 128
+
+
+def padded_vocab(shape: Shape) -> int:
+    """``shape``'s vocabulary rounded up to a multiple of :data:`VOCAB_MULTIPLE`."""
+    return -(-shape.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def block_config(shape: Shape, num_layers: int = 1) -> GPTConfig:
@@ -390,6 +396,7 @@ def cost_curves(shape: Shape, timer: Timer, device: str) -> dict[str, Any]:
         "sparse_attention": _sparse_attention_curve(shape, timer, device),
         "mod": _mod_curve(shape, timer, device),
         "early_exit": _early_exit_curve(shape, timer, device),
+        "early_exit_padded_vocab": _early_exit_curve(shape, timer, device, padded_vocab(shape)),
         "head_loss_and_embedding": _head_and_embedding(shape, timer, device),
     }
     return curves
@@ -443,8 +450,14 @@ def _mod_curve(shape: Shape, timer: Timer, device: str) -> dict[str, Any]:
     return _curve(timer, curve, "processed_fraction")
 
 
-def _early_exit_curve(shape: Shape, timer: Timer, device: str) -> dict[str, Any]:
+def _early_exit_curve(
+    shape: Shape, timer: Timer, device: str, vocab_size: int | None = None
+) -> dict[str, Any]:
+    """The early-exit block against its active tokens; ``vocab_size``: its exit head that wide (padded as
+    the last head is in :func:`_head_and_embedding`; the labels stay in the real vocabulary)."""
     config = block_config(shape, num_layers=2)
+    if vocab_size is not None:
+        config = dataclasses.replace(config, vocab_size=vocab_size)
     gen = torch.Generator(device=device).manual_seed(1)
     labels = torch.randint(
         0, shape.vocab_size, (shape.micro_batch, shape.seq_len), generator=gen, device=device
@@ -458,7 +471,7 @@ def _early_exit_curve(shape: Shape, timer: Timer, device: str) -> dict[str, Any]
             float((~exited).float().mean()),
             fwd_bwd(block, shape, device, labels, exited),
         )
-    return _curve(timer, curve, "active_fraction")
+    return {**_curve(timer, curve, "active_fraction"), "vocab_size": config.vocab_size}
 
 
 def _head_and_embedding(shape: Shape, timer: Timer, device: str) -> dict[str, Any]:
@@ -466,7 +479,7 @@ def _head_and_embedding(shape: Shape, timer: Timer, device: str) -> dict[str, An
     the vocabulary padded to a multiple of :data:`VOCAB_MULTIPLE` (Megatron-LM's and nanoGPT's habit: an
     odd width such as GPT-2's 50,257 keeps the GEMM off its aligned tensor-core paths)."""
     torch.manual_seed(0)
-    padded = -(-shape.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    padded = padded_vocab(shape)
     head = _on(nn.Linear(shape.d_model, shape.vocab_size, bias=False), shape, device)
     head_padded = _on(nn.Linear(shape.d_model, padded, bias=False), shape, device)
     tokens = nn.Embedding(shape.vocab_size, shape.d_model)
