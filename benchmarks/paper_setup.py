@@ -83,9 +83,10 @@ from lightning_dynmo.balancing import LayerCost, Placement, by_parameters, parti
 from lightning_dynmo.balancing.averaging import HistoryWeight
 from lightning_dynmo.balancing.placement_search import SEARCH_BUDGET, refine
 from lightning_dynmo.balancing.policy import BalanceConfig, decide, smooth_costs
+from lightning_dynmo.balancing.spread import squared_times, with_margin
 from lightning_dynmo.balancing.trace import CostTrace, StatisticTrace, StepCosts
 from lightning_dynmo.balancing.workers import partition_workers
-from lightning_dynmo.callback.config import EVERY_STEP_COST_SMOOTHING
+from lightning_dynmo.callback.config import COST_MARGIN, EVERY_STEP_COST_SMOOTHING
 from lightning_dynmo.pipeline.step.actions import schedule_actions
 
 MICROBATCHES = 32
@@ -316,6 +317,7 @@ def dynmo_placements(
     config: BalanceConfig | None = None,
     smoothing: float = EVERY_STEP_COST_SMOOTHING,
     bias_corrected: bool = True,
+    margin: float = COST_MARGIN,
 ) -> list[Placement]:
     """DynMo's placement at every row of ``trace`` (every recorded step), from the uniform split: after
     each row the library's own decision (:func:`~lightning_dynmo.balancing.policy.decide` with ``config``:
@@ -326,7 +328,10 @@ def dynmo_placements(
     :class:`~lightning_dynmo.balancing.averaging.HistoryWeight` of the every-step default
     :data:`~lightning_dynmo.callback.config.EVERY_STEP_COST_SMOOTHING`, one sample a row; ``smoothing``
     another weight, ``bias_corrected=False`` the average started from its first row as the callback kept
-    it before :class:`~lightning_dynmo.balancing.averaging.HistoryWeight`);
+    it before :class:`~lightning_dynmo.balancing.averaging.HistoryWeight`), each layer planned at that
+    average plus ``margin`` standard deviations of the averaged rows
+    (:func:`~lightning_dynmo.balancing.spread.with_margin`, the callback's default
+    :data:`~lightning_dynmo.callback.config.COST_MARGIN`);
     otherwise the fresh measurement of the row just run. Row 0 runs at the placement decided from its
     own costs (DynMo's first window runs in the warm-up before the first recorded step). With ``phases``
     every row is a phase announced by an event, which opens a fresh window: it runs at the placement
@@ -335,6 +340,7 @@ def dynmo_placements(
     workers = stage_workers(shape) if shape.stages > shape.ranks else None
     placement, out = uniform(trace.num_layers, shape.stages), []
     smoothed: list[LayerCost] | None = None
+    squares: list[LayerCost] | None = None
     weight = smoothing if every_step else 0.0
     history = HistoryWeight(weight)
 
@@ -349,7 +355,9 @@ def dynmo_placements(
         if not phases:
             h = history.next() if bias_corrected or smoothed is None else weight
             smoothed = smooth_costs(smoothed, row.layers, h)
-            placement = decided(dataclasses.replace(row, layers=tuple(smoothed)))
+            squares = smooth_costs(squares, squared_times(row.layers), h)
+            planned = with_margin(smoothed, squares, margin)
+            placement = decided(dataclasses.replace(row, layers=tuple(planned)))
     return out
 
 

@@ -31,6 +31,7 @@ exhaustively and reused on its own. Reading order, one line each:
 - ``background``: one pure call at a time in a helper process (the decision's search while training goes on).
 - ``headroom``: what any rebalance could still gain, bounded from measured stage loads.
 - ``averaging``: the weights of a bias-corrected moving average over steps (smoothed costs and loads).
+- ``spread``: how far each layer's averaged cost strays, and the margin a decision plans it with.
 """
 
 from lightning_dynmo.balancing.baselines import by_parameters, uniform

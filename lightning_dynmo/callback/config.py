@@ -19,6 +19,7 @@ import torch
 from lightning_dynmo.balancing.trigger import AutoConfig  # the auto trigger's settings, defined with it
 
 __all__ = [
+    "COST_MARGIN",
     "EVERY_STEP_COST_SMOOTHING",
     "MOVED_KEYWORDS",
     "AutoConfig",
@@ -30,6 +31,8 @@ __all__ = [
 
 #: ``ProfilingConfig.cost_smoothing`` with ``every_step``: the history's weight per step.
 EVERY_STEP_COST_SMOOTHING = 0.5
+#: ``ProfilingConfig.cost_margin``: standard deviations of a layer's averaged windows a decision adds.
+COST_MARGIN = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +54,13 @@ class ProfilingConfig:
             ``EVERY_STEP_COST_SMOOTHING`` with ``every_step`` (one step's routing is a noisy sample: act
             on what persists), 0 otherwise (after an event or a period the fresh measurement is the
             truth). Windows opened by a dynamism event always start fresh.
+        cost_margin: A decision plans each layer at its averaged times plus this many standard deviations
+            of the averaged windows (same weights), >= 0: a layer whose cost swings between steps is
+            planned at what it reaches in a bad one, so the search does not pack layers that merely
+            happened to be light together (:mod:`lightning_dynmo.balancing.spread`). With one window
+            in the average (``cost_smoothing`` 0, the first window, a window after an event) there is
+            no spread and the plan is the measurement. ``COST_MARGIN`` (1) by default; 0 plans on the
+            average alone.
         measure_comm: Time each stage boundary's activation transfer, link by link, in every window
             (every-step windows reuse the last measurement) and feed it to the balancer: the sending stage
             pays it (single-stage schedules only).
@@ -68,12 +78,14 @@ class ProfilingConfig:
 
     Raises:
         ValueError: ``warmup_steps`` is not an integer >= 0, ``steps`` not an integer >= 1, or
-            ``cost_smoothing`` outside ``[0, 1)``, or ``background_decisions`` not a bool.
+            ``cost_smoothing`` outside ``[0, 1)``, ``cost_margin`` negative, or ``background_decisions``
+            not a bool.
     """
 
     warmup_steps: int | None = None
     steps: int | None = None
     cost_smoothing: float | None = None
+    cost_margin: float = COST_MARGIN
     measure_comm: bool = True
     measure_speed: bool = False
     speed_probe: Callable[[torch.device, torch.dtype], float] | None = None
@@ -89,6 +101,12 @@ class ProfilingConfig:
             raise ValueError(
                 f"ProfilingConfig(background_decisions={self.background_decisions!r}) must be True or False."
             )
+        margin = self.cost_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 0:
+            raise ValueError(
+                f"ProfilingConfig(cost_margin={margin!r}) must be a number >= 0: the standard deviations "
+                "of a layer's averaged windows a decision adds to its cost; 0 plans on the average alone."
+            )
         if weight is not None and not (isinstance(weight, (int, float)) and 0.0 <= weight < 1.0):
             raise ValueError(
                 f"ProfilingConfig(cost_smoothing={weight!r}): cost_smoothing={weight!r} must be in [0, 1), "
@@ -103,6 +121,7 @@ class ProfilingConfig:
             cost_smoothing=(EVERY_STEP_COST_SMOOTHING if every_step else 0.0)
             if self.cost_smoothing is None
             else self.cost_smoothing,
+            cost_margin=self.cost_margin,
             measure_comm=self.measure_comm,
             measure_speed=self.measure_speed,
             speed_probe=self.speed_probe,

@@ -21,6 +21,7 @@ from lightning_dynmo.balancing.microbatches import RetuneOptions
 from lightning_dynmo.balancing.placement import Placement
 from lightning_dynmo.balancing.policy import smooth_costs
 from lightning_dynmo.balancing.problem import BalanceProblem
+from lightning_dynmo.balancing.spread import squared_times, with_margin
 from lightning_dynmo.balancing.step_prediction import fit_per_op
 from lightning_dynmo.callback.config import ProfilingConfig
 from lightning_dynmo.callback.control_plane import exchange_rows
@@ -50,6 +51,7 @@ class CostMeter:
     def __init__(self, profiling: ProfilingConfig, metrics: dict[str, float]) -> None:
         assert profiling.cost_smoothing is not None, "pass ProfilingConfig.resolved()"
         self.smoothing: float = profiling.cost_smoothing
+        self.margin: float = profiling.cost_margin
         self.measure_comm = profiling.measure_comm
         self.measure_speed = profiling.measure_speed
         self._speed_probe: Callable[[torch.device, torch.dtype], float] = (
@@ -57,6 +59,7 @@ class CostMeter:
         )
         self._metrics = metrics
         self.last_costs: list[LayerCost] | None = None  # on the reference worker (see measure_speed)
+        self._squares: list[LayerCost] | None = None  # the same average of the squared times
         self._history = HistoryWeight(self.smoothing)  # bias-corrected, aged by the steps between windows
         self.last_hardware: Hardware | None = None  # the parts, speeds and links of the last decision
         self._link_s_per_byte: list[float] | None = None
@@ -76,6 +79,11 @@ class CostMeter:
             dtype: The model's parameter dtype, for the speed probe.
             step: The global step the window closed at: the averaged costs age by the steps since the
                 last window (:class:`~lightning_dynmo.balancing.averaging.HistoryWeight`).
+
+        Returns:
+            The costs the decision plans with: each layer's averaged times plus ``cost_margin`` standard
+            deviations of the averaged windows (:func:`~lightning_dynmo.balancing.spread.with_margin`;
+            :attr:`last_costs` keeps the average itself), and the hardware.
         """
         placement, schedule = view.placement, view.schedule_name
         stages, microbatches = view.num_stages, view.num_microbatches
@@ -101,6 +109,7 @@ class CostMeter:
         if fresh:
             self._history.restart()
         weight = self._history.next(step)
+        self._squares = smooth_costs(None if fresh else self._squares, squared_times(costs), weight)
         costs = smooth_costs(None if fresh else self.last_costs, costs, weight)
         before = None if fresh else self.last_hardware
         first = _smooth_part(None if before is None else before.first_stage_extra, first, weight)
@@ -108,7 +117,7 @@ class CostMeter:
         comm = self._link_times(view, costs, reason) if self.measure_comm else None
         self._queue_hardware_metrics(slowdown, comm, placement, view.pipeline_size)
         self.last_costs, self.last_hardware = costs, Hardware(first, last, slowdown, comm)
-        return costs, self.last_hardware
+        return with_margin(costs, self._squares, self.margin), self.last_hardware
 
     def per_action_s(self, view: PipelineView, problem: BalanceProblem, measured_s: float | None) -> float:
         """The runtime's own seconds per action, which every prediction of the decision adds.

@@ -235,17 +235,22 @@ def test_the_bias_corrected_average_follows_a_change_the_first_row_would_hold_ba
     def later_rows_s(placements: list[Placement]) -> float:
         return sum(step_s(r, p, shape) for r, p in zip(trace.rows[1:], placements[1:], strict=True))
 
-    corrected = dynmo_placements(trace, shape, phases=False, smoothing=0.8)
+    corrected = dynmo_placements(trace, shape, phases=False, smoothing=0.8, margin=0.0)
     # Negative control: the average started from row 0 keeps 0.8 ** n of it (41% after four more rows):
     # it moves once, half way, and stays on a split that still shields the first layers.
-    uncorrected = dynmo_placements(trace, shape, phases=False, smoothing=0.8, bias_corrected=False)
+    uncorrected = dynmo_placements(
+        trace, shape, phases=False, smoothing=0.8, bias_corrected=False, margin=0.0
+    )
     assert len(set(map(str, uncorrected[2:]))) == 1 and uncorrected[-1] != corrected[-1]
     assert later_rows_s(corrected) < 0.95 * later_rows_s(uncorrected)
     assert step_s(trace.rows[-1], corrected[-1], shape) < 0.9 * step_s(trace.rows[-1], uncorrected[-1], shape)
 
 
-def test_cost_smoothing_quick_mode_reports_every_weight(tmp_path):
+def test_cost_smoothing_quick_mode_reports_every_weight_and_margin(tmp_path):
     report = cost_smoothing.main(["--quick", "--out", str(tmp_path / "s.md")])
-    header = "| replay | uniform | head-aware | 0.3 | 0.5 | 0.65 | 0.8 | 0.8, not corrected |"
+    header = (
+        "| replay | uniform | head-aware | 0.3 | 0.5 | 0.65 | 0.8 | margin 0 | margin 0.5 | margin 1 | "
+        "margin 1.5 | margin 2 | 0.8, not corrected, no margin |"
+    )
     assert header in report and (tmp_path / "s.md").read_text() == report + "\n"
     assert report.count("| **mean** |") == 1 and "6 steps, a row a step" in report
