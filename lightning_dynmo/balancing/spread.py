@@ -11,7 +11,8 @@ a replay of the MoE trace, each move predicted 2% or more faster, and trailed th
 (``python -m benchmarks.cost_smoothing``).
 
 A decision therefore plans each layer at its average plus ``margin`` standard deviations of the
-averaged windows (:func:`with_margin`): a layer that keeps still costs what it measures, a layer that
+averaged windows (:func:`with_margin`; the weight-gradient part of a split backward keeps its share of
+the backward, which it is part of): a layer that keeps still costs what it measures, a layer that
 swings costs what it reaches in a bad step, and a stage of swinging layers is planned as the bottleneck it
 becomes in one. The standard deviation comes from the same bias-corrected weights as the average: the
 moving average of the squared times (:func:`squared_times`, averaged by
@@ -32,6 +33,8 @@ __all__ = ["TIME_FIELDS", "squared_times", "with_margin"]
 
 #: The fields of a :class:`~lightning_dynmo.balancing.costs.LayerCost` that are measured times.
 TIME_FIELDS = ("fwd_time_s", "bwd_time_s", "bwd_weight_time_s", "update_time_s")
+#: The times that take their own margin; ``bwd_weight_time_s``, a part of ``bwd_time_s``, keeps its share.
+_OWN_MARGIN = ("fwd_time_s", "bwd_time_s", "update_time_s")
 
 
 def squared_times(costs: Sequence[LayerCost]) -> list[LayerCost]:
@@ -41,6 +44,10 @@ def squared_times(costs: Sequence[LayerCost]) -> list[LayerCost]:
 
 def with_margin(mean: Sequence[LayerCost], squares: Sequence[LayerCost], margin: float) -> list[LayerCost]:
     """Each layer's averaged times plus ``margin`` standard deviations (sizes as in ``mean``).
+
+    The forward, the backward and the update each take their own standard deviation; the backward's
+    weight-gradient part (``bwd_weight_time_s``, which a split-backward schedule runs apart) keeps the
+    share of the backward it has on average, so it never exceeds the backward it belongs to.
 
     Args:
         mean: The moving average of the measured costs.
@@ -59,6 +66,11 @@ def with_margin(mean: Sequence[LayerCost], squares: Sequence[LayerCost], margin:
     out = []
     for m, s in zip(mean, squares, strict=True):
         # Rounding can leave the mean of squares a hair below the squared mean: no spread then.
-        spread = {f: math.sqrt(max(0.0, getattr(s, f) - getattr(m, f) ** 2)) for f in TIME_FIELDS}
-        out.append(dataclasses.replace(m, **{f: getattr(m, f) + margin * spread[f] for f in TIME_FIELDS}))
+        planned = {
+            f: getattr(m, f) + margin * math.sqrt(max(0.0, getattr(s, f) - getattr(m, f) ** 2))
+            for f in _OWN_MARGIN
+        }
+        share = m.bwd_weight_time_s / m.bwd_time_s if m.bwd_time_s > 0 else 0.0
+        planned["bwd_weight_time_s"] = min(planned["bwd_time_s"], share * planned["bwd_time_s"])
+        out.append(dataclasses.replace(m, **planned))
     return out

@@ -3,6 +3,7 @@ windows, from the same moving average of the squared times; and the placement it
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -47,6 +48,37 @@ def test_the_margin_is_the_weighted_standard_deviation_of_the_samples(weight: fl
     # A layer that keeps still is planned at what it measures; sizes carry no margin.
     assert planned[1].fwd_time_s == pytest.approx(3.0)
     assert planned[0].num_params == 5
+
+
+def test_the_weight_gradient_part_keeps_its_share_of_the_backward() -> None:
+    # A split backward's weight part swings while the whole backward keeps still: on its own margin the
+    # part would exceed the backward it belongs to (LayerCost refuses that; a live replay raised it).
+    samples = [
+        LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, bwd_weight_time_s=w, update_time_s=0.1) for w in (1.2, 2.0)
+    ]
+    history, mean, squares = HistoryWeight(0.5), None, None
+    for cost in samples:
+        h = history.next()
+        mean = smooth_costs(mean, [cost], h)
+        squares = smooth_costs(squares, squared_times([cost]), h)
+    assert mean is not None and squares is not None
+    (planned,) = with_margin(mean, squares, 1.0)
+    assert planned.bwd_time_s == pytest.approx(2.0) and planned.fwd_time_s == pytest.approx(1.0)
+    assert planned.bwd_weight_time_s == pytest.approx(mean[0].bwd_weight_time_s)  # its share of 2.0
+    # The backward's own margin carries the part with it, at the same share.
+    swinging = [
+        dataclasses.replace(c, bwd_time_s=b, bwd_weight_time_s=b / 2)
+        for c, b in zip(samples, (2.0, 4.0), strict=True)
+    ]
+    history, mean, squares = HistoryWeight(0.5), None, None
+    for cost in swinging:
+        h = history.next()
+        mean = smooth_costs(mean, [cost], h)
+        squares = smooth_costs(squares, squared_times([cost]), h)
+    assert mean is not None and squares is not None
+    (planned,) = with_margin(mean, squares, 1.0)
+    assert planned.bwd_time_s > mean[0].bwd_time_s
+    assert planned.bwd_weight_time_s == pytest.approx(planned.bwd_time_s / 2)
 
 
 def test_no_margin_and_one_sample_plan_the_average() -> None:
