@@ -6,9 +6,10 @@ MoE layer whose router sends a step's tokens to two experts, then spreads the ne
 says where its cost sits, not how far it strays, and the search then picks the placement that fits the
 average best: the one that packs the layers that happened to be light beside each other. When they swing
 back, that stage is the step's slowest. This is the winner's curse of a search over noisy costs: at 48 MoE
-layers on 16 ZBV ranks (1-2 layers a stage) the every-step policy on the average alone moved 4-8 times in
-a replay of the MoE trace, each move predicted 2% or more faster, and trailed the uniform split
-(``python -m benchmarks.cost_smoothing``).
+layers on 16 ZBV ranks (1-2 layers a stage) the every-step policy on the average alone moved several
+times in each replay of the MoE trace, each move predicted 2% or more faster, and ran 1.048x the uniform
+split's steps; planning one standard deviation above the average, 0.995x (``python -m
+benchmarks.cost_smoothing``, ``benchmarks/results/cost_smoothing-2026-12-01-margin.md``, projected).
 
 A decision therefore plans each layer at its average plus ``margin`` standard deviations of the
 averaged windows (:func:`with_margin`; the weight-gradient part of a split backward keeps its share of
