@@ -20,15 +20,19 @@ def _cost(t: float, params: int = 5) -> LayerCost:
     )
 
 
-def _averages(samples: list[list[float]], weight: float) -> tuple[list[LayerCost], list[LayerCost]]:
+def _averaged(samples: list[list[LayerCost]], weight: float) -> tuple[list[LayerCost], list[LayerCost]]:
+    """The bias-corrected moving averages of ``samples`` (one list of layers a step) and of their squares."""
     history, mean, squares = HistoryWeight(weight), None, None
-    for row in samples:
+    for costs in samples:
         h = history.next()
-        costs = [_cost(t) for t in row]
         mean = smooth_costs(mean, costs, h)
         squares = smooth_costs(squares, squared_times(costs), h)
     assert mean is not None and squares is not None
     return mean, squares
+
+
+def _averages(samples: list[list[float]], weight: float) -> tuple[list[LayerCost], list[LayerCost]]:
+    return _averaged([[_cost(t) for t in row] for row in samples], weight)
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.5, 0.8])
@@ -56,12 +60,7 @@ def test_the_weight_gradient_part_keeps_its_share_of_the_backward() -> None:
     samples = [
         LayerCost(fwd_time_s=1.0, bwd_time_s=2.0, bwd_weight_time_s=w, update_time_s=0.1) for w in (1.2, 2.0)
     ]
-    history, mean, squares = HistoryWeight(0.5), None, None
-    for cost in samples:
-        h = history.next()
-        mean = smooth_costs(mean, [cost], h)
-        squares = smooth_costs(squares, squared_times([cost]), h)
-    assert mean is not None and squares is not None
+    mean, squares = _averaged([[cost] for cost in samples], 0.5)
     (planned,) = with_margin(mean, squares, 1.0)
     assert planned.bwd_time_s == pytest.approx(2.0) and planned.fwd_time_s == pytest.approx(1.0)
     assert planned.bwd_weight_time_s == pytest.approx(mean[0].bwd_weight_time_s)  # its share of 2.0
@@ -70,12 +69,7 @@ def test_the_weight_gradient_part_keeps_its_share_of_the_backward() -> None:
         dataclasses.replace(c, bwd_time_s=b, bwd_weight_time_s=b / 2)
         for c, b in zip(samples, (2.0, 4.0), strict=True)
     ]
-    history, mean, squares = HistoryWeight(0.5), None, None
-    for cost in swinging:
-        h = history.next()
-        mean = smooth_costs(mean, [cost], h)
-        squares = smooth_costs(squares, squared_times([cost]), h)
-    assert mean is not None and squares is not None
+    mean, squares = _averaged([[cost] for cost in swinging], 0.5)
     (planned,) = with_margin(mean, squares, 1.0)
     assert planned.bwd_time_s > mean[0].bwd_time_s
     assert planned.bwd_weight_time_s == pytest.approx(planned.bwd_time_s / 2)
