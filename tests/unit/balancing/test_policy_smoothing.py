@@ -66,3 +66,11 @@ def test_the_background_search_switch_must_be_a_bool():
     ):
         ProfilingConfig(background_decisions="yes")  # type: ignore[arg-type]
     assert DynMoCallback(profiling=ProfilingConfig(background_decisions=True)).profiling.background_decisions
+
+
+def test_the_cost_margin_must_be_a_number_of_at_least_zero():
+    for bad in (-0.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match=r"ProfilingConfig\(cost_margin=.*\) must be a number >= 0"):
+            ProfilingConfig(cost_margin=bad)  # type: ignore[arg-type]
+    resolved = ProfilingConfig(cost_margin=0.0).resolved(every_step=True)
+    assert resolved.cost_margin == 0.0 and ProfilingConfig().resolved(every_step=False).cost_margin == 1.0
